@@ -1,0 +1,3 @@
+from tiletune.cli import main
+
+main()
