@@ -1,0 +1,100 @@
+"""Trainer callbacks: `trainer_log.jsonl` (one line per logging step) and a progress bar with loss and tokens/s."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import TrainerCallback
+
+LOG_NAME = "trainer_log.jsonl"
+
+
+def peak_memory_gib() -> float:
+    """Peak accelerator memory allocated by torch, or the process's peak RSS on CPU, in GiB."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+class _Throughput:
+    """Tokens per second between two calls, from the Trainer's count of non-padding input tokens."""
+
+    def __init__(self):
+        self.time, self.tokens = time.perf_counter(), 0
+
+    def update(self, tokens_seen: int) -> float:
+        now = time.perf_counter()
+        rate = (tokens_seen - self.tokens) / max(now - self.time, 1e-9)
+        self.time, self.tokens = now, tokens_seen
+        return rate
+
+
+class JsonlLogCallback(TrainerCallback):
+    """Appends step, loss, learning rate, epoch, elapsed, tokens/s and peak memory to trainer_log.jsonl."""
+
+    def __init__(self, output_dir: str | Path):
+        self.path = Path(output_dir) / LOG_NAME
+        self.start = time.perf_counter()
+        self.throughput = _Throughput()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if state.global_step and self.path.is_file():  # resumed: keep the log up to the checkpoint
+            lines = self.path.read_text().splitlines()
+            kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= state.global_step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self.start = time.perf_counter() - (json.loads(kept[-1])["elapsed"] if kept else 0.0)
+        self.throughput = _Throughput()
+        self.throughput.tokens = state.num_input_tokens_seen
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        record = {"step": state.global_step, "total_steps": state.max_steps}
+        for key in ("loss", "eval_loss", "learning_rate", "grad_norm"):
+            if key in logs:
+                record[key] = round(float(logs[key]), 6)
+        if len(record) == 2:  # a summary line (train_runtime ...), not a step
+            return
+        record["epoch"] = round(state.epoch or 0.0, 4)
+        record["elapsed"] = round(time.perf_counter() - self.start, 2)
+        if "loss" in record:
+            record["tokens_per_sec"] = round(self.throughput.update(state.num_input_tokens_seen), 1)
+        record["peak_memory_gib"] = round(peak_memory_gib(), 3)
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
+class ProgressCallback(TrainerCallback):
+    """A live bar: step / total, loss and tokens/s (replaces transformers' plain bar)."""
+
+    def __init__(self):
+        self.bar = None
+        self.throughput = _Throughput()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", dynamic_ncols=True)
+            self.throughput.tokens = state.num_input_tokens_seen
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.update(state.global_step - self.bar.n)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.bar is not None and logs and "loss" in logs:
+            rate = self.throughput.update(state.num_input_tokens_seen)
+            self.bar.set_postfix(loss=f"{logs['loss']:.4f}", tok_s=f"{rate:,.0f}")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

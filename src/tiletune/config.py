@@ -1,0 +1,320 @@
+"""The run configuration: LLaMA-Factory's key names in a YAML/JSON file, plus `key=value` overrides.
+
+Every key is one of three kinds:
+- a tiletune key (the fields of `TuneConfig`, named as in LLaMA-Factory), honoured here;
+- a field of transformers' `Seq2SeqTrainingArguments`, handed to the Trainer (as LLaMA-Factory does);
+- a LLaMA-Factory key tiletune does not implement yet: accepted at its LLaMA-Factory default (with a
+  note), refused with "not supported yet" otherwise.
+Anything else is refused with the closest valid key. Values are checked against the field's type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from tiletune.errors import UserError
+
+SUPPORTED_STAGES = ("pt", "sft")
+KNOWN_STAGES = ("pt", "sft", "rm", "ppo", "dpo", "kto")
+
+
+@dataclass
+class TuneConfig:
+    """Every key tiletune honours itself; Trainer keys live in `training`."""
+
+    # -- model
+    model_name_or_path: str | None = None
+    adapter_name_or_path: str | None = None
+    cache_dir: str | None = None
+    model_revision: str = "main"
+    hf_hub_token: str | None = None
+    trust_remote_code: bool = False
+    use_fast_tokenizer: bool = True
+    resize_vocab: bool = False
+    flash_attn: Literal["auto", "disabled", "sdpa", "fa2", "fa3"] = "auto"
+    low_cpu_mem_usage: bool = True
+    disable_gradient_checkpointing: bool = False
+    use_reentrant_gc: bool = True
+    infer_dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
+    print_param_status: bool = False
+    # -- method
+    stage: str = "sft"
+    finetuning_type: Literal["lora", "full", "freeze"] = "lora"
+    pure_bf16: bool = False
+    lora_rank: int = 8
+    lora_alpha: int | None = None
+    lora_dropout: float = 0.0
+    lora_target: str = "all"
+    additional_target: str | None = None
+    use_rslora: bool = False
+    use_dora: bool = False
+    create_new_adapter: bool = False
+    freeze_trainable_layers: int = 2
+    freeze_trainable_modules: str = "all"
+    freeze_extra_modules: str | None = None
+    # -- dataset
+    dataset: str | None = None
+    eval_dataset: str | None = None
+    dataset_dir: str = "data"
+    template: str | None = None
+    cutoff_len: int = 2048
+    train_on_prompt: bool = False
+    mask_history: bool = False
+    max_samples: int | None = None
+    val_size: float = 0.0
+    packing: bool | None = None
+    default_system: str | None = None
+    enable_thinking: bool = True
+    overwrite_cache: bool = False
+    preprocessing_num_workers: int | None = None
+    preprocessing_batch_size: int = 1000
+    ignore_pad_token_for_loss: bool = True
+    disable_shuffling: bool = False
+    # -- output
+    plot_loss: bool = False
+    overwrite_output_dir: bool = False
+    resume_from_checkpoint: bool | str | None = None
+    include_effective_tokens_per_second: bool = False
+    # -- generation (prediction)
+    do_sample: bool = True
+    temperature: float = 0.95
+    top_p: float = 0.7
+    top_k: int = 50
+    num_beams: int = 1
+    max_length: int = 1024
+    max_new_tokens: int = 1024
+    repetition_penalty: float = 1.0
+    length_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    # -- schedule key that transformers 5 folded into warmup_steps
+    warmup_ratio: float = 0.0
+    # -- tiletune
+    kernels: Any = None
+    # -- everything handed to transformers' Seq2SeqTrainingArguments
+    training: dict[str, Any] = field(default_factory=dict)
+
+    def train_arg(self, key: str, default: Any = None) -> Any:
+        """A Trainer key as the user set it, or the Trainer's own default."""
+        if key in self.training:
+            return self.training[key]
+        return _trainer_defaults().get(key, default)
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.train_arg("output_dir") or "saves/tiletune")
+
+
+# ---- loading -----------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> TuneConfig:
+    """Read a YAML/JSON config, apply `key=value` overrides, and validate every key and value."""
+    raw = _read_config_file(Path(path))
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        key = key.strip().lstrip("-")
+        if not sep or not key:
+            raise UserError(f"override {item!r} is not key=value; write e.g. learning_rate=1e-4")
+        raw[key] = yaml.safe_load(value) if value.strip() else None
+    return build_config(raw, source=str(path))
+
+
+def build_config(raw: dict[str, Any], source: str = "config") -> TuneConfig:
+    """Validate a mapping of keys to values into a TuneConfig."""
+    own_types = typing.get_type_hints(TuneConfig)
+    trainer_types = _trainer_types()
+    values: dict[str, Any] = {}
+    training: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in own_types and key != "training":
+            values[key] = coerce(key, value, own_types[key], source)
+        elif key in trainer_types:
+            training[key] = coerce(key, value, trainer_types[key], source)
+        elif key in _unsupported_keys():
+            _check_unsupported(key, value, source)
+        else:
+            raise UserError(_unknown_key_message(key, source, list(own_types) + list(trainer_types)))
+    cfg = TuneConfig(**values, training=training)
+    _check_values(cfg, source)
+    return cfg
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise UserError(f"config file {path} not found; pass the path to a YAML or JSON config")
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}:{err.lineno}: malformed JSON ({err.msg}); fix the file") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        problem = getattr(err, "problem", None) or "cannot parse"
+        raise UserError(f"{where}: malformed YAML ({problem}); fix the file") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: the config must be a mapping of keys to values, got {type(data).__name__}")
+    return data
+
+
+# ---- value checking ----------------------------------------------------------------------------
+
+
+def coerce(key: str, value: Any, annotation: Any, source: str) -> Any:
+    """Return `value` converted to `annotation`, or raise a UserError naming key, value and what is allowed."""
+    ok, converted = _convert(value, annotation)
+    if ok:
+        return converted
+    raise UserError(f"{source}: {key}={value!r} is not valid; allowed: {_describe(annotation)}")
+
+
+def _convert(value: Any, annotation: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(annotation)
+    if annotation is Any:
+        return True, value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(annotation)
+        if value is None:
+            return type(None) in args, None
+        # Strict matches first, so that "3" stays a str for `str | int` and 3 stays an int.
+        for arg in sorted(args, key=lambda a: a is str):
+            ok, converted = _convert(value, arg)
+            if ok:
+                return True, converted
+        return False, None
+    if origin is Literal:
+        return value in typing.get_args(annotation), value
+    if origin in (list, dict) or annotation in (list, dict):
+        base = origin or annotation
+        if isinstance(value, str) and base is list:
+            return True, [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, str) and base is dict:
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError:
+                return False, None
+            return isinstance(parsed, dict), parsed
+        return isinstance(value, base), value
+    if annotation is type(None):
+        return value is None, None
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        choices = {member.value for member in annotation}
+        return value in choices, value
+    if annotation is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return True, value.lower() == "true"
+        return isinstance(value, bool), value
+    if annotation is int:
+        if isinstance(value, bool):
+            return False, None
+        if isinstance(value, float) and value.is_integer():
+            return True, int(value)
+        if isinstance(value, str):
+            try:
+                return True, int(value)
+            except ValueError:
+                return False, None
+        return isinstance(value, int), value
+    if annotation is float:
+        if isinstance(value, bool):
+            return False, None
+        try:
+            return isinstance(value, (int, float, str)), float(value)
+        except ValueError:
+            return False, None
+    if annotation is str:
+        return isinstance(value, (str, int, float)) and not isinstance(value, bool), str(value)
+    return isinstance(value, annotation) if isinstance(annotation, type) else True, value
+
+
+def _describe(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in typing.get_args(annotation))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(annotation))
+    if annotation is type(None):
+        return "null"
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in annotation)
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _check_values(cfg: TuneConfig, source: str) -> None:
+    if cfg.stage not in KNOWN_STAGES:
+        raise UserError(f"{source}: stage={cfg.stage!r} is not valid; allowed: {', '.join(KNOWN_STAGES)}")
+    if cfg.stage not in SUPPORTED_STAGES:
+        raise UserError(
+            f"{source}: stage={cfg.stage!r} is not supported yet; tiletune trains stage 'sft' and 'pt' "
+            "(use LLaMA-Factory itself for reward modelling, PPO, DPO and KTO)"
+        )
+    positive = {"cutoff_len": cfg.cutoff_len, "lora_rank": cfg.lora_rank, "max_new_tokens": cfg.max_new_tokens}
+    for key, value in positive.items():
+        if value <= 0:
+            raise UserError(f"{source}: {key}={value} must be a positive integer")
+    if cfg.max_samples is not None and cfg.max_samples <= 0:
+        raise UserError(f"{source}: max_samples={cfg.max_samples} must be a positive integer or null")
+    if cfg.val_size < 0 or (cfg.val_size >= 1 and not float(cfg.val_size).is_integer()):
+        raise UserError(f"{source}: val_size={cfg.val_size} must be a fraction in [0, 1) or a whole number of samples")
+    if not 0 <= cfg.lora_dropout < 1:
+        raise UserError(f"{source}: lora_dropout={cfg.lora_dropout} must be in [0, 1)")
+    if not 0 <= cfg.warmup_ratio < 1:
+        raise UserError(f"{source}: warmup_ratio={cfg.warmup_ratio} must be in [0, 1)")
+    if cfg.train_arg("bf16") and cfg.train_arg("fp16"):
+        raise UserError(f"{source}: bf16 and fp16 are both true; choose one")
+    if cfg.train_arg("do_train") and not cfg.dataset:
+        raise UserError(f"{source}: do_train is true but no `dataset` is set; name one from dataset_info.json")
+    if cfg.train_arg("do_predict") and not (cfg.eval_dataset or cfg.dataset):
+        raise UserError(f"{source}: do_predict is true but no `eval_dataset` is set")
+    if not cfg.model_name_or_path:
+        raise UserError(f"{source}: model_name_or_path is missing; set it to a local model directory or a hub id")
+
+
+# ---- key catalogues ----------------------------------------------------------------------------
+
+
+def _trainer_types() -> dict[str, Any]:
+    from transformers import Seq2SeqTrainingArguments
+
+    return typing.get_type_hints(Seq2SeqTrainingArguments)
+
+
+def _trainer_defaults() -> dict[str, Any]:
+    from transformers import Seq2SeqTrainingArguments
+
+    return {f.name: f.default for f in dataclasses.fields(Seq2SeqTrainingArguments)}
+
+
+def _unsupported_keys() -> dict[str, Any]:
+    """LLaMA-Factory keys tiletune does not implement, with LLaMA-Factory's default for each."""
+    text = resources.files("tiletune").joinpath("llamafactory_unsupported_keys.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+def _check_unsupported(key: str, value: Any, source: str) -> None:
+    default = _unsupported_keys()[key]
+    if value == default or (value is None and default is None):
+        return
+    raise UserError(
+        f"{source}: {key}={value!r} is a LLaMA-Factory option tiletune does not support yet; "
+        f"remove it or set it to its default ({default!r})"
+    )
+
+
+def _unknown_key_message(key: str, source: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid + list(_unsupported_keys()), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else "; see docs/config.md for the keys tiletune reads"
+    return f"{source}: unknown key {key!r}{hint}"

@@ -1,0 +1,266 @@
+"""Find, load and normalise datasets named in the config.
+
+Names are looked up in `<dataset_dir>/dataset_info.json` (LLaMA-Factory's format: file_name or
+hf_hub_url, formatting alpaca|sharegpt, columns, tags, split, subset, folder, num_samples). A name
+that is not there may be a local file (json, jsonl, csv, parquet, txt) or a hub id `owner/name`.
+Every record becomes {"messages": [{"role", "content"}, ...], "system": str, "tools": str}.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tiletune.data.templates import ASSISTANT, FUNCTION, OBSERVATION, USER
+from tiletune.errors import UserError
+
+FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text", ".arrow": "arrow"}
+ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "history": None, "system": None}
+SHAREGPT_COLUMNS = {"messages": "conversations", "system": None, "tools": None}
+SHAREGPT_TAGS = {
+    "role_tag": "from",
+    "content_tag": "value",
+    "user_tag": "human",
+    "assistant_tag": "gpt",
+    "observation_tag": "observation",
+    "function_tag": "function_call",
+    "system_tag": "system",
+}
+MEDIA_COLUMNS = ("images", "videos", "audios")
+
+
+@dataclass
+class DatasetAttr:
+    """One entry of dataset_info.json (or a bare file / hub id), resolved."""
+
+    name: str
+    source: str  # "file" or "hub"
+    path: str
+    formatting: str = "alpaca"
+    columns: dict[str, Any] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    split: str = "train"
+    subset: str | None = None
+    folder: str | None = None
+    num_samples: int | None = None
+
+
+def resolve_datasets(names: str, dataset_dir: str) -> list[DatasetAttr]:
+    """DatasetAttr for each comma-separated name, from dataset_info.json, a file path or a hub id."""
+    info_path = Path(dataset_dir) / "dataset_info.json"
+    info: dict[str, Any] = {}
+    if info_path.is_file():
+        info = _read_json_file(info_path)
+    attrs = []
+    for name in (n.strip() for n in names.split(",") if n.strip()):
+        if name in info:
+            attrs.append(_attr_from_info(name, info[name], Path(dataset_dir), info_path))
+        elif Path(name).exists():
+            attrs.append(DatasetAttr(name=name, source="file", path=name))
+        elif "/" in name and not name.startswith((".", "/")):
+            attrs.append(DatasetAttr(name=name, source="hub", path=name))
+        else:
+            where = f"{info_path}" if info_path.is_file() else f"{dataset_dir} (no dataset_info.json there)"
+            known = ", ".join(sorted(info)[:12]) + (" ..." if len(info) > 12 else "")
+            raise UserError(
+                f"dataset {name!r} is not in {where} and is not a file or a hub id 'owner/name'"
+                + (f"; known names: {known}" if info else "; set dataset_dir to the folder holding dataset_info.json")
+            )
+    return attrs
+
+
+def _attr_from_info(name: str, entry: dict[str, Any], dataset_dir: Path, info_path: Path) -> DatasetAttr:
+    formatting = entry.get("formatting", "alpaca")
+    if formatting not in ("alpaca", "sharegpt"):
+        raise UserError(f"{info_path}: dataset {name!r} has formatting {formatting!r}; supported: alpaca, sharegpt")
+    if entry.get("ranking"):
+        raise UserError(f"{info_path}: dataset {name!r} is a preference (ranking) dataset; tiletune trains sft and pt only")
+    columns = dict(ALPACA_COLUMNS if formatting == "alpaca" else SHAREGPT_COLUMNS)
+    columns.update(entry.get("columns", {}))
+    media = [c for c in MEDIA_COLUMNS if columns.get(c)]
+    if media:
+        raise UserError(f"{info_path}: dataset {name!r} has {', '.join(media)}; multimodal data is not supported yet")
+    tags = {**SHAREGPT_TAGS, **entry.get("tags", {})}
+    common = dict(
+        name=name,
+        formatting=formatting,
+        columns=columns,
+        tags=tags,
+        split=entry.get("split", "train"),
+        subset=entry.get("subset"),
+        folder=entry.get("folder"),
+        num_samples=entry.get("num_samples"),
+    )
+    if "file_name" in entry:
+        return DatasetAttr(source="file", path=str(dataset_dir / entry["file_name"]), **common)
+    if "hf_hub_url" in entry:
+        return DatasetAttr(source="hub", path=entry["hf_hub_url"], **common)
+    raise UserError(
+        f"{info_path}: dataset {name!r} has neither file_name nor hf_hub_url "
+        "(ModelScope, Modelers and script sources are not supported)"
+    )
+
+
+# ---- reading -----------------------------------------------------------------------------------
+
+
+def load_raw(attr: DatasetAttr, cache_dir: str | None = None, overwrite_cache: bool = False, hub_token=None):
+    """The dataset's records as a `datasets.Dataset`, before normalisation."""
+    import datasets
+
+    mode = "force_redownload" if overwrite_cache else None
+    if attr.source == "hub":
+        return datasets.load_dataset(
+            attr.path, name=attr.subset, data_dir=attr.folder, split=attr.split,
+            cache_dir=cache_dir, token=hub_token, download_mode=mode,
+        )  # fmt: skip
+    files = _data_files(attr)
+    kind = FILE_TYPES[Path(files[0]).suffix]
+    try:
+        return datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache_dir, download_mode=mode)
+    except Exception as err:  # report malformed JSON by file and line, which datasets does not
+        for path in files:
+            if kind == "json":
+                _check_json_file(Path(path))
+        raise UserError(f"dataset {attr.name!r}: cannot read {', '.join(files)}: {err}") from err
+
+
+def _data_files(attr: DatasetAttr) -> list[str]:
+    path = Path(attr.path)
+    if path.is_dir():
+        files = sorted(str(p) for p in path.iterdir() if p.suffix in FILE_TYPES)
+    elif path.is_file():
+        files = [str(path)]
+    else:
+        raise UserError(f"dataset {attr.name!r}: file {path} not found; check file_name in dataset_info.json")
+    if not files:
+        raise UserError(f"dataset {attr.name!r}: no {'/'.join(FILE_TYPES)} files in {path}")
+    unknown = [f for f in files if Path(f).suffix not in FILE_TYPES]
+    if unknown:
+        raise UserError(f"dataset {attr.name!r}: {unknown[0]} is not one of {', '.join(FILE_TYPES)}")
+    if len({FILE_TYPES[Path(f).suffix] for f in files}) > 1:
+        raise UserError(f"dataset {attr.name!r}: {path} mixes file types; keep one type per dataset")
+    return files
+
+
+def _read_json_file(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}:{err.lineno}: malformed JSON ({err.msg}); fix the file") from None
+
+
+def _check_json_file(path: Path) -> None:
+    """Raise a UserError naming file and line if `path` is neither a JSON document nor JSON lines."""
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        _read_json_file(path)
+        return
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as err:
+                raise UserError(f"{path}:{lineno}: malformed JSON line ({err.msg}); fix the file") from None
+
+
+# ---- normalising -------------------------------------------------------------------------------
+
+
+def normalise(dataset, attr: DatasetAttr, num_proc: int | None, overwrite_cache: bool):
+    """Map the records of `attr`'s format to messages/system/tools, failing on malformed records."""
+    convert = _AlpacaConverter(attr) if attr.formatting == "alpaca" else _SharegptConverter(attr)
+    missing = [c for c in convert.required_columns() if c not in dataset.column_names]
+    if missing:
+        raise UserError(
+            f"dataset {attr.name!r}: column {missing[0]!r} not found (it has {', '.join(dataset.column_names)}); "
+            "set `columns` for it in dataset_info.json"
+        )
+    return dataset.map(
+        convert,
+        with_indices=True,
+        remove_columns=dataset.column_names,
+        num_proc=num_proc if num_proc and len(dataset) >= 2 * num_proc else None,
+        load_from_cache_file=not overwrite_cache,
+        desc=f"Converting {attr.name}",
+    )
+
+
+class _AlpacaConverter:
+    def __init__(self, attr: DatasetAttr):
+        self.attr, self.col = attr, attr.columns
+
+    def required_columns(self) -> list[str]:
+        return [self.col["prompt"]]
+
+    def __call__(self, record: dict[str, Any], index: int) -> dict[str, Any]:
+        col = self.col
+        messages = []
+        for old_prompt, old_response in (record.get(col["history"]) or []) if col.get("history") else []:
+            messages += [{"role": USER, "content": old_prompt}, {"role": ASSISTANT, "content": old_response}]
+        query = [record[c] for c in (col["prompt"], col.get("query")) if c and record.get(c)]
+        messages.append({"role": USER, "content": "\n".join(query)})
+        response = record.get(col["response"]) if col.get("response") else None
+        if isinstance(response, str):
+            messages.append({"role": ASSISTANT, "content": response})
+        return {
+            "messages": messages,
+            "system": (record.get(col["system"]) or "") if col.get("system") else "",
+            "tools": _tools_text(record.get(col["tools"])) if col.get("tools") else "",
+        }
+
+
+class _SharegptConverter:
+    def __init__(self, attr: DatasetAttr):
+        self.attr, self.col, self.tags = attr, attr.columns, attr.tags
+        t = attr.tags
+        self.roles = {
+            t["user_tag"]: USER,
+            t["assistant_tag"]: ASSISTANT,
+            t["observation_tag"]: OBSERVATION,
+            t["function_tag"]: FUNCTION,
+            t["system_tag"]: "system",
+        }
+
+    def required_columns(self) -> list[str]:
+        return [self.col["messages"]]
+
+    def __call__(self, record: dict[str, Any], index: int) -> dict[str, Any]:
+        t = self.tags
+        turns = record[self.col["messages"]] or []
+        system = (record.get(self.col["system"]) or "") if self.col.get("system") else ""
+        if turns and turns[0].get(t["role_tag"]) == t["system_tag"]:
+            system, turns = turns[0][t["content_tag"]], turns[1:]
+        messages = []
+        for position, turn in enumerate(turns):
+            role = self.roles.get(turn.get(t["role_tag"]))
+            expected = (USER, OBSERVATION) if position % 2 == 0 else (ASSISTANT, FUNCTION)
+            if role not in expected:
+                raise UserError(
+                    f"dataset {self.attr.name!r} record {index}: message {position} has role "
+                    f"{turn.get(t['role_tag'])!r} where a {' or '.join(self._tag_of(r) for r in expected)} "
+                    f"message is expected; fix the record or the `tags` in dataset_info.json"
+                )
+            messages.append({"role": role, "content": turn[t["content_tag"]]})
+        if len(messages) % 2:
+            raise UserError(
+                f"dataset {self.attr.name!r} record {index}: the conversation ends with a "
+                f"{self._tag_of(messages[-1]['role'])!r} message; it must end with an answer"
+            )
+        return {
+            "messages": messages,
+            "system": system,
+            "tools": _tools_text(record.get(self.col["tools"])) if self.col.get("tools") else "",
+        }
+
+    def _tag_of(self, role: str) -> str:
+        return next(tag for tag, r in self.roles.items() if r == role)
+
+
+def _tools_text(value: Any) -> str:
+    if not value:
+        return ""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+

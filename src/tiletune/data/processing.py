@@ -1,0 +1,197 @@
+"""Token ids and loss masks for training and prediction, and the train/eval/predict splits.
+
+Supervised (`sft`): each turn is (prompt, response); prompts are masked from the loss with -100 unless
+`train_on_prompt`; `mask_history` keeps only the last turn's response in the loss. A conversation
+longer than `cutoff_len` is cut turn by turn, each turn sharing its budget between prompt and response
+in proportion to their lengths (the response keeps its length when it is short), as LLaMA-Factory does.
+Pre-training (`pt`): texts + EOS are concatenated and cut into blocks of `cutoff_len` (`packing`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from transformers.utils import logging as transformers_logging
+
+from tiletune.config import TuneConfig
+from tiletune.data.loader import load_raw, normalise, resolve_datasets
+from tiletune.data.templates import Template
+from tiletune.errors import UserError
+
+IGNORE_INDEX = -100
+log = logging.getLogger(__name__)
+
+
+def split_budget(prompt_len: int, response_len: int, budget: int) -> tuple[int, int]:
+    """How many prompt and response tokens of one turn fit in `budget` tokens."""
+    if response_len * 2 < budget:
+        response_cap = budget
+    elif prompt_len * 2 < budget:
+        response_cap = budget - prompt_len
+    else:
+        response_cap = int(budget * response_len / (prompt_len + response_len))
+    response_keep = min(response_cap, response_len)
+    prompt_keep = min(max(budget - response_keep, 0), prompt_len)
+    return prompt_keep, response_keep
+
+
+def encode_supervised(pairs, cutoff_len: int, train_on_prompt: bool, mask_history: bool) -> dict[str, list[int]]:
+    """input_ids and labels of one conversation given its (prompt_ids, response_ids) turns."""
+    input_ids: list[int] = []
+    labels: list[int] = []
+    ordered = list(reversed(pairs)) if mask_history else pairs
+    for turn, (prompt, response) in enumerate(ordered):
+        room = cutoff_len - len(input_ids)
+        if room <= 0:
+            break
+        keep_prompt, keep_response = split_budget(len(prompt), len(response), room)
+        prompt, response = prompt[:keep_prompt], response[:keep_response]
+        prompt_labels = prompt if train_on_prompt else [IGNORE_INDEX] * len(prompt)
+        response_labels = [IGNORE_INDEX] * len(response) if mask_history and turn > 0 else response
+        if mask_history:  # turns were reversed: put this (earlier) turn in front
+            input_ids = prompt + response + input_ids
+            labels = prompt_labels + response_labels + labels
+        else:
+            input_ids += prompt + response
+            labels += prompt_labels + response_labels
+    return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels}
+
+
+@dataclass
+class DataSplits:
+    """What the trainer and the predictor consume, plus counts for the run summary."""
+
+    train: Any = None
+    eval: Any = None
+    predict: Any = None  # prompts only, answers in `labels`, for generation
+    stats: dict[str, int] | None = None
+
+
+def build_splits(cfg: TuneConfig, tokenizer, template: Template) -> DataSplits:
+    """Load, normalise and tokenise the config's datasets into train / eval / predict splits."""
+    seed = cfg.train_arg("seed", 42)
+    train_raw = _load_all(cfg, cfg.dataset, seed) if cfg.dataset else None
+    eval_raw = _load_all(cfg, cfg.eval_dataset, seed) if cfg.eval_dataset else None
+    if eval_raw is not None and cfg.val_size:
+        raise UserError("set either eval_dataset or val_size, not both")
+    if train_raw is not None and cfg.val_size:
+        test_size = int(cfg.val_size) if cfg.val_size >= 1 else cfg.val_size
+        if (test_size if isinstance(test_size, int) else int(test_size * len(train_raw))) < 1:
+            raise UserError(f"val_size={cfg.val_size} leaves no validation sample out of {len(train_raw)}")
+        parts = train_raw.train_test_split(test_size=test_size, seed=seed)
+        train_raw, eval_raw = parts["train"], parts["test"]
+    if eval_raw is None and cfg.train_arg("do_predict") and not cfg.train_arg("do_train"):
+        eval_raw = train_raw  # prediction only, on the training set, as LLaMA-Factory does
+
+    splits = DataSplits(stats={})
+    if train_raw is not None:
+        splits.train = _tokenise(cfg, tokenizer, template, train_raw, "train")
+        splits.stats["train_examples"] = len(splits.train)
+    if eval_raw is not None:
+        splits.eval = _tokenise(cfg, tokenizer, template, eval_raw, "eval")
+        splits.stats["eval_examples"] = len(splits.eval)
+        if cfg.train_arg("do_predict") and cfg.stage == "sft":
+            splits.predict = _prompts(cfg, tokenizer, template, eval_raw)
+    return splits
+
+
+def _load_all(cfg: TuneConfig, names: str, seed: int):
+    import datasets
+
+    parts = []
+    for attr in resolve_datasets(names, cfg.dataset_dir):
+        raw = load_raw(attr, cfg.cache_dir, cfg.overwrite_cache, cfg.hf_hub_token)
+        if attr.num_samples:
+            raw = _resample(raw, attr.num_samples, seed)
+        if cfg.max_samples:
+            raw = raw.select(range(min(cfg.max_samples, len(raw))))
+        parts.append(normalise(raw, attr, cfg.preprocessing_num_workers, cfg.overwrite_cache))
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def _resample(dataset, target: int, seed: int):
+    """`target` records: a seeded permutation, repeated as needed (dataset_info's num_samples)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    order = np.concatenate([rng.permutation(len(dataset)) for _ in range(-(-target // len(dataset)))])
+    return dataset.select(order[:target].tolist())
+
+
+def _map(cfg: TuneConfig, dataset, function, desc: str, batched: bool = False):
+    # Examples longer than the tokenizer's model_max_length are cut later, to cutoff_len: hush its warning.
+    transformers_logging.get_logger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
+    workers = cfg.preprocessing_num_workers
+    return dataset.map(
+        function,
+        batched=batched,
+        batch_size=cfg.preprocessing_batch_size,
+        remove_columns=dataset.column_names,
+        num_proc=workers if workers and len(dataset) >= 2 * workers else None,
+        load_from_cache_file=not cfg.overwrite_cache,
+        desc=desc,
+    )
+
+
+def _tokenise(cfg: TuneConfig, tokenizer, template: Template, raw, name: str):
+    if cfg.stage == "pt":
+        return _map(cfg, raw, _PretrainEncoder(cfg, tokenizer), f"Tokenising {name} (packing)", batched=True)
+    usable = raw.filter(_is_supervised, desc=f"Checking {name}")
+    if len(usable) < len(raw):
+        log.warning("%s: dropped %d examples without an answer", name, len(raw) - len(usable))
+    if len(usable) == 0:
+        raise UserError(f"the {name} data has no example with an answer; check the dataset's columns")
+    encoded = _map(cfg, usable, _SupervisedEncoder(cfg, tokenizer, template), f"Tokenising {name}")
+    return encoded.filter(lambda ex: any(label != IGNORE_INDEX for label in ex["labels"]), desc="Dropping empty")
+
+
+def _is_supervised(example) -> bool:
+    return len(example["messages"]) >= 2 and len(example["messages"]) % 2 == 0
+
+
+class _SupervisedEncoder:
+    def __init__(self, cfg: TuneConfig, tokenizer, template: Template):
+        self.cfg, self.tokenizer, self.template = cfg, tokenizer, template
+
+    def __call__(self, example):
+        pairs = self.template.encode_pairs(
+            self.tokenizer, example["messages"], example["system"], example["tools"], self.cfg.enable_thinking
+        )
+        return encode_supervised(pairs, self.cfg.cutoff_len, self.cfg.train_on_prompt, self.cfg.mask_history)
+
+
+class _PretrainEncoder:
+    def __init__(self, cfg: TuneConfig, tokenizer):
+        self.cutoff_len, self.tokenizer = cfg.cutoff_len, tokenizer
+        self.pack = cfg.packing if cfg.packing is not None else True
+
+    def __call__(self, batch):
+        eos = self.tokenizer.eos_token
+        texts = [m[0]["content"] + eos for m in batch["messages"]]
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        if self.pack:
+            stream = list(itertools.chain.from_iterable(ids))
+            ids = [stream[i : i + self.cutoff_len] for i in range(0, len(stream), self.cutoff_len)]
+        else:
+            ids = [seq[: self.cutoff_len] for seq in ids]
+        return {"input_ids": ids, "attention_mask": [[1] * len(s) for s in ids], "labels": [list(s) for s in ids]}
+
+
+def _prompts(cfg: TuneConfig, tokenizer, template: Template, raw):
+    """Prompt ids (all turns but the last answer) and the reference answer's text, for generation."""
+
+    def encode(example):
+        pairs = template.encode_pairs(
+            tokenizer, example["messages"], example["system"], example["tools"], cfg.enable_thinking
+        )
+        prompt = [tok for p, r in pairs[:-1] for tok in p + r] + pairs[-1][0]
+        return {
+            "input_ids": prompt[-cfg.cutoff_len :],
+            "prompt_text": example["messages"][-2]["content"],
+            "reference": example["messages"][-1]["content"],
+        }
+
+    return _map(cfg, raw.filter(_is_supervised, desc="Checking predict"), encode, "Tokenising prompts")

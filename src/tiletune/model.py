@@ -1,0 +1,192 @@
+"""Load the tokenizer and model, choose the precision, and set up LoRA / freeze / full fine-tuning.
+
+One place decides dtype and device: `compute_dtype`. As in LLaMA-Factory, the weights load in the
+compute dtype and the parameters that train are kept in float32 (mixed precision via autocast),
+unless `pure_bf16`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from tiletune.config import TuneConfig
+from tiletune.errors import UserError
+
+log = logging.getLogger(__name__)
+ATTENTION = {"auto": None, "disabled": "eager", "sdpa": "sdpa", "fa2": "flash_attention_2", "fa3": "flash_attention_3"}
+
+
+def compute_dtype(cfg: TuneConfig) -> torch.dtype:
+    """The dtype of the forward pass; refuses a dtype the accelerator lacks."""
+    if cfg.train_arg("bf16") or cfg.pure_bf16:
+        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            raise UserError(
+                f"bf16 is set but {torch.cuda.get_device_name()} has no bfloat16 support; "
+                "set bf16=false fp16=true (or train in float32)"
+            )
+        return torch.bfloat16
+    if cfg.train_arg("fp16"):
+        if not torch.cuda.is_available():
+            raise UserError("fp16 is set but there is no GPU; fp16 mixed precision needs one — set fp16=false")
+        return torch.float16
+    return torch.float32
+
+
+def _hub_kwargs(cfg: TuneConfig) -> dict:
+    return dict(
+        cache_dir=cfg.cache_dir,
+        revision=cfg.model_revision,
+        token=cfg.hf_hub_token,
+        trust_remote_code=cfg.trust_remote_code,
+    )
+
+
+def _check_model_path(path: str) -> None:
+    local = Path(path)
+    looks_local = path.startswith((".", "/", "~")) or local.exists() or path.count("/") != 1
+    if looks_local and not local.is_dir():
+        raise UserError(
+            f"model_name_or_path {path!r} is not a directory; give a local Hugging Face model folder "
+            "or a hub id 'owner/name'"
+        )
+    if local.is_dir() and not (local / "config.json").is_file():
+        raise UserError(f"model_name_or_path {path!r} has no config.json; it is not a Hugging Face model folder")
+
+
+def load_tokenizer(cfg: TuneConfig):
+    """The tokenizer of `model_name_or_path` (padding on the right for training)."""
+    from transformers import AutoTokenizer
+
+    _check_model_path(cfg.model_name_or_path)
+    return AutoTokenizer.from_pretrained(
+        cfg.model_name_or_path, use_fast=cfg.use_fast_tokenizer, padding_side="right", **_hub_kwargs(cfg)
+    )
+
+
+def load_model(cfg: TuneConfig, tokenizer, trainable: bool):
+    """The causal LM, resized to the tokenizer if needed, set up for `finetuning_type` when `trainable`."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = compute_dtype(cfg)
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.model_name_or_path,
+        dtype=dtype,
+        attn_implementation=ATTENTION[cfg.flash_attn],
+        low_cpu_mem_usage=cfg.low_cpu_mem_usage,
+        **_hub_kwargs(cfg),
+    )
+    embeddings = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > embeddings:
+        if not cfg.resize_vocab and trainable and cfg.finetuning_type == "lora":
+            log.warning("the template added tokens; resizing embeddings (set resize_vocab=true to train them)")
+        model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+    if not trainable:
+        if cfg.adapter_name_or_path:
+            model = _load_adapters(cfg, model, trainable=False)
+        return model.eval()
+
+    model.config.use_cache = False
+    if not cfg.disable_gradient_checkpointing and getattr(model, "supports_gradient_checkpointing", False):
+        set_checkpointing(model, enabled=True, use_reentrant=cfg.use_reentrant_gc)
+        model.enable_input_require_grads()
+    if cfg.finetuning_type == "lora":
+        model = _setup_lora(cfg, model)
+    elif cfg.finetuning_type == "freeze":
+        _setup_freeze(cfg, model)
+    if not cfg.pure_bf16:
+        for param in model.parameters():
+            if param.requires_grad and param.dtype != torch.float32:
+                param.data = param.data.float()
+    if cfg.print_param_status:
+        for name, param in model.named_parameters():
+            log.info("%s %s %s trainable=%s", name, param.dtype, tuple(param.shape), param.requires_grad)
+    return model
+
+
+def set_checkpointing(model, enabled: bool, use_reentrant: bool = True) -> None:
+    """Turn activation (gradient) checkpointing of the decoder layers on or off, in either transformers API."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    renamed = hasattr(base, "activation_checkpointing_enable")  # transformers >= 5.2x
+    if enabled and renamed:
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    elif enabled:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    elif renamed:
+        base.activation_checkpointing_disable()
+    else:
+        base.gradient_checkpointing_disable()
+
+
+def _load_adapters(cfg: TuneConfig, model, trainable: bool):
+    from peft import PeftModel
+
+    paths = [p.strip() for p in cfg.adapter_name_or_path.split(",") if p.strip()]
+    for path in paths:
+        if not Path(path, "adapter_config.json").is_file() and Path(path).exists():
+            raise UserError(f"adapter_name_or_path {path!r} has no adapter_config.json; it is not a PEFT adapter")
+    # All adapters but the one that keeps training are merged into the base weights.
+    keep_last = trainable and not cfg.create_new_adapter
+    for path in paths[:-1] if keep_last else paths:
+        model = PeftModel.from_pretrained(model, path, **_hub_kwargs(cfg)).merge_and_unload()
+    if keep_last:
+        model = PeftModel.from_pretrained(model, paths[-1], is_trainable=True, **_hub_kwargs(cfg))
+    return model
+
+
+def linear_module_names(model) -> list[str]:
+    """Names of the Linear layers inside the decoder (what `lora_target: all` means), lm_head excluded."""
+    output = model.get_output_embeddings()
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not output
+    }
+    return sorted(names)
+
+
+def _setup_lora(cfg: TuneConfig, model):
+    from peft import LoraConfig, get_peft_model
+
+    if cfg.adapter_name_or_path:
+        model = _load_adapters(cfg, model, trainable=True)
+        if not cfg.create_new_adapter:
+            return model
+    available = linear_module_names(model)
+    targets = available if cfg.lora_target == "all" else [t.strip() for t in cfg.lora_target.split(",")]
+    unknown = [t for t in targets if t not in available]
+    if unknown:
+        raise UserError(f"lora_target {unknown[0]!r} is not a linear layer of this model; available: {', '.join(available)} or all")
+    lora = LoraConfig(
+        task_type="CAUSAL_LM",
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha or cfg.lora_rank * 2,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets,
+        modules_to_save=[m.strip() for m in cfg.additional_target.split(",")] if cfg.additional_target else None,
+        use_rslora=cfg.use_rslora,
+        use_dora=cfg.use_dora,
+    )
+    return get_peft_model(model, lora)
+
+
+def _setup_freeze(cfg: TuneConfig, model) -> None:
+    """Train only the last (or, if negative, first) `freeze_trainable_layers` decoder layers."""
+    layers = model.config.num_hidden_layers
+    count = cfg.freeze_trainable_layers
+    if count == 0 or abs(count) > layers:
+        raise UserError(f"freeze_trainable_layers={count} must be non-zero and at most {layers} in magnitude")
+    chosen = range(layers - count, layers) if count > 0 else range(-count)
+    modules = [m.strip() for m in cfg.freeze_trainable_modules.split(",")]
+    extra = [m.strip() for m in cfg.freeze_extra_modules.split(",")] if cfg.freeze_extra_modules else []
+    layer_pattern = re.compile(r"\.layers\.(\d+)\.")
+    for name, param in model.named_parameters():
+        match = layer_pattern.search(name)
+        in_layer = bool(match) and int(match.group(1)) in chosen
+        module_ok = "all" in modules or any(f".{m}." in name for m in modules)
+        param.requires_grad_((in_layer and module_ok) or any(f"{m}." in name for m in extra))
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UserError(f"freeze_trainable_modules={cfg.freeze_trainable_modules!r} matches no parameter")

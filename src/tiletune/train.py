@@ -1,0 +1,291 @@
+"""`tiletune train`: config -> tokenizer, template, data, model -> Trainer -> outputs in `output_dir`.
+
+Outputs: the adapter (or model) with its tokenizer, trainer_log.jsonl, training_loss.png (`plot_loss`),
+all_results.json, checkpoint-N every `save_steps` (written to a staging folder and renamed into place,
+so a crash mid-save never leaves a checkpoint that looks complete), and with `do_predict`,
+generated_predictions.jsonl and predict_results.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from tiletune.config import TuneConfig
+from tiletune.errors import UserError
+
+log = logging.getLogger("tiletune")
+STAGING_DIR = ".staging"
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
+    """Run what the config asks for (train / eval / predict); returns the metrics written."""
+    from transformers import set_seed
+
+    from tiletune.data.processing import build_splits
+    from tiletune.data.templates import get_template
+    from tiletune.model import load_model, load_tokenizer, set_checkpointing
+
+    _configure_logging()
+    do_train, do_eval, do_predict = (bool(cfg.train_arg(k)) for k in ("do_train", "do_eval", "do_predict"))
+    if not (do_train or do_eval or do_predict):
+        raise UserError("nothing to do: set do_train, do_eval or do_predict to true")
+    output_dir = cfg.output_dir
+    resume = find_resume_checkpoint(cfg, output_dir) if do_train else None
+    if not dry_run:
+        check_output_dir(cfg, output_dir, resuming=resume is not None, training=do_train)
+    set_seed(cfg.train_arg("seed", 42))
+
+    tokenizer = load_tokenizer(cfg)
+    template = get_template(cfg.template, tokenizer, cfg.stage, cfg.default_system)
+    template.fix_tokenizer(tokenizer)
+    splits = build_splits(cfg, tokenizer, template)
+    model = load_model(cfg, tokenizer, trainable=do_train)
+    summary = _summary(cfg, model, splits, template)
+    log.info("%s", json.dumps(summary))
+    if dry_run:
+        print(_dry_run_report(summary, tokenizer, splits))
+        return summary
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    metrics: dict = {}
+    if do_train or do_eval:
+        trainer = _make_trainer(cfg, model, tokenizer, splits, output_dir)
+    if do_train:
+        result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        trainer.save_model()
+        trainer.save_state()
+        train_metrics = dict(result.metrics)
+        train_metrics["peak_memory_gib"] = round(_peak_memory(), 3)
+        trainer.log_metrics("train", train_metrics)
+        trainer.save_metrics("train", train_metrics)
+        metrics.update(train_metrics)
+        if cfg.plot_loss:
+            from tiletune.plots import plot_loss
+
+            plot_loss(output_dir)
+    if do_eval:
+        eval_metrics = trainer.evaluate()
+        trainer.log_metrics("eval", eval_metrics)
+        trainer.save_metrics("eval", eval_metrics)
+        metrics.update(eval_metrics)
+    if do_predict and splits.predict is not None:
+        from tiletune.predict import run_predict
+
+        if do_train and not cfg.disable_gradient_checkpointing:
+            set_checkpointing(model, enabled=False)
+        predict_metrics = run_predict(cfg, model, tokenizer, template, splits.predict, output_dir)
+        _merge_all_results(output_dir, predict_metrics)
+        print(json.dumps(predict_metrics, indent=2))
+        metrics.update(predict_metrics)
+    return metrics
+
+
+# ---- output directory and resuming -------------------------------------------------------------
+
+
+def find_resume_checkpoint(cfg: TuneConfig, output_dir: Path) -> Path | None:
+    """The checkpoint to resume from: `resume_from_checkpoint` as a path, or the last one when true."""
+    value = cfg.resume_from_checkpoint
+    if value in (None, False):
+        return None
+    if value is True:
+        checkpoints = complete_checkpoints(output_dir)
+        if not checkpoints:
+            raise UserError(f"resume_from_checkpoint is true but {output_dir} holds no checkpoint-N folder")
+        return checkpoints[-1]
+    path = Path(value)
+    if not (path / "trainer_state.json").is_file():
+        raise UserError(f"resume_from_checkpoint={value!r} is not a checkpoint folder (no trainer_state.json in it)")
+    return path
+
+
+def complete_checkpoints(output_dir: Path) -> list[Path]:
+    """checkpoint-N folders in `output_dir`, oldest first (staged saves only appear once complete)."""
+    if not output_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in output_dir.iterdir() if (m := CHECKPOINT.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def check_output_dir(cfg: TuneConfig, output_dir: Path, resuming: bool, training: bool) -> None:
+    """Refuse to write over another run unless `overwrite_output_dir` (or resuming it)."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UserError(f"output_dir {output_dir} is a file; choose a folder")
+    if not training or resuming or cfg.overwrite_output_dir or not output_dir.is_dir():
+        return
+    existing = sorted(p.name for p in output_dir.iterdir() if p.name != STAGING_DIR)
+    if existing:
+        shown = ", ".join(existing[:4]) + (" ..." if len(existing) > 4 else "")
+        raise UserError(
+            f"output_dir {output_dir} already holds a run ({shown}); set overwrite_output_dir=true to replace it, "
+            "resume_from_checkpoint=true to continue it, or choose another output_dir"
+        )
+
+
+def _merge_all_results(output_dir: Path, metrics: dict) -> None:
+    path = output_dir / "all_results.json"
+    merged = json.loads(path.read_text()) if path.is_file() else {}
+    merged.update(metrics)
+    path.write_text(json.dumps(merged, indent=4, sort_keys=True) + "\n")
+
+
+# ---- the Trainer -------------------------------------------------------------------------------
+
+
+def training_arguments(cfg: TuneConfig, output_dir: Path):
+    """Seq2SeqTrainingArguments from the config's Trainer keys, with LLaMA-Factory's conventions."""
+    from transformers import Seq2SeqTrainingArguments
+
+    kwargs = dict(cfg.training)
+    kwargs["output_dir"] = str(output_dir)
+    kwargs.setdefault("report_to", "none")
+    kwargs["remove_unused_columns"] = False
+    kwargs["include_num_input_tokens_seen"] = "non_padding"
+    kwargs.setdefault("dataloader_pin_memory", torch.cuda.is_available())
+    kwargs.pop("resume_from_checkpoint", None)
+    if cfg.warmup_ratio and not kwargs.get("warmup_steps"):
+        kwargs["warmup_steps"] = cfg.warmup_ratio  # a float below 1 is a ratio of the total steps
+    if cfg.disable_shuffling:
+        kwargs["train_sampling_strategy"] = "sequential"
+    if kwargs.get("deepspeed"):
+        kwargs["deepspeed"] = _deepspeed_config(kwargs["deepspeed"])
+    try:
+        return Seq2SeqTrainingArguments(**kwargs)
+    except ValueError as err:  # the Trainer's own consistency checks
+        raise UserError(f"training arguments: {err}") from None
+
+
+def _deepspeed_config(value):
+    if isinstance(value, str):
+        if not Path(value).is_file():
+            raise UserError(f"deepspeed config {value!r} not found; give the path to a DeepSpeed JSON file")
+        try:
+            json.loads(Path(value).read_text())
+        except json.JSONDecodeError as err:
+            raise UserError(f"{value}:{err.lineno}: malformed JSON ({err.msg}); fix the file") from None
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        raise UserError("deepspeed is set but DeepSpeed is not installed; pip install 'tiletune[deepspeed]'") from None
+    return value
+
+
+def _make_trainer(cfg: TuneConfig, model, tokenizer, splits, output_dir: Path):
+    from transformers import DataCollatorForSeq2Seq, Trainer
+    from transformers.trainer_callback import PrinterCallback
+    from transformers.trainer_callback import ProgressCallback as PlainProgress
+    from transformers.trainer_utils import rotate_checkpoints
+
+    from tiletune.callbacks import JsonlLogCallback, ProgressCallback
+
+    class TuneTrainer(Trainer):
+        """A Trainer whose checkpoints appear in output_dir only once they are complete."""
+
+        staging = False
+
+        def _get_output_dir(self, trial):
+            run_dir = super()._get_output_dir(trial)
+            return os.path.join(run_dir, STAGING_DIR) if self.staging else run_dir
+
+        def _save_checkpoint(self, model, trial):
+            self.staging = True
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self.staging = False
+            self.accelerator.wait_for_everyone()
+            if self.args.should_save:
+                run_dir = Path(self._get_output_dir(trial))
+                name = f"checkpoint-{self.state.global_step}"
+                _move_into_place(run_dir / STAGING_DIR / name, run_dir / name)
+                rotate_checkpoints(
+                    output_dir=str(run_dir),
+                    save_total_limit=self.args.save_total_limit,
+                    best_model_checkpoint=self.state.best_model_checkpoint,
+                    use_mtime=False,
+                )
+            self.accelerator.wait_for_everyone()
+
+    if cfg.train_arg("eval_strategy") not in (None, "no") and splits.eval is None:
+        raise UserError("eval_strategy is set but there is no eval data; set eval_dataset or val_size")
+    collator = DataCollatorForSeq2Seq(
+        tokenizer,
+        pad_to_multiple_of=8 if torch.cuda.is_available() else None,
+        label_pad_token_id=-100 if cfg.ignore_pad_token_for_loss else tokenizer.pad_token_id,
+    )
+    trainer = TuneTrainer(
+        model=model,
+        args=training_arguments(cfg, output_dir),
+        train_dataset=splits.train,
+        eval_dataset=splits.eval,
+        data_collator=collator,
+        processing_class=tokenizer,
+        callbacks=[JsonlLogCallback(output_dir)],
+    )
+    trainer.remove_callback(PlainProgress)
+    trainer.remove_callback(PrinterCallback)
+    trainer.add_callback(ProgressCallback())
+    return trainer
+
+
+def _move_into_place(staged: Path, final: Path) -> None:
+    """Rename a fully written checkpoint to its final name (replacing one of an overwritten run)."""
+    if final.exists():
+        old = final.with_name(f".replaced-{final.name}")
+        os.replace(final, old)
+        os.replace(staged, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(staged, final)
+
+
+# ---- reporting ---------------------------------------------------------------------------------
+
+
+def _peak_memory() -> float:
+    from tiletune.callbacks import peak_memory_gib
+
+    return peak_memory_gib()
+
+
+def _summary(cfg: TuneConfig, model, splits, template) -> dict:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return {
+        "stage": cfg.stage,
+        "finetuning_type": cfg.finetuning_type,
+        "template": template.name,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "trainable_params": trainable,
+        "all_params": total,
+        **(splits.stats or {}),
+    }
+
+
+def _dry_run_report(summary: dict, tokenizer, splits) -> str:
+    lines = ["dry run: config, model and data are valid"]
+    lines += [f"  {key}: {value}" for key, value in summary.items()]
+    if splits.train is not None and len(splits.train):
+        lengths = [len(ids) for ids in splits.train["input_ids"]]
+        lines.append(f"  train tokens: {sum(lengths)} (longest example {max(lengths)})")
+        first = splits.train[0]
+        lines.append("  first example, as the model sees it:")
+        lines.append("    " + tokenizer.decode(first["input_ids"]).replace("\n", "\n    "))
+    return "\n".join(lines)
+
+
+def _configure_logging() -> None:
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format="[%(levelname)s|%(name)s] %(message)s", force=False
+    )
+    for noisy in ("httpx", "urllib3", "filelock", "datasets"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
