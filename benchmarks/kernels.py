@@ -1,0 +1,199 @@
+"""Time tiletune's TileLang kernels (forward + backward) against eager PyTorch, Liger-Kernel and cuBLAS.
+
+Llama-3-8B shapes: 8192 tokens (batch 4 x 2048), hidden 4096, intermediate 14336, 32 q / 8 kv heads of
+128, bf16. Each variant is timed with CUDA events (triton.testing.do_bench, median of its repeats);
+variants are interleaved (A B C A B C ...) over --rounds rounds, and the table shows the median over
+rounds with min and max. Ratios are baseline time / variant time from the same run (> 1 is faster).
+
+    python benchmarks/kernels.py [--tune] [--rounds 5] [--out benchmarks/results]
+
+--tune autotunes the linear GEMM tile configuration per shape first (linear.CANDIDATES) and prints
+the entries for linear.TUNED. Writes kernels_<gpu>.json and .csv (GPU, date, git commit, medians,
+min/max) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+TOKENS, HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 8192, 4096, 14336, 32, 8, 128
+LINEAR_SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (1024, 4096), "gate/up_proj": (14336, 4096),
+                 "down_proj": (4096, 14336)}
+
+
+def bench(fn, grads=()):
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, grad_to_none=list(grads), return_mode="median")
+
+
+def fwd_bwd(forward, inputs, grad_out):
+    def run():
+        out = forward(*inputs)
+        torch.autograd.backward(out, grad_out)
+    return run
+
+
+def elementwise_cases():
+    """(op, {variant: callable}) with callables doing forward + backward on Llama-3-8B shapes."""
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from tiletune.kernels import rms_norm, rope, swiglu
+
+    dev, dt = "cuda", torch.bfloat16
+    x = torch.randn(TOKENS, HIDDEN, device=dev, dtype=dt, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(HIDDEN, device=dev)).to(dt).requires_grad_()
+    dy = torch.randn_like(x)
+    yield "rms_norm", {
+        "eager": fwd_bwd(lambda: rms_norm.reference_forward(x, w, 1e-5), (), dy),
+        "liger": fwd_bwd(lambda: LigerRMSNormFunction.apply(x, w, 1e-5, 0.0, "llama", False), (), dy),
+        "tilelang": fwd_bwd(lambda: rms_norm.rms_norm(x, w, 1e-5, "tilelang", True), (), dy),
+    }, (x, w)
+
+    g = torch.randn(TOKENS, INTER, device=dev, dtype=dt, requires_grad=True)
+    u = torch.randn(TOKENS, INTER, device=dev, dtype=dt, requires_grad=True)
+    dy = torch.randn_like(g)
+    yield "swiglu", {
+        "eager": fwd_bwd(lambda: F.silu(g) * u, (), dy),
+        "liger": fwd_bwd(lambda: LigerSiLUMulFunction.apply(g, u), (), dy),
+        "tilelang": fwd_bwd(lambda: swiglu.swiglu(g, u, "tilelang", True), (), dy),
+    }, (g, u)
+
+    b, s = 4, TOKENS // 4
+    q = torch.randn(b, s, HEADS, HEAD_DIM, device=dev, dtype=dt).transpose(1, 2).requires_grad_()
+    k = torch.randn(b, s, KV_HEADS, HEAD_DIM, device=dev, dtype=dt).transpose(1, 2).requires_grad_()
+    angle = torch.rand(b, s, HEAD_DIM // 2, device=dev) * 100
+    cos, sin = (f(torch.cat([angle, angle], -1)).to(dt) for f in (torch.cos, torch.sin))
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    yield "rope", {
+        "eager": fwd_bwd(lambda: apply_rotary_pos_emb(q, k, cos, sin), (), (dq, dk)),
+        "liger": fwd_bwd(lambda: liger_rotary_pos_emb(q, k, cos, sin), (), (dq, dk)),
+        "tilelang": fwd_bwd(lambda: rope.rope(q, k, cos, sin, "tilelang", True), (), (dq, dk)),
+    }, (q, k)
+
+
+def linear_cases():
+    """(shape name, {variant: callable}) for forward and forward + backward (dX and dW)."""
+    from tiletune.kernels import linear
+
+    for name, (out_f, in_f) in LINEAR_SHAPES.items():
+        x = torch.randn(TOKENS, in_f, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(out_f, in_f, device="cuda") / in_f**0.5).to(torch.bfloat16).requires_grad_()
+        dy = torch.randn(TOKENS, out_f, device="cuda", dtype=torch.bfloat16)
+        yield f"linear fwd {name}", {
+            "cublas": lambda x=x, w=w: torch.matmul(x, w.t()),
+            "tilelang": lambda x=x, w=w: linear.linear(x, w, None, "tilelang", True),
+        }, (x, w)
+        yield f"linear fwd+bwd {name}", {
+            "cublas": fwd_bwd(lambda x=x, w=w: torch.matmul(x, w.t()), (), dy),
+            "tilelang": fwd_bwd(lambda x=x, w=w: linear.linear(x, w, None, "tilelang", True), (), dy),
+        }, (x, w)
+
+
+def tune_linear():
+    """Pick the fastest candidate tile configuration per (kind, shape); install and print them."""
+    from tiletune.kernels import _tilelang, linear
+
+    tl = _tilelang.tilelang()
+    arch = _tilelang.device_arch()
+    target = _tilelang.parse_target(_tilelang.device_target())
+    for name, (out_f, in_f) in LINEAR_SHAPES.items():
+        x = torch.randn(TOKENS, in_f, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(TOKENS, out_f, device="cuda", dtype=torch.bfloat16)
+        operands = {"fwd": (x, w, torch.empty(TOKENS, out_f, device="cuda", dtype=torch.bfloat16)),
+                    "dgrad": (dy, w, torch.empty_like(x)), "wgrad": (dy, x, torch.empty_like(w))}
+        for kind, args in operands.items():
+            funcs = [linear.gemm_kernel(kind, out_f, in_f, "bfloat16", c) for c in linear.CANDIDATES]
+            kernels = tl.par_compile(funcs, target=target, ignore_error=True)
+            timed = []
+            for config, kernel in zip(linear.CANDIDATES, kernels):
+                if kernel is not None:
+                    timed.append((bench(lambda k=kernel: k(*args)), config))
+            best_ms, best = min(timed)
+            linear.TUNED[(arch, kind, out_f, in_f, "bfloat16")] = best
+            print(f"    ({arch!r}, {kind!r}, {out_f}, {in_f}, 'bfloat16'): {best},  # {best_ms:.3f} ms ({name})",
+                  flush=True)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("TILETUNE_COMMIT", "unknown")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tune", action="store_true", help="autotune linear tile configs per shape first")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--only", choices=["elementwise", "linear"], help="run one group")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels.py needs a GPU")
+    if args.tune:
+        print("tuned linear configs (paste into linear.TUNED):")
+        tune_linear()
+    groups = {"elementwise": elementwise_cases, "linear": linear_cases}
+    rows = []
+    for group, cases in groups.items():
+        if args.only and args.only != group:
+            continue
+        for case, variants, grads in cases():
+            times = {v: [] for v in variants}
+            for fn in variants.values():
+                fn()  # compile and warm up outside the timed rounds
+            for _ in range(args.rounds):
+                for v, fn in variants.items():
+                    times[v].append(bench(fn, grads))
+            base = "eager" if "eager" in variants else "cublas"
+            for v, ts in times.items():
+                med = statistics.median(ts)
+                rows.append({"case": case, "variant": v, "median_ms": med, "min_ms": min(ts), "max_ms": max(ts),
+                             "ratio_vs_" + base: statistics.median(times[base]) / med,
+                             "ratio_vs_liger": statistics.median(times["liger"]) / med if "liger" in times else None})
+            print(f"done {case}", flush=True)
+    geo = {}
+    for kind in ("fwd", "fwd+bwd"):
+        ratios = [r["ratio_vs_cublas"] for r in rows if r["variant"] == "tilelang" and r["case"].startswith(f"linear {kind} ")]
+        if ratios:
+            geo[f"linear {kind} geomean vs cublas"] = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": git_commit(), "torch": torch.__version__, "tokens": TOKENS, "dtype": "bfloat16",
+            "rounds": args.rounds, "tuned": args.tune}
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, "kernels_" + meta["gpu"].replace(" ", "_").lower())
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows, "geomean": geo}, f, indent=1)
+    with open(stem + ".csv", "w", newline="") as f:
+        fields = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"\n{meta['gpu']}  {meta['date']}  commit {meta['commit'][:10]}  (median of {args.rounds} rounds, ms)")
+    print(f"{'case':34s} {'variant':9s} {'median':>8s} {'min':>8s} {'max':>8s} {'vs base':>8s} {'vs liger':>8s}")
+    for r in rows:
+        base = r.get("ratio_vs_eager") or r.get("ratio_vs_cublas")
+        liger = f"{r['ratio_vs_liger']:8.2f}" if r["ratio_vs_liger"] else ""
+        print(f"{r['case']:34s} {r['variant']:9s} {r['median_ms']:8.3f} {r['min_ms']:8.3f} {r['max_ms']:8.3f} {base:8.2f} {liger}")
+    for k, v in geo.items():
+        print(f"{k}: {v:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Linear: ``y = x Wᵀ (+ b)``; backward dX = dY W always, dW = dYᵀ X only when W requires grad.
+
+Reference (PyTorch) forward and backward, TileLang GEMM kernels (one factory, three uses: forward,
+grad-input, grad-weight), and the custom ops ``tiletune::linear`` / ``tiletune::linear_backward``.
+The token dimension is dynamic (it is the reduction dimension of dW); in/out features, dtype and tile
+configuration are static. Tile configurations come from `TUNED` (per-shape autotuning on the GPU,
+see benchmarks/kernels.py --tune), else a per-architecture default.
+"""
+
+# No `from __future__ import annotations` here: TileLang reads the kernel signature's shapes
+# (a_shape, b_shape, c_shape) from the closure, which string annotations would hide.
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tiletune.kernels import _tilelang
+from tiletune.kernels.registry import Impl, add, backward_of, select
+
+# ---- reference -----------------------------------------------------------------------------------
+
+
+def reference_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear."""
+    return F.linear(x, weight, bias)
+
+
+def reference_backward(dy: Tensor, x: Tensor, weight: Tensor, weight_grad: bool, bias_grad: bool):
+    """(dx, dweight or None, dbias or None)."""
+    dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+    dx = (dy2 @ weight.to(dy.dtype)).view(x.shape).to(x.dtype)
+    dw = (dy2.t() @ x2.to(dy.dtype)).to(weight.dtype) if weight_grad else None
+    db = dy2.sum(0).to(weight.dtype) if bias_grad else None
+    return dx, dw, db
+
+
+# ---- TileLang kernels ----------------------------------------------------------------------------
+
+# (block_m, block_n, block_k, stages, threads)
+DEFAULT_CONFIG = {"sm_90": (128, 256, 64, 3, 256), "sm_80": (128, 128, 32, 2, 128), "hip": (128, 128, 32, 2, 256)}
+# Candidates for per-shape autotuning on sm_90 (each fits 227 KB of shared memory).
+CANDIDATES = [(128, 256, 64, 3, 256), (128, 128, 64, 4, 256), (256, 128, 64, 3, 256), (128, 128, 64, 3, 128),
+              (64, 256, 64, 4, 128), (128, 256, 32, 4, 256)]
+# (arch, kind, out_features, in_features, dtype) -> config; kind is fwd, dgrad or wgrad. Filled
+# from benchmarks/results (autotuned on the GPU named there).
+TUNED: dict[tuple[str, str, int, int, str], tuple[int, int, int, int, int]] = {}
+
+
+def gemm_kernel(kind: str, out_features: int, in_features: int, dtype: str, config):
+    """PrimFunc for one of the three GEMMs of a linear layer, m (tokens) dynamic.
+
+    fwd:   Y (m, out) = X (m, in) · W (out, in)ᵀ
+    dgrad: dX (m, in) = dY (m, out) · W (out, in)
+    wgrad: dW (out, in) = dY (m, out)ᵀ · X (m, in)   (reduction over the tokens)
+    """
+    import tilelang.language as T
+
+    bm, bn, bk, stages, threads = config
+    m = T.dynamic("m")
+    a_shape, b_shape, c_shape, reduction, trans_a, trans_b = {
+        "fwd": ((m, in_features), (out_features, in_features), (m, out_features), in_features, False, True),
+        "dgrad": ((m, out_features), (out_features, in_features), (m, in_features), out_features, False, False),
+        "wgrad": ((m, out_features), (m, in_features), (out_features, in_features), m, True, False),
+    }[kind]
+    rows, cols = c_shape
+
+    @T.prim_func
+    def gemm(A: T.Tensor(a_shape, dtype), B: T.Tensor(b_shape, dtype), C: T.Tensor(c_shape, dtype)):
+        with T.Kernel(T.ceildiv(cols, bn), T.ceildiv(rows, bm), threads=threads) as (bx, by):
+            a = T.alloc_shared((bk, bm) if trans_a else (bm, bk), dtype)
+            b = T.alloc_shared((bn, bk) if trans_b else (bk, bn), dtype)
+            acc = T.alloc_fragment((bm, bn), "float32")
+            c = T.alloc_shared((bm, bn), dtype)
+            T.use_swizzle(panel_size=10)
+            T.clear(acc)
+            for ko in T.Pipelined(T.ceildiv(reduction, bk), num_stages=stages):
+                if trans_a:
+                    T.copy(A[ko * bk, by * bm], a)
+                else:
+                    T.copy(A[by * bm, ko * bk], a)
+                if trans_b:
+                    T.copy(B[bx * bn, ko * bk], b)
+                else:
+                    T.copy(B[ko * bk, bx * bn], b)
+                T.gemm(a, b, acc, transpose_A=trans_a, transpose_B=trans_b)
+            T.copy(acc, c)
+            T.copy(c, C[by * bm, bx * bn])
+
+    return gemm.with_attr("global_symbol", f"linear_{kind}")
+
+
+def config_for(arch: str, kind: str, out_features: int, in_features: int, dtype: str):
+    """The tile configuration for this GEMM: tuned if known, else the architecture default."""
+    default = DEFAULT_CONFIG.get(arch, DEFAULT_CONFIG["hip" if arch.startswith("gfx") else "sm_80"])
+    return TUNED.get((arch, kind, out_features, in_features, dtype), default)
+
+
+def kernel_sources(target: str) -> dict[str, str]:
+    """Device source of the three GEMMs for `target`, at Llama-3-8B's q_proj shape (4096 x 4096)."""
+    arch = _tilelang.parse_target(target).get("arch") or _tilelang.parse_target(target)["mcpu"]
+    return {f"linear_{kind}": _tilelang.lower_source(
+        gemm_kernel(kind, 4096, 4096, "bfloat16", config_for(arch, kind, 4096, 4096, "bfloat16")), target)
+        for kind in ("fwd", "dgrad", "wgrad")}
+
+
+def tilelang_unsupported(x: Tensor, weight: Tensor, bias: Tensor | None) -> str | None:
+    """Why the TileLang GEMMs cannot run these inputs, or None."""
+    reason = _tilelang.unsupported_inputs(x, weight, dtypes=(torch.bfloat16, torch.float16))
+    if reason is None and (weight.shape[0] % 8 or weight.shape[1] % 8):
+        reason = f"features {tuple(weight.shape)} are not multiples of 8"
+    return reason
+
+
+def _gemm(kind: str, a: Tensor, b: Tensor, out: Tensor, out_features: int, in_features: int) -> Tensor:
+    dtype, arch = _tilelang.DTYPES[a.dtype], _tilelang.device_arch(a.device)
+    config = config_for(arch, kind, out_features, in_features, dtype)
+    kernel = _tilelang.compiled(("linear", kind, out_features, in_features, dtype, config),
+                                lambda: gemm_kernel(kind, out_features, in_features, dtype, config))
+    if a.shape[0]:
+        kernel(a, b, out)
+    else:
+        out.zero_()
+    return out
+
+
+def tilelang_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x Wᵀ (+ b) through the TileLang GEMM (bias added by PyTorch)."""
+    out_features, in_features = weight.shape
+    x2 = x.reshape(-1, in_features).contiguous()
+    y = _gemm("fwd", x2, weight.contiguous(), x2.new_empty(x2.shape[0], out_features), out_features, in_features)
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], out_features)
+
+
+def tilelang_backward(dy: Tensor, x: Tensor, weight: Tensor, weight_grad: bool, bias_grad: bool):
+    """(dx, dweight or None, dbias or None) through the TileLang GEMMs."""
+    out_features, in_features = weight.shape
+    dy2, w = dy.reshape(-1, out_features).contiguous(), weight.contiguous()
+    dx = _gemm("dgrad", dy2, w, dy2.new_empty(dy2.shape[0], in_features), out_features, in_features)
+    dw = None
+    if weight_grad:
+        x2 = x.reshape(-1, in_features).contiguous()
+        dw = _gemm("wgrad", dy2, x2, weight.new_empty(weight.shape), out_features, in_features)
+    return dx.view(x.shape), dw, dy2.sum(0).to(weight.dtype) if bias_grad else None
+
+
+add(Impl("linear", "reference", reference_forward, reference_backward, description="PyTorch: F.linear (cuBLAS on GPU)"))
+add(Impl("linear", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
+         tilelang_unsupported, "TileLang GEMMs (wgmma on sm_90, MFMA on gfx9); dW only when W requires grad"))
+
+# ---- custom ops ----------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("tiletune::linear", mutates_args=())
+def linear_op(x: Tensor, weight: Tensor, bias: Tensor | None, impl: str, strict: bool) -> Tensor:
+    return select("linear", impl, strict, x, weight, bias).forward(x, weight, bias).contiguous()
+
+
+@linear_op.register_fake
+def _(x, weight, bias, impl, strict):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("tiletune::linear_backward", mutates_args=())
+def linear_backward_op(dy: Tensor, x: Tensor, weight: Tensor, impl: str, strict: bool, weight_grad: bool,
+                       bias_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    chosen = select("linear", impl, strict, x, weight, None)
+    dx, dw, db = backward_of(chosen)(dy, x, weight, weight_grad, bias_grad)
+    return dx.contiguous(), weight.new_empty(0) if dw is None else dw, weight.new_empty(0) if db is None else db
+
+
+@linear_backward_op.register_fake
+def _(dy, x, weight, impl, strict, weight_grad, bias_grad):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            weight.new_empty(weight.shape if weight_grad else (0,)),
+            weight.new_empty((weight.shape[0],) if bias_grad else (0,)))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _, ctx.impl, ctx.strict = inputs
+    ctx.save_for_backward(x, weight)
+
+
+def _backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    need_dw, need_db = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    dx, dw, db = torch.ops.tiletune.linear_backward(dy, x, weight, ctx.impl, ctx.strict, need_dw, need_db)
+    return dx, dw if need_dw else None, db if need_db else None, None, None
+
+
+linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, impl: str = "reference", strict: bool = False) -> Tensor:
+    """x Wᵀ (+ b) through the custom op with implementation `impl` (falls back to the reference)."""
+    return torch.ops.tiletune.linear(x, weight, bias, impl, strict)

@@ -1,0 +1,120 @@
+"""Op -> implementations, with availability and the reasons an implementation cannot run.
+
+Every op has a ``reference`` implementation (PyTorch, the semantics) and usually a ``tilelang`` one.
+Plugins add their own with `register`. The custom ops in the op modules call `select` on every call:
+it returns the requested implementation when it can run these inputs, else the reference, and
+records the reason once (``strict`` raises instead).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+OPS = ("rms_norm", "swiglu", "rope", "linear")
+REFERENCE = "reference"
+
+log = logging.getLogger("tiletune.kernels")
+
+
+class KernelUnavailable(RuntimeError):
+    """Raised under ``strict`` when the requested implementation cannot run an input."""
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One implementation of an op.
+
+    forward/backward take the same arguments as the op's reference (see each op module).
+    backward=None means the reference backward is used (same math, so a forward-only plugin
+    still trains). unavailable() says why it cannot run on this machine at all; unsupported(*inputs)
+    why it cannot run these particular inputs (dtype, shape, device); None means it can.
+    """
+
+    op: str
+    name: str
+    forward: Callable
+    backward: Callable | None = None
+    unavailable: Callable[[], str | None] = lambda: None
+    unsupported: Callable[..., str | None] = lambda *inputs: None
+    description: str = ""
+
+
+_impls: dict[str, dict[str, Impl]] = {op: {} for op in OPS}
+# (op, impl, reason) -> number of calls that fell back to the reference for that reason.
+runtime_fallbacks: dict[tuple[str, str, str], int] = {}
+
+
+def add(impl: Impl) -> Impl:
+    """Add (or replace) an implementation."""
+    if impl.op not in _impls:
+        raise ValueError(f"unknown op {impl.op!r}; ops: {', '.join(OPS)}")
+    _impls[impl.op][impl.name] = impl
+    return impl
+
+
+def register(op: str, name: str, *, backward: Callable | None = None,
+             unsupported: Callable[..., str | None] | None = None, description: str = ""):
+    """Decorator for plugins: register `forward` as implementation `name` of `op`.
+
+    The function takes the op's reference forward arguments and returns the same outputs, e.g.::
+
+        @tiletune.kernels.register("rms_norm", "mine")
+        def my_rms_norm(x, weight, eps): ...
+
+    Then ``kernels: {rms_norm: mine, plugins: [my_pkg.kernels]}`` uses it.
+    """
+    if name == REFERENCE:
+        raise ValueError("the name 'reference' is reserved for the PyTorch reference implementation")
+    load_ops()
+
+    def decorate(forward: Callable) -> Callable:
+        add(Impl(op, name, forward, backward, unsupported=unsupported or (lambda *inputs: None),
+                 description=description or (forward.__doc__ or "").strip().split("\n")[0]))
+        return forward
+
+    return decorate
+
+
+def load_ops() -> None:
+    """Import the op modules, which register their reference and TileLang implementations."""
+    for op in OPS:
+        importlib.import_module(f"tiletune.kernels.{op}")
+
+
+def impls(op: str) -> dict[str, Impl]:
+    """The implementations of `op` by name."""
+    load_ops()
+    return _impls[op]
+
+
+def get(op: str, name: str) -> Impl:
+    """Implementation `name` of `op`; KeyError naming what exists."""
+    found = impls(op).get(name)
+    if found is None:
+        raise KeyError(f"op {op!r} has no implementation {name!r}; it has: {', '.join(sorted(impls(op)))}")
+    return found
+
+
+def select(op: str, name: str, strict: bool, *inputs) -> Impl:
+    """The implementation to run for these inputs: `name` if it can, else the reference (reason kept)."""
+    impl = get(op, name)
+    if name == REFERENCE:
+        return impl
+    reason = impl.unavailable() or impl.unsupported(*inputs)
+    if reason is None:
+        return impl
+    if strict:
+        raise KernelUnavailable(f"{op}: implementation {name!r} cannot run here ({reason}) and strict is set")
+    key = (op, name, reason)
+    if key not in runtime_fallbacks:
+        log.warning("tiletune: %s falls back from %s to the reference: %s", op, name, reason)
+    runtime_fallbacks[key] = runtime_fallbacks.get(key, 0) + 1
+    return _impls[op][REFERENCE]
+
+
+def backward_of(impl: Impl) -> Callable:
+    """The backward to run for `impl` (its own, or the reference's)."""
+    return impl.backward or _impls[impl.op][REFERENCE].backward

@@ -1,0 +1,222 @@
+"""RMSNorm as in Llama/Qwen: ``weight * (x * rsqrt(mean(x², -1) + eps)).to(x.dtype)``, fp32 statistics.
+
+Reference (PyTorch) forward and backward, the TileLang forward and backward kernels, and the custom
+ops ``tiletune::rms_norm`` / ``tiletune::rms_norm_backward``. The token dimension is dynamic; the
+hidden size, eps and dtype are static per compiled kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tiletune.kernels import _tilelang
+from tiletune.kernels.registry import Impl, add, backward_of, select
+
+# ---- reference -----------------------------------------------------------------------------------
+
+
+def reference_forward(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Llama/Qwen RMSNorm, exactly as transformers computes it."""
+    xf = x.to(_tilelang.accumulate_dtype(x))
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def reference_backward(dy: Tensor, x: Tensor, weight: Tensor, eps: float, weight_grad: bool):
+    """(dx, dweight or None), computed in fp32 (or float64) from the recomputed statistics."""
+    acc = _tilelang.accumulate_dtype(x)
+    xf, dyf = x.to(acc), dy.to(acc)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    n = xf * rstd
+    dn = dyf * weight.to(acc)
+    dx = rstd * (dn - n * (dn * n).mean(-1, keepdim=True))
+    dw = (dyf * n.to(x.dtype).to(acc)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype) if weight_grad else None
+    return dx.to(x.dtype), dw
+
+
+# ---- TileLang kernels ----------------------------------------------------------------------------
+
+
+def _tiling(n: int) -> tuple[int, int]:
+    """(rows per block, threads): about 16 elements per thread, at least one row per block."""
+    rows = max(1, 4096 // n)
+    return rows, max(64, min(512, rows * n // 16))
+
+
+def forward_kernel(n: int, eps: float, dtype: str):
+    """PrimFunc Y = RMSNorm(X) * W for X of shape (m, n), m dynamic."""
+    import tilelang.language as T
+
+    rows, threads = _tiling(n)
+    m = T.dynamic("m")
+
+    @T.prim_func
+    def rms_norm_fwd(X: T.Tensor((m, n), dtype), W: T.Tensor((n,), dtype), Y: T.Tensor((m, n), dtype)):
+        with T.Kernel(T.ceildiv(m, rows), threads=threads) as bx:
+            w = T.alloc_shared((n,), dtype)
+            x = T.alloc_fragment((rows, n), dtype)
+            sq = T.alloc_fragment((rows, n), "float32")
+            rstd = T.alloc_fragment((rows,), "float32")
+            y = T.alloc_fragment((rows, n), dtype)
+            T.copy(W, w)
+            T.copy(X[bx * rows, 0], x)
+            for i, j in T.Parallel(rows, n):
+                sq[i, j] = T.cast(x[i, j], "float32") * T.cast(x[i, j], "float32")
+            T.reduce_sum(sq, rstd, dim=1)
+            for i in T.Parallel(rows):
+                rstd[i] = T.rsqrt(rstd[i] / n + eps)
+            for i, j in T.Parallel(rows, n):
+                normed = T.cast(T.cast(x[i, j], "float32") * rstd[i], dtype)
+                y[i, j] = T.cast(T.cast(normed, "float32") * T.cast(w[j], "float32"), dtype)
+            T.copy(y, Y[bx * rows, 0])
+
+    return rms_norm_fwd
+
+
+def backward_kernel(n: int, eps: float, dtype: str, programs: int):
+    """PrimFunc for dX and per-program partial dW (fp32, summed by the caller), m dynamic.
+
+    A persistent grid of `programs` blocks strides over the rows, so the partial-dW buffer has a
+    static size whatever the token count.
+    """
+    import tilelang.language as T
+
+    rows, threads = _tiling(n)
+    m = T.dynamic("m")
+
+    @T.prim_func
+    def rms_norm_bwd(
+        DY: T.Tensor((m, n), dtype),
+        X: T.Tensor((m, n), dtype),
+        W: T.Tensor((n,), dtype),
+        DX: T.Tensor((m, n), dtype),
+        DWP: T.Tensor((programs * rows, n), "float32"),
+    ):
+        with T.Kernel(programs, threads=threads) as bx:
+            w = T.alloc_shared((n,), dtype)
+            x = T.alloc_fragment((rows, n), dtype)
+            dy = T.alloc_fragment((rows, n), dtype)
+            tmp = T.alloc_fragment((rows, n), "float32")
+            rstd = T.alloc_fragment((rows,), "float32")
+            dot = T.alloc_fragment((rows,), "float32")
+            dx = T.alloc_fragment((rows, n), dtype)
+            dw = T.alloc_fragment((rows, n), "float32")
+            T.copy(W, w)
+            T.clear(dw)
+            for it in T.serial(T.ceildiv(m, programs * rows)):
+                row0 = (it * programs + bx) * rows
+                T.copy(X[row0, 0], x)
+                T.copy(DY[row0, 0], dy)
+                for i, j in T.Parallel(rows, n):
+                    tmp[i, j] = T.cast(x[i, j], "float32") * T.cast(x[i, j], "float32")
+                T.reduce_sum(tmp, rstd, dim=1)
+                for i in T.Parallel(rows):
+                    rstd[i] = T.rsqrt(rstd[i] / n + eps)
+                for i, j in T.Parallel(rows, n):
+                    tmp[i, j] = T.cast(dy[i, j], "float32") * T.cast(w[j], "float32") * T.cast(x[i, j], "float32") * rstd[i]
+                T.reduce_sum(tmp, dot, dim=1)
+                for i, j in T.Parallel(rows, n):
+                    normed = T.cast(x[i, j], "float32") * rstd[i]
+                    dnormed = T.cast(dy[i, j], "float32") * T.cast(w[j], "float32")
+                    dx[i, j] = T.cast(rstd[i] * (dnormed - normed * dot[i] / n), dtype)
+                    dw[i, j] += T.cast(dy[i, j], "float32") * T.cast(T.cast(normed, dtype), "float32")
+                T.copy(dx, DX[row0, 0])
+            T.copy(dw, DWP[bx * rows, 0])
+
+    return rms_norm_bwd
+
+
+def kernel_sources(target: str) -> dict[str, str]:
+    """Device source of each kernel for `target`, at the Llama-3-8B hidden size (for `kernels lower`)."""
+    return {
+        "rms_norm_fwd": _tilelang.lower_source(forward_kernel(4096, 1e-5, "bfloat16"), target),
+        "rms_norm_bwd": _tilelang.lower_source(backward_kernel(4096, 1e-5, "bfloat16", 264), target),
+    }
+
+
+def tilelang_unsupported(x: Tensor, weight: Tensor, eps: float) -> str | None:
+    """Why the TileLang kernels cannot run these inputs, or None."""
+    reason = _tilelang.unsupported_inputs(x, weight)
+    n = x.shape[-1]
+    if reason is None and (n % 8 or n > 16384):
+        reason = f"hidden size {n} is not a multiple of 8 up to 16384"
+    return reason
+
+
+def _programs() -> int:
+    return 2 * _tilelang.sm_count()
+
+
+def tilelang_forward(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm through the TileLang forward kernel."""
+    n, dtype = x.shape[-1], _tilelang.DTYPES[x.dtype]
+    kernel = _tilelang.compiled(("rms_norm_fwd", n, eps, dtype), lambda: forward_kernel(n, eps, dtype))
+    x2 = x.reshape(-1, n).contiguous()
+    y = torch.empty_like(x2)
+    if x2.shape[0]:
+        kernel(x2, weight.contiguous(), y)
+    return y.view(x.shape)
+
+
+def tilelang_backward(dy: Tensor, x: Tensor, weight: Tensor, eps: float, weight_grad: bool):
+    """(dx, dweight or None) through the TileLang backward kernel."""
+    n, dtype, programs = x.shape[-1], _tilelang.DTYPES[x.dtype], _programs()
+    kernel = _tilelang.compiled(("rms_norm_bwd", n, eps, dtype, programs), lambda: backward_kernel(n, eps, dtype, programs))
+    x2, dy2 = x.reshape(-1, n).contiguous(), dy.reshape(-1, n).contiguous()
+    dx = torch.empty_like(x2)
+    partial = torch.empty(programs * _tiling(n)[0], n, device=x.device, dtype=torch.float32)
+    if x2.shape[0]:
+        kernel(dy2, x2, weight.contiguous(), dx, partial)
+    else:
+        partial.zero_()
+    return dx.view(x.shape), partial.sum(0).to(weight.dtype) if weight_grad else None
+
+
+add(Impl("rms_norm", "reference", reference_forward, reference_backward, description="PyTorch, as transformers computes it"))
+add(Impl("rms_norm", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
+         tilelang_unsupported, "TileLang fused forward; fused backward with a persistent grid for dweight"))
+
+# ---- custom ops ----------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("tiletune::rms_norm", mutates_args=())
+def rms_norm_op(x: Tensor, weight: Tensor, eps: float, impl: str, strict: bool) -> Tensor:
+    return select("rms_norm", impl, strict, x, weight, eps).forward(x, weight, eps).contiguous()
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps, impl, strict):
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+@torch.library.custom_op("tiletune::rms_norm_backward", mutates_args=())
+def rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Tensor, eps: float, impl: str, strict: bool,
+                         weight_grad: bool) -> tuple[Tensor, Tensor]:
+    chosen = select("rms_norm", impl, strict, x, weight, eps)
+    dx, dw = backward_of(chosen)(dy, x, weight, eps, weight_grad)
+    return dx.contiguous(), dw if dw is not None else weight.new_empty(0)
+
+
+@rms_norm_backward_op.register_fake
+def _(dy, x, weight, eps, impl, strict, weight_grad):
+    return torch.empty_like(x), weight.new_empty(weight.shape if weight_grad else (0,))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, ctx.eps, ctx.impl, ctx.strict = inputs
+    ctx.save_for_backward(x, weight)
+
+
+def _backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx, dw = torch.ops.tiletune.rms_norm_backward(dy, x, weight, ctx.eps, ctx.impl, ctx.strict, ctx.needs_input_grad[1])
+    return dx, dw if ctx.needs_input_grad[1] else None, None, None, None
+
+
+rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, impl: str = "reference", strict: bool = False) -> Tensor:
+    """RMSNorm through the custom op with implementation `impl` (falls back to the reference)."""
+    return torch.ops.tiletune.rms_norm(x, weight, eps, impl, strict)

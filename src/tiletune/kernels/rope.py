@@ -1,0 +1,211 @@
+"""Rotary position embedding of q and k together, as transformers' ``apply_rotary_pos_emb``.
+
+``out = x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``. cos and sin come
+from the model's own rotary embedding, so every rope scaling it implements (Llama-3's included) is
+honoured; they are treated as constants (transformers computes them without gradient).
+
+The op works on the (batch, seq, heads, head_dim) layout that q_proj/k_proj produce, so the
+transformers layout (batch, heads, seq, head_dim) is a transpose away, without copies. Reference
+(PyTorch) forward and backward, one TileLang kernel for both directions (q and k in one launch), and
+the custom ops ``tiletune::rope`` / ``tiletune::rope_backward``. Tokens (batch x seq) are dynamic.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tiletune.kernels import _tilelang
+from tiletune.kernels.registry import Impl, add, backward_of, select
+
+# ---- reference -----------------------------------------------------------------------------------
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotate_half_transposed(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x2, -x1), dim=-1)
+
+
+def reference_forward(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor):
+    """(q, k) rotated; q, k are (batch, seq, heads, head_dim), cos and sin (batch or 1, seq, head_dim)."""
+    cos, sin = cos.unsqueeze(2).to(q.dtype), sin.unsqueeze(2).to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def reference_backward(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor):
+    """(dq, dk) before the rotation, computed in fp32 (or float64)."""
+    acc = _tilelang.accumulate_dtype(dq)
+    cos, sin = cos.unsqueeze(2).to(acc), sin.unsqueeze(2).to(acc)
+
+    def back(d: Tensor) -> Tensor:
+        d = d.to(acc)
+        return d * cos + _rotate_half_transposed(d * sin)
+
+    return back(dq).to(dq.dtype), back(dk).to(dk.dtype)
+
+
+# ---- TileLang kernels ----------------------------------------------------------------------------
+
+
+def _tiling(heads_q: int, heads_k: int, d: int) -> tuple[int, int] | None:
+    """(tokens per block, threads), or None when 128 threads cannot split q's and k's rows evenly."""
+    tokens = 1
+    while tokens * 2 * (heads_q + heads_k) * d <= 4096:
+        tokens *= 2
+    threads = 128
+    if (tokens * heads_q * d) % threads or (tokens * heads_k * d) % threads:
+        return None
+    return tokens, threads
+
+
+def kernel(heads_q: int, heads_k: int, d: int, dtype: str, backward: bool):
+    """PrimFunc rotating Q (t, heads_q * d) and K (t, heads_k * d) by C, S (t, d), t dynamic.
+
+    Forward: out[j] = x[j] c[j] + sign(j) x[p] s[j]; backward: dx[j] = g[j] c[j] - sign(j) g[p] s[p],
+    where p = (j + d/2) mod d and sign(j) = -1 for the first half, +1 for the second.
+    """
+    import tilelang.language as T
+
+    half = d // 2
+    tokens, threads = _tiling(heads_q, heads_k, d)
+    t = T.dynamic("t")
+
+    @T.macro
+    def rotate(x, out, c, s, heads):
+        for i, col in T.Parallel(tokens, heads * d):
+            j = col % d
+            p = col - j + (j + half) % d
+            sign = T.if_then_else(j < half, -1.0, 1.0)
+            xj = T.cast(x[i, col], "float32")
+            xp = T.cast(x[i, p], "float32")
+            if backward:
+                out[i, col] = T.cast(xj * T.cast(c[i, j], "float32") - sign * xp * T.cast(s[i, (j + half) % d], "float32"), dtype)
+            else:
+                out[i, col] = T.cast(xj * T.cast(c[i, j], "float32") + sign * xp * T.cast(s[i, j], "float32"), dtype)
+
+    @T.prim_func
+    def rope(
+        Q: T.Tensor((t, heads_q * d), dtype),
+        K: T.Tensor((t, heads_k * d), dtype),
+        C: T.Tensor((t, d), dtype),
+        S: T.Tensor((t, d), dtype),
+        QO: T.Tensor((t, heads_q * d), dtype),
+        KO: T.Tensor((t, heads_k * d), dtype),
+    ):
+        with T.Kernel(T.ceildiv(t, tokens), threads=threads) as bx:
+            c = T.alloc_shared((tokens, d), dtype)
+            s = T.alloc_shared((tokens, d), dtype)
+            q = T.alloc_shared((tokens, heads_q * d), dtype)
+            k = T.alloc_shared((tokens, heads_k * d), dtype)
+            qo = T.alloc_fragment((tokens, heads_q * d), dtype)
+            ko = T.alloc_fragment((tokens, heads_k * d), dtype)
+            T.copy(C[bx * tokens, 0], c)
+            T.copy(S[bx * tokens, 0], s)
+            T.copy(Q[bx * tokens, 0], q)
+            T.copy(K[bx * tokens, 0], k)
+            rotate(q, qo, c, s, heads_q)
+            rotate(k, ko, c, s, heads_k)
+            T.copy(qo, QO[bx * tokens, 0])
+            T.copy(ko, KO[bx * tokens, 0])
+
+    return rope
+
+
+def kernel_sources(target: str) -> dict[str, str]:
+    """Device source of each kernel for `target`, at Llama-3-8B's 32 q heads, 8 kv heads, head_dim 128."""
+    return {f"rope_{'bwd' if bwd else 'fwd'}": _tilelang.lower_source(kernel(32, 8, 128, "bfloat16", bwd), target)
+            for bwd in (False, True)}
+
+
+def tilelang_unsupported(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> str | None:
+    """Why the TileLang kernel cannot run these inputs, or None."""
+    reason = _tilelang.unsupported_inputs(q, k)
+    d = q.shape[-1]
+    if reason is None and (d % 16 or k.shape[-1] != d or cos.shape[-1] != d):
+        reason = f"head_dim {d} is not a multiple of 16 or differs between q, k and cos"
+    if reason is None and _tiling(q.shape[2], k.shape[2], d) is None:
+        reason = f"{q.shape[2]} q heads and {k.shape[2]} kv heads of {d} do not split over 128 threads"
+    if reason is None and q.shape[:2] != k.shape[:2]:
+        reason = "q and k differ in batch or sequence length"
+    if reason is None and (q.shape[2] + k.shape[2]) * d * q.element_size() * 2 > 96 * 1024:
+        reason = f"{q.shape[2]}+{k.shape[2]} heads of {d} do not fit one block's shared memory"
+    return reason
+
+
+def _tilelang_apply(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool):
+    (b, s, hq, d), hk = q.shape, k.shape[2]
+    dtype = _tilelang.DTYPES[q.dtype]
+    compiled = _tilelang.compiled(("rope", hq, hk, d, dtype, backward), lambda: kernel(hq, hk, d, dtype, backward))
+    q2, k2 = q.reshape(b * s, hq * d).contiguous(), k.reshape(b * s, hk * d).contiguous()
+    c2, s2 = (x.to(q.dtype).expand(b, s, d).reshape(b * s, d).contiguous() for x in (cos, sin))
+    qo, ko = torch.empty_like(q2), torch.empty_like(k2)
+    if b * s:
+        compiled(q2, k2, c2, s2, qo, ko)
+    return qo.view(q.shape), ko.view(k.shape)
+
+
+def tilelang_forward(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor):
+    """(q, k) rotated by the TileLang kernel."""
+    return _tilelang_apply(q, k, cos, sin, backward=False)
+
+
+def tilelang_backward(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor):
+    """(dq, dk) before the rotation, by the TileLang kernel in its backward form."""
+    return _tilelang_apply(dq, dk, cos, sin, backward=True)
+
+
+add(Impl("rope", "reference", reference_forward, reference_backward, description="PyTorch, as transformers' apply_rotary_pos_emb"))
+add(Impl("rope", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
+         tilelang_unsupported, "TileLang, q and k in one launch, fp32 inside"))
+
+# ---- custom ops ----------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("tiletune::rope", mutates_args=())
+def rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, impl: str, strict: bool) -> tuple[Tensor, Tensor]:
+    qo, ko = select("rope", impl, strict, q, k, cos, sin).forward(q, k, cos, sin)
+    return qo.contiguous(), ko.contiguous()
+
+
+@rope_op.register_fake
+def _(q, k, cos, sin, impl, strict):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+@torch.library.custom_op("tiletune::rope_backward", mutates_args=())
+def rope_backward_op(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, impl: str, strict: bool) -> tuple[Tensor, Tensor]:
+    dq, dk = backward_of(select("rope", impl, strict, dq, dk, cos, sin))(dq, dk, cos, sin)
+    return dq.contiguous(), dk.contiguous()
+
+
+@rope_backward_op.register_fake
+def _(dq, dk, cos, sin, impl, strict):
+    return dq.new_empty(dq.shape), dk.new_empty(dk.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    _, _, cos, sin, ctx.impl, ctx.strict = inputs
+    ctx.save_for_backward(cos, sin)
+
+
+def _backward(ctx, dq, dk):
+    cos, sin = ctx.saved_tensors
+    dq, dk = torch.ops.tiletune.rope_backward(dq, dk, cos, sin, ctx.impl, ctx.strict)
+    return dq, dk, None, None, None, None
+
+
+rope_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, impl: str = "reference", strict: bool = False):
+    """Rotate q, k in transformers' layout (batch, heads, seq, head_dim) with cos, sin (batch, seq, head_dim).
+
+    Returns (q, k) in the same layout, as views of (batch, seq, heads, head_dim) tensors.
+    """
+    qo, ko = torch.ops.tiletune.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, impl, strict)
+    return qo.transpose(1, 2), ko.transpose(1, 2)

@@ -1,0 +1,52 @@
+"""rope: reference semantics (incl. Llama-3 scaling) and autograd on the CPU; the TileLang kernel on the GPU."""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from tiletune.kernels import rope as op
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
+def cos_sin(batch, seq, heads, head_dim, device="cpu", dtype=torch.float32):
+    config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, max_position_embeddings=131072,
+                         rope_theta=500000.0, rope_scaling=LLAMA3_SCALING)
+    rotary = LlamaRotaryEmbedding(config).to(device)
+    x = torch.empty(batch, seq, heads * head_dim, device=device, dtype=dtype)
+    positions = torch.arange(seq, device=device).expand(batch, seq) + 100
+    return rotary(x, positions)
+
+
+def test_reference_matches_transformers_with_llama3_scaling():
+    cos, sin = cos_sin(2, 9, 4, 16, dtype=torch.bfloat16)
+    q = torch.randn(2, 4, 9, 16, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 9, 16, dtype=torch.bfloat16)
+    for ours, theirs in zip(op.rope(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin)):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        assert ours.shape == theirs.shape
+
+
+def test_gradcheck_float64():
+    cos, sin = cos_sin(2, 5, 2, 8, dtype=torch.float64)
+    q = torch.randn(2, 2, 5, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 1, 5, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, k: op.rope(q, k, cos.double(), sin.double()), (q, k))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch,seq", [(1, 1), (1, 77), (1, 5000), (4, 2048)])
+def test_tilelang_matches_float64(dtype, batch, seq):
+    from _gpu_check import check
+
+    cos, sin = cos_sin(batch, seq, 32, 128, device="cuda", dtype=dtype)
+    # Projections come out as (batch, seq, heads, head_dim); attention sees the (1, 2) transpose.
+    q = torch.randn(batch, seq, 32, 128, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(batch, seq, 8, 128, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+    check("rope", f"tokens={batch * seq} heads=32/8", dtype, [q, k, cos, sin],
+          apply_rotary_pos_emb,
+          lambda q, k, c, s: op.rope(q, k, c, s, impl="tilelang", strict=True),
+          ["q", "k", "dq", "dk"])
