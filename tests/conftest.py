@@ -1,5 +1,7 @@
 """Shared test setup: `gpu` tests run only where torch sees a CUDA or ROCm device."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,3 +13,54 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+REPO = Path(__file__).resolve().parents[1]
+COMPAT = REPO.parent / "shared" / "compat" / "llamafactory"
+
+
+@pytest.fixture(scope="session")
+def compat_dir() -> Path:
+    """LLaMA-Factory's shipped example configs and demo data (shared/compat/llamafactory beside the repo)."""
+    if not COMPAT.is_dir():
+        pytest.skip(f"LLaMA-Factory compat files not found at {COMPAT}")
+    return COMPAT
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    """The demo model's folder: its tokenizer has the Llama-3 and ChatML special tokens."""
+    return REPO / "examples" / "tiny-llama"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    """A randomly initialised 2-layer Llama with the demo tokenizer: fast enough to train in tests."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.save_pretrained(path)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def demo_tokenizer(tokenizer_dir):
+    """A fresh copy of the demo tokenizer (templates may add tokens to it)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)

@@ -187,10 +187,13 @@ def _convert(value: Any, annotation: Any) -> tuple[bool, Any]:
         return True, value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(annotation)
+        if any(isinstance(a, type) and issubclass(a, enum.Enum) for a in args):
+            args = tuple(a for a in args if a is not str)  # `SomeEnum | str` means the enum's values
         if value is None:
             return type(None) in args, None
-        # Strict matches first, so that "3" stays a str for `str | int` and 3 stays an int.
-        for arg in sorted(args, key=lambda a: a is str):
+        if any(type(value) is arg for arg in args):  # an exact match wins over any conversion
+            return True, value
+        for arg in args:
             ok, converted = _convert(value, arg)
             if ok:
                 return True, converted

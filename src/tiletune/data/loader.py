@@ -8,6 +8,9 @@ Every record becomes {"messages": [{"role", "content"}, ...], "system": str, "to
 
 from __future__ import annotations
 
+import difflib
+import functools
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +49,11 @@ class DatasetAttr:
     folder: str | None = None
     num_samples: int | None = None
 
+    def __post_init__(self):
+        defaults = ALPACA_COLUMNS if self.formatting == "alpaca" else SHAREGPT_COLUMNS
+        self.columns = {**defaults, **self.columns}
+        self.tags = {**SHAREGPT_TAGS, **self.tags}
+
 
 def resolve_datasets(names: str, dataset_dir: str) -> list[DatasetAttr]:
     """DatasetAttr for each comma-separated name, from dataset_info.json, a file path or a hub id."""
@@ -62,13 +70,19 @@ def resolve_datasets(names: str, dataset_dir: str) -> list[DatasetAttr]:
         elif "/" in name and not name.startswith((".", "/")):
             attrs.append(DatasetAttr(name=name, source="hub", path=name))
         else:
-            where = f"{info_path}" if info_path.is_file() else f"{dataset_dir} (no dataset_info.json there)"
-            known = ", ".join(sorted(info)[:12]) + (" ..." if len(info) > 12 else "")
-            raise UserError(
-                f"dataset {name!r} is not in {where} and is not a file or a hub id 'owner/name'"
-                + (f"; known names: {known}" if info else "; set dataset_dir to the folder holding dataset_info.json")
-            )
+            raise UserError(_unknown_dataset_message(name, info, info_path, dataset_dir))
     return attrs
+
+
+def _unknown_dataset_message(name: str, info: dict, info_path: Path, dataset_dir: str) -> str:
+    if not info:
+        return (
+            f"dataset {name!r} is not a file or a hub id 'owner/name', and {dataset_dir} has no dataset_info.json; "
+            "set dataset_dir to the folder holding dataset_info.json"
+        )
+    close = difflib.get_close_matches(name, list(info), n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}?" if close else f"it names {len(info)} datasets, e.g. {', '.join(list(info)[:5])}"
+    return f"dataset {name!r} is not in {info_path} and is not a file or a hub id 'owner/name'; {hint}"
 
 
 def _attr_from_info(name: str, entry: dict[str, Any], dataset_dir: Path, info_path: Path) -> DatasetAttr:
@@ -77,17 +91,15 @@ def _attr_from_info(name: str, entry: dict[str, Any], dataset_dir: Path, info_pa
         raise UserError(f"{info_path}: dataset {name!r} has formatting {formatting!r}; supported: alpaca, sharegpt")
     if entry.get("ranking"):
         raise UserError(f"{info_path}: dataset {name!r} is a preference (ranking) dataset; tiletune trains sft and pt only")
-    columns = dict(ALPACA_COLUMNS if formatting == "alpaca" else SHAREGPT_COLUMNS)
-    columns.update(entry.get("columns", {}))
+    columns = entry.get("columns", {})
     media = [c for c in MEDIA_COLUMNS if columns.get(c)]
     if media:
         raise UserError(f"{info_path}: dataset {name!r} has {', '.join(media)}; multimodal data is not supported yet")
-    tags = {**SHAREGPT_TAGS, **entry.get("tags", {})}
     common = dict(
         name=name,
         formatting=formatting,
         columns=columns,
-        tags=tags,
+        tags=entry.get("tags", {}),
         split=entry.get("split", "train"),
         subset=entry.get("subset"),
         folder=entry.get("folder"),
@@ -169,6 +181,24 @@ def _check_json_file(path: Path) -> None:
 # ---- normalising -------------------------------------------------------------------------------
 
 
+def cache_fingerprint(dataset, function) -> str:
+    """The datasets-cache key of `dataset.map(function)`, covering tiletune's own data code too.
+
+    datasets hashes a callable object by its state, not by its class's code: without the source
+    hash, a cached result made by an older tiletune would be reused after an upgrade.
+    """
+    from datasets.fingerprint import Hasher
+
+    return Hasher.hash((dataset._fingerprint, Hasher.hash(function), _data_source_hash()))
+
+
+@functools.cache
+def _data_source_hash() -> str:
+    sources = sorted(Path(__file__).parent.glob("*.py"))
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()
+
+
+
 def normalise(dataset, attr: DatasetAttr, num_proc: int | None, overwrite_cache: bool):
     """Map the records of `attr`'s format to messages/system/tools, failing on malformed records."""
     convert = _AlpacaConverter(attr) if attr.formatting == "alpaca" else _SharegptConverter(attr)
@@ -181,6 +211,7 @@ def normalise(dataset, attr: DatasetAttr, num_proc: int | None, overwrite_cache:
     return dataset.map(
         convert,
         with_indices=True,
+        new_fingerprint=cache_fingerprint(dataset, convert),
         remove_columns=dataset.column_names,
         num_proc=num_proc if num_proc and len(dataset) >= 2 * num_proc else None,
         load_from_cache_file=not overwrite_cache,
@@ -240,7 +271,7 @@ class _SharegptConverter:
             if role not in expected:
                 raise UserError(
                     f"dataset {self.attr.name!r} record {index}: message {position} has role "
-                    f"{turn.get(t['role_tag'])!r} where a {' or '.join(self._tag_of(r) for r in expected)} "
+                    f"{turn.get(t['role_tag'])!r} where a {' or '.join(repr(self._tag_of(r)) for r in expected)} "
                     f"message is expected; fix the record or the `tags` in dataset_info.json"
                 )
             messages.append({"role": role, "content": turn[t["content_tag"]]})

@@ -17,7 +17,7 @@ from typing import Any
 from transformers.utils import logging as transformers_logging
 
 from tiletune.config import TuneConfig
-from tiletune.data.loader import load_raw, normalise, resolve_datasets
+from tiletune.data.loader import cache_fingerprint, load_raw, normalise, resolve_datasets
 from tiletune.data.templates import Template
 from tiletune.errors import UserError
 
@@ -132,6 +132,7 @@ def _map(cfg: TuneConfig, dataset, function, desc: str, batched: bool = False):
         remove_columns=dataset.column_names,
         num_proc=workers if workers and len(dataset) >= 2 * workers else None,
         load_from_cache_file=not cfg.overwrite_cache,
+        new_fingerprint=cache_fingerprint(dataset, function),
         desc=desc,
     )
 

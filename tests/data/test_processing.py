@@ -1,0 +1,64 @@
+"""Loss masks and truncation of supervised examples, and packing for pre-training."""
+
+import json
+
+import pytest
+
+from tiletune.config import build_config
+from tiletune.data.processing import IGNORE_INDEX, build_splits, encode_supervised, split_budget
+from tiletune.data.templates import TEMPLATES
+
+P = IGNORE_INDEX
+
+
+@pytest.mark.parametrize(
+    "prompt, response, budget, expected",
+    [
+        (10, 5, 100, (10, 5)),  # fits
+        (10, 60, 50, (10, 40)),  # short prompt kept whole, long answer cut
+        (80, 10, 50, (40, 10)),  # short answer kept whole, prompt cut
+        (60, 40, 50, (30, 20)),  # both long: shared in proportion 60:40
+    ],
+)
+def test_split_budget(prompt, response, budget, expected):
+    keep = split_budget(prompt, response, budget)
+    assert keep == expected and sum(keep) <= budget
+
+
+def test_prompts_are_masked_and_answers_kept():
+    pairs = [([1, 2, 3], [4, 5]), ([6], [7, 8])]
+    out = encode_supervised(pairs, cutoff_len=100, train_on_prompt=False, mask_history=False)
+    assert out["input_ids"] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert out["labels"] == [P, P, P, 4, 5, P, 7, 8]
+    assert out["attention_mask"] == [1] * 8
+
+
+def test_train_on_prompt_and_mask_history():
+    pairs = [([1, 2, 3], [4, 5]), ([6], [7, 8])]
+    assert encode_supervised(pairs, 100, train_on_prompt=True, mask_history=False)["labels"] == [1, 2, 3, 4, 5, 6, 7, 8]
+    out = encode_supervised(pairs, 100, train_on_prompt=False, mask_history=True)
+    assert out["input_ids"] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert out["labels"] == [P, P, P, P, P, P, 7, 8]
+
+
+def test_cutoff_drops_later_turns_first():
+    pairs = [([1, 2, 3], [4, 5]), ([6, 6, 6], [7, 8])]
+    out = encode_supervised(pairs, cutoff_len=7, train_on_prompt=False, mask_history=False)
+    assert len(out["input_ids"]) == 7 and out["input_ids"][:5] == [1, 2, 3, 4, 5]
+    # mask_history keeps the last turn whole instead
+    out = encode_supervised(pairs, cutoff_len=5, train_on_prompt=False, mask_history=True)
+    assert out["input_ids"] == [6, 6, 6, 7, 8] and out["labels"] == [P, P, P, 7, 8]
+
+
+def test_pretraining_packs_texts_into_cutoff_blocks(tmp_path, demo_tokenizer):
+    texts = [{"text": "lorem ipsum dolor sit amet " * (i + 1)} for i in range(6)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(t) + "\n" for t in texts))
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"c": {"file_name": "c.jsonl", "columns": {"prompt": "text"}}}))
+    raw = {"model_name_or_path": "m", "dataset": "c", "dataset_dir": str(tmp_path), "stage": "pt",
+           "cutoff_len": 16, "do_train": True}  # fmt: skip
+    train = build_splits(build_config(raw), demo_tokenizer, TEMPLATES["empty"]).train
+    total = sum(len(demo_tokenizer(t["text"] + demo_tokenizer.eos_token, add_special_tokens=False)["input_ids"]) for t in texts)
+    lengths = [len(ids) for ids in train["input_ids"]]
+    assert sum(lengths) == total and all(n == 16 for n in lengths[:-1]) and 0 < lengths[-1] <= 16
+    assert train["labels"] == train["input_ids"]
+    assert demo_tokenizer.decode(sum(train["input_ids"], [])).count(demo_tokenizer.eos_token) == 6
