@@ -48,3 +48,55 @@ def train(config: str, overrides: tuple[str, ...], dry_run: bool) -> None:
     from tiletune.train import run_train
 
     run_train(load_config(config, overrides), dry_run=dry_run)
+
+
+# ---- hipify / env -------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--out", "out", type=click.Path(file_okay=False), help="Directory for the HIP sources (mirrors the input tree; .cu becomes .hip).")
+@click.option("--inplace", is_flag=True, help="Rewrite the inputs, keeping each original as <name>.prehip.")
+@click.option("--lint-only", is_flag=True, help="Only run the migration lint on the CUDA sources; translate nothing.")
+@click.option("--engine", type=click.Choice(["auto", "torch", "perl", "clang"]), default="auto", show_default=True,
+              help="Translator: hipify-clang, hipify-perl, or torch.utils.hipify's table; auto takes the first available.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "sarif"]), default="text", show_default=True,
+              help="Format of the report printed on stdout.")
+@click.option("--report-dir", type=click.Path(file_okay=False),
+              help="Also write hipify-report.{txt,json,sarif} here (default: the --out directory).")
+@click.option("--strict", is_flag=True, help="Exit 1 on findings of severity error, compile errors, or a compile check that cannot run.")
+@click.option("--compile-check", is_flag=True, help="Compile the translation with hipcc and map errors back to CUDA lines.")
+@click.option("--offload-arch", default="gfx90a", show_default=True, help="AMD target for --compile-check (gfx90a, gfx942, gfx1100...).")
+@click.option("--hipcc-flag", "hipcc_flags", multiple=True, help="Extra hipcc flag for --compile-check (repeatable), e.g. -I/path/to/include.")
+@click.pass_context
+def hipify(ctx: click.Context, paths: tuple[str, ...], out: str | None, inplace: bool, lint_only: bool, engine: str,
+           fmt: str, report_dir: str | None, strict: bool, compile_check: bool, offload_arch: str,
+           hipcc_flags: tuple[str, ...]) -> None:
+    """Translate CUDA sources under PATHS to HIP and report what needs a human on AMD GPUs."""
+    from pathlib import Path
+
+    from tiletune.port.hipify import run_hipify
+    from tiletune.port.report import RENDERERS, write_reports
+
+    report = run_hipify(list(paths), out, engine=engine, inplace=inplace, lint_only=lint_only,
+                        compile_check=compile_check, offload_arch=offload_arch, hipcc_flags=hipcc_flags)
+    click.echo(RENDERERS[fmt](report), nl=False)
+    if report_dir or out:
+        written = write_reports(report, Path(report_dir or out))
+        click.echo(f"reports: {', '.join(map(str, written))}", err=True)
+    if strict and report.strict_failures():
+        ctx.exit(1)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--strict", is_flag=True, help="Exit 1 when any check fails.")
+@click.pass_context
+def env(ctx: click.Context, as_json: bool, strict: bool) -> None:
+    """Check this machine: GPU, torch build, library versions and toolchains against the compatibility matrix."""
+    from tiletune.env import collect_environment, render_json, render_text
+
+    report = collect_environment()
+    click.echo(render_json(report) if as_json else render_text(report), nl=False)
+    if strict and report.failed:
+        ctx.exit(1)

@@ -1,0 +1,123 @@
+"""Translation engines: one CUDA source file in, its HIP text out.
+
+- `clang`: AMD's hipify-clang (a real C++ parse; needs a CUDA toolkit for the headers),
+- `perl`: AMD's hipify-perl (regex-based, the same mapping tables as hipify-clang),
+- `torch`: PyTorch's `torch.utils.hipify` mapping table, the one `torch.utils.cpp_extension`
+  applies when it builds an extension for ROCm; always available where torch is installed.
+
+`auto` takes the first that can run here, in that order. Engines never write files: the caller
+decides where the text goes, so the input tree stays untouched.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiletune.errors import UserError
+
+ENGINE_NAMES = ("auto", "torch", "perl", "clang")
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A translator: `translate(path)` returns the HIP text of the CUDA file at `path`."""
+
+    name: str
+    description: str
+    translate: Callable[[Path], str]
+
+
+def cuda_toolkit() -> Path | None:
+    """The CUDA toolkit root (the directory holding include/cuda_runtime.h), if one is installed."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.insert(2, str(Path(nvcc).resolve().parent.parent))
+    for candidate in filter(None, candidates):
+        if (Path(candidate) / "include" / "cuda_runtime.h").is_file():
+            return Path(candidate)
+    return None
+
+
+def _run_tool(command: list[str], path: Path, engine: str) -> subprocess.CompletedProcess:
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
+        raise UserError(
+            f"{engine} failed on {path} (exit {result.returncode}): {' | '.join(tail) or 'no output'}; "
+            "fix the source or pick another translator with --engine torch|perl|clang"
+        )
+    return result
+
+
+def _tool_version(executable: str) -> str:
+    result = subprocess.run([executable, "--version"], capture_output=True, text=True, check=False)
+    lines = (result.stdout or result.stderr).strip().splitlines()
+    return lines[0].strip() if lines else "version unknown"
+
+
+def _torch_engine() -> Engine:
+    from torch.utils.hipify import hipify_python
+
+    def translate(path: Path) -> str:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        text = hipify_python.RE_PYTORCH_PREPROCESSOR.sub(
+            lambda match: hipify_python.PYTORCH_MAP[match.group(0)], text
+        )
+        return hipify_python.hip_header_magic(text)
+
+    version = importlib.metadata.version("torch")
+    return Engine("torch", f"torch.utils.hipify's mapping table from torch {version}", translate)
+
+
+def _perl_engine(executable: str) -> Engine:
+    def translate(path: Path) -> str:
+        return _run_tool([executable, "-quiet-warnings", str(path)], path, "hipify-perl").stdout
+
+    return Engine("perl", f"hipify-perl at {executable} ({_tool_version(executable)})", translate)
+
+
+def _clang_engine(executable: str, toolkit: Path) -> Engine:
+    def translate(path: Path) -> str:
+        with tempfile.TemporaryDirectory(prefix="tiletune-hipify-") as scratch:
+            output = Path(scratch) / (path.name + ".hip")
+            command = [executable, str(path), "-o", str(output), f"--cuda-path={toolkit}",
+                       f"-I{path.parent}", "--", "-std=c++17"]
+            _run_tool(command, path, "hipify-clang")
+            return output.read_text(encoding="utf-8", errors="replace")
+
+    return Engine("clang", f"hipify-clang at {executable} ({_tool_version(executable)}; CUDA headers from {toolkit})", translate)
+
+
+def select_engine(name: str = "auto") -> Engine:
+    """The engine for `--engine NAME`; `auto` prefers hipify-clang, then hipify-perl, then torch."""
+    if name not in ENGINE_NAMES:
+        raise UserError(f"unknown --engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")
+    clang, perl = shutil.which("hipify-clang"), shutil.which("hipify-perl")
+    toolkit = cuda_toolkit()
+    has_torch = importlib.util.find_spec("torch") is not None
+    if name == "clang" or (name == "auto" and clang and toolkit):
+        if not clang:
+            raise UserError("--engine clang: hipify-clang is not on PATH; install HIPIFY (ROCm's hipify-clang) "
+                            "or use --engine perl|torch")
+        if not toolkit:
+            raise UserError("--engine clang: hipify-clang needs the CUDA headers but no CUDA toolkit was found; "
+                            "set CUDA_HOME or use --engine perl|torch")
+        return _clang_engine(clang, toolkit)
+    if name == "perl" or (name == "auto" and perl):
+        if not perl:
+            raise UserError("--engine perl: hipify-perl is not on PATH; install HIPIFY (ROCm ships it in "
+                            "/opt/rocm/bin) or use --engine torch")
+        return _perl_engine(perl)
+    if not has_torch:
+        raise UserError("no translator available: install torch (for --engine torch) or put hipify-perl / "
+                        "hipify-clang on PATH")
+    return _torch_engine()

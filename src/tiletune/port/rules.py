@@ -1,0 +1,354 @@
+"""The migration rules: what in CUDA source silently breaks (or stops compiling) on AMD GPUs.
+
+Each rule is data: an id, a severity (SARIF levels: error, warning, note), what breaks on AMD, the
+fix, and either a regex applied line by line to comment-free source (optionally only when a
+`context` regex also matches within `window` lines below) or a `check` function for the one rule
+that has to evaluate sizes (shared memory). Facts the messages rely on:
+
+- CDNA GPUs (MI200 = gfx90a, MI300 = gfx942) run 64-lane wavefronts; RDNA (gfx1100) runs 32 by
+  default. `warpSize` is the portable spelling; hard-coded 32 is wrong on CDNA.
+- Ballot and active masks are 64-bit on AMD; HIP's `*_sync` warp functions (ROCm >= 6.2) want a
+  64-bit mask, ROCm < 6.2 has only the unmasked `__shfl_xor`, `__ballot`, ... forms.
+- An AMD workgroup gets at most 64 KiB of LDS (shared memory) on gfx90a, gfx942 and gfx1100.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+LDS_LIMIT_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One place a `check` function flags: 1-based line and column, plus rule-specific detail."""
+
+    line: int
+    column: int
+    detail: str = ""
+    severity: str | None = None  # overrides the rule's severity when set
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A migration rule; see the module docstring for how `pattern`, `context` and `check` apply."""
+
+    id: str
+    severity: str
+    title: str
+    breaks: str
+    fix: str
+    pattern: re.Pattern | None = None
+    context: re.Pattern | None = None
+    window: int = 0
+    check: Callable[[str], Iterable[Hit]] | None = None
+
+
+# ---- shared-memory sizes: a small evaluator for the constant expressions kernels use ----------
+
+_SIZEOF = {
+    "char": 1, "int8_t": 1, "uint8_t": 1, "__nv_fp8_e4m3": 1, "__nv_fp8_e5m2": 1,
+    "half": 2, "__half": 2, "__nv_bfloat16": 2, "nv_bfloat16": 2, "short": 2, "int16_t": 2,
+    "float": 4, "int": 4, "unsigned": 4, "uint32_t": 4, "int32_t": 4, "half2": 4, "__half2": 4,
+    "__nv_bfloat162": 4, "double": 8, "long": 8, "size_t": 8, "int64_t": 8, "uint64_t": 8,
+    "float2": 8, "float4": 16, "int4": 16, "uint4": 16, "double2": 16,
+}
+_DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+(.+)$", re.M)
+_CONST = re.compile(r"\b(?:constexpr|const)\b[^;=(){}]*?\b(\w+)\s*=\s*([^;{}]+);")
+_INT_SUFFIX = re.compile(r"\b(0[xX][0-9a-fA-F]+|\d+)[uUlL]+\b")
+_SIZEOF_CALL = re.compile(r"\bsizeof\s*\(\s*([\w:]+)\s*\)")
+_CAST = re.compile(r"\bstatic_cast\s*<[^>]*>|\(\s*(?:unsigned\s+)?(?:size_t|int|unsigned|long|uint32_t|int64_t)\s*\)")
+_INT_OPS = {
+    ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a // b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
+    ast.LShift: lambda a, b: a << b, ast.RShift: lambda a, b: a >> b,
+    ast.BitOr: lambda a, b: a | b, ast.BitAnd: lambda a, b: a & b,
+}
+
+
+def source_constants(text: str) -> dict[str, str]:
+    """Map names from `#define NAME expr` and `const[expr] T NAME = expr[, NAME2 = expr];` to expressions."""
+    constants = {}
+    for match in _CONST.finditer(text):
+        first, *others = _split_top_level(match.group(2))
+        constants[match.group(1)] = first
+        constants.update(part.split("=", 1) for part in others if "=" in part)
+    constants = {name.strip(): expr.strip() for name, expr in constants.items()}
+    constants.update((m.group(1), m.group(2).strip()) for m in _DEFINE.finditer(text))
+    return constants
+
+
+def evaluate_int(expr: str, constants: dict[str, str], depth: int = 0) -> int | None:
+    """Value of a C integer constant expression (literals, named constants, sizeof, + - * / % << >>).
+
+    Returns None when the expression depends on anything not known at compile time.
+    """
+    if depth > 8:
+        return None
+    expr = _SIZEOF_CALL.sub(lambda m: str(_SIZEOF.get(m.group(1).split("::")[-1], "x")), expr)
+    expr = _INT_SUFFIX.sub(r"\1", _CAST.sub("", expr))
+    try:
+        tree = ast.parse(expr.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+
+    def value(node: ast.AST) -> int | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name) and node.id in constants:
+            return evaluate_int(constants[node.id], constants, depth + 1)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            operand = value(node.operand)
+            return None if operand is None else (-operand if isinstance(node.op, ast.USub) else operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in _INT_OPS:
+            left, right = value(node.left), value(node.right)
+            if left is None or right is None or (right == 0 and isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod))):
+                return None
+            return _INT_OPS[type(node.op)](left, right)
+        return None
+
+    return value(tree)
+
+
+def _split_top_level(args: str) -> list[str]:
+    """Split a comma-separated argument list, ignoring commas nested in (), [], {}."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(args):
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            parts.append(args[start:i])
+            start = i + 1
+    parts.append(args[start:])
+    return [part.strip() for part in parts]
+
+
+def _balanced_args(text: str, open_paren: int) -> str:
+    """The text between the parenthesis at `open_paren` and its matching close."""
+    depth = 0
+    for i in range(open_paren, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[open_paren + 1 : i]
+    return text[open_paren + 1 :]
+
+
+def _position(text: str, index: int) -> tuple[int, int]:
+    line_start = text.rfind("\n", 0, index) + 1
+    return text.count("\n", 0, index) + 1, index - line_start + 1
+
+
+_SET_ATTRIBUTE = re.compile(r"\b(?:cuda|hip)FuncSetAttribute\s*\(")
+_LAUNCH = re.compile(r"<<<(.*?)>>>", re.S)
+_LAUNCH_EX_SMEM = re.compile(r"\bdynamicSmemBytes\s*=\s*([^;]+);")
+_STATIC_SHARED = re.compile(r"__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s*)?([\w:]+)\s+\w+\s*((?:\[[^\]]+\]\s*)+);")
+
+
+def _shared_memory_requests(text: str) -> Iterable[tuple[int, str, str]]:
+    """Yield (offset, what, byte-count expression) for each shared-memory size the source sets."""
+    for match in _SET_ATTRIBUTE.finditer(text):
+        args = _split_top_level(_balanced_args(text, match.end() - 1))
+        if len(args) == 3 and args[1].endswith("MaxDynamicSharedMemorySize"):
+            yield match.start(), "the dynamic shared memory limit set here", args[2]
+    for match in _LAUNCH.finditer(text):
+        args = _split_top_level(match.group(1))
+        if len(args) >= 3:
+            yield match.start(), "this launch", args[2]
+    for match in _LAUNCH_EX_SMEM.finditer(text):
+        yield match.start(), "this launch config", match.group(1)
+    for match in _STATIC_SHARED.finditer(text):
+        dims = re.findall(r"\[([^\]]+)\]", match.group(2))
+        yield match.start(), "this static __shared__ array", "*".join(
+            [f"sizeof({match.group(1)})", *(f"({dim})" for dim in dims)]
+        )
+
+
+def check_shared_memory(text: str) -> Iterable[Hit]:
+    """Flag shared-memory sizes above the 64 KiB of LDS; warn where an attribute's size is unknown."""
+    constants = source_constants(text)
+    for offset, what, expr in _shared_memory_requests(text):
+        line, column = _position(text, offset)
+        size = evaluate_int(expr, constants)
+        if size is not None and size > LDS_LIMIT_BYTES:
+            yield Hit(line, column, f"{what} asks for {size} bytes ({size / 1024:g} KiB)")
+        elif size is None and what.startswith("the dynamic shared memory limit"):
+            yield Hit(line, column, f"size `{expr}` is not a compile-time constant: make sure it stays <= 64 KiB",
+                      severity="warning")
+
+
+# ---- the table ---------------------------------------------------------------------------------
+
+_LANE_NAMES = re.compile(r"threadIdx|blockDim|\btid\b|lane|warp|\bwid\b", re.I)
+_SHUFFLE = re.compile(r"__shfl|__reduce_\w+_sync|shfl_(?:xor|down|up)")
+_WARP_SIZE_NAME = r"\w*(?i:warp_?size|warpsz|threads_per_warp|lanes?_per_warp)\w*"
+_MASK32 = r"(?:0[xX][fF]{8}(?![0-9a-fA-F])[uUlL]*|~0[uU]?\b|\(unsigned\)\s*-1|uint32_t\(-1\))"
+
+RULES: list[Rule] = [
+    Rule(
+        "warp-size-define", "error", "warp size hard-coded as 32",
+        "CDNA GPUs (MI200 gfx90a, MI300 gfx942) run 64-lane wavefronts: every lane index, warp count "
+        "and reduction derived from this constant covers only half a wavefront, so results are wrong "
+        "without any error.",
+        "Use `warpSize` at run time, or a per-target constant (64 for gfx9xx, 32 for gfx1xxx) chosen "
+        "with `#if defined(__GFX9__)`, and size shared buffers for 64.",
+        pattern=re.compile(rf"^\s*#\s*define\s+{_WARP_SIZE_NAME}\s+\(?32\)?\s*$|\b{_WARP_SIZE_NAME}\s*=\s*32\b"),
+    ),
+    Rule(
+        "warp-size-literal", "error", "lane/warp arithmetic assumes 32 lanes",
+        "`% 32`, `/ 32`, `& 31`, `>> 5` and `< 32` on thread indices compute lane and warp ids for "
+        "32-lane warps; on a 64-lane wavefront two 'warps' share one wavefront and lanes 32-63 get the "
+        "wrong ids.",
+        "Compute `lane = threadIdx.x % warpSize` and `warp = threadIdx.x / warpSize` (or use a "
+        "per-target constant), and loop over `warpSize` lanes.",
+        pattern=re.compile(r"[%/*]\s*32[uU]?\b(?!\.)|&\s*(?:31|0[xX]1[fF])[uU]?\b|>>\s*5\b|<<\s*5\b|(?<![<>])<\s*32[uU]?\b(?!\.)(?!\s*>)"),
+        context=_LANE_NAMES,
+    ),
+    Rule(
+        "warp-lane-loop", "error", "shuffle loop covers 32 lanes",
+        "A butterfly or tree reduction starting at offset 16 (or running to 32) combines 32 lanes; on a "
+        "64-lane wavefront each half reduces separately and the result holds half the sum.",
+        "Start the loop at `warpSize / 2` (and loop while `offset > 0`), or use a per-target constant.",
+        pattern=re.compile(r"\bfor\s*\([^;]*=\s*16[uU]?\s*;|\bfor\s*\([^;]*;[^;]*<=?\s*(?:32|31)[uU]?\s*;"),
+        context=_SHUFFLE, window=3,
+    ),
+    Rule(
+        "warp-tile-32", "warning", "cooperative-groups tile of 32 used as a warp",
+        "`tiled_partition<32>` / `thread_block_tile<32>` is half a wavefront on CDNA; code that treats "
+        "it as 'the warp' (ballots, lane masks, one result per warp) is wrong there.",
+        "Size tiles with the wavefront (`warpSize`), or check that the tile size is only a grouping choice.",
+        pattern=re.compile(r"\b(?:tiled_partition|thread_block_tile)\s*<\s*32\s*>"),
+    ),
+    Rule(
+        "mask-32bit", "error", "32-bit lane mask in a warp function",
+        "`0xffffffff` names lanes 0-31 only. On a 64-lane wavefront lanes 32-63 are left out, and "
+        "HIP's `*_sync` functions (ROCm >= 6.2) reject a 32-bit mask at compile time; ROCm < 6.2 has no "
+        "`*_sync` forms at all.",
+        "Pass a 64-bit mask (`0xffffffffffffffffull`, or `__activemask()` stored in a 64-bit integer); "
+        "for ROCm < 6.2 use the unmasked `__shfl_xor` / `__ballot` forms.",
+        pattern=re.compile(
+            rf"\b__(?:shfl(?:_up|_down|_xor)?|ballot|any|all|uni|match_any|match_all|reduce_\w+)_sync\s*\(\s*{_MASK32}"
+            rf"|^\s*#\s*define\s+\w*MASK\w*\s+\(?{_MASK32}|\b\w*mask\w*\s*=\s*{_MASK32}",
+            re.I,
+        ),
+    ),
+    Rule(
+        "ballot-32bit-result", "error", "ballot or active mask stored in 32 bits",
+        "`__ballot_sync` and `__activemask` return 64-bit masks on AMD; storing them in `unsigned`, "
+        "`int` or `uint32_t` drops lanes 32-63, so counts and leader election are wrong.",
+        "Store masks in `unsigned long long` / `uint64_t` (or `auto`) and count them with `__popcll` / `__ffsll`.",
+        pattern=re.compile(r"\b(?<!long )(?:unsigned\s+int|unsigned|uint32_t|int32_t|int|uint)\s+\w+\s*=\s*__(?:ballot(?:_sync)?|activemask)\s*\("),
+    ),
+    Rule(
+        "popc-32bit", "warning", "32-bit bit count of a lane mask",
+        "`__popc`, `__ffs` and `__clz` take 32-bit integers: applied to a 64-bit ballot they count "
+        "only lanes 0-31.",
+        "Use `__popcll`, `__ffsll`, `__clzll` on lane masks.",
+        pattern=re.compile(r"\b__(?:popc|ffs|clz|brev)\s*\(\s*(?:__ballot|__activemask|\w*(?:ballot|vote|mask)\w*\s*\))", re.I),
+    ),
+    Rule(
+        "inline-asm", "error", "inline assembly (PTX)",
+        "PTX is NVIDIA's virtual ISA; hipcc cannot compile it, and AMD GCN/CDNA assembly differs in "
+        "registers, instructions and wave size.",
+        "Replace it with HIP intrinsics or clang builtins (`__builtin_amdgcn_*`, `__builtin_nontemporal_load`, "
+        "`__lane_id()`), or guard it with `#if defined(__HIP_PLATFORM_AMD__)` and keep a portable path.",
+        pattern=re.compile(r"\b(?:asm|__asm__|__asm)\s*(?:volatile|__volatile__)?\s*\("),
+    ),
+    Rule(
+        "ptx-mma", "error", "PTX tensor-core or async-copy instruction",
+        "`mma.sync`, `wgmma`, `ldmatrix`, `stmatrix` and `cp.async` have no AMD equivalent with the same "
+        "fragment layout; MFMA (CDNA) and WMMA (RDNA3) use different tile shapes and register layouts.",
+        "Rewrite the tile loop with rocWMMA or `__builtin_amdgcn_mfma_*` builtins, or generate the kernel "
+        "with TileLang / Composable Kernel for gfx90a / gfx942.",
+        pattern=re.compile(r"\b(?:mma\.sync|wgmma\.|ldmatrix\.|stmatrix\.|cp\.async)"),
+    ),
+    Rule(
+        "wmma", "error", "CUDA WMMA (mma.h) tensor-core API",
+        "`nvcuda::wmma` and `<mma.h>` do not exist in HIP; hipify leaves them as they are and the "
+        "fragment shapes and layouts are NVIDIA-specific.",
+        "Port to rocWMMA (`#include <rocwmma/rocwmma.hpp>`, `rocwmma::fragment`, 16x16x16 tiles with "
+        "wave64 on gfx90a/gfx942) or to MFMA builtins.",
+        pattern=re.compile(r"#\s*include\s*[<\"]mma\.h[>\"]|\bnvcuda::|\bnamespace\s+nvcuda\b|\bwmma::"),
+    ),
+    Rule(
+        "lds-limit", "error", "shared memory beyond the 64 KiB of LDS",
+        "NVIDIA GPUs allow up to 227 KiB of dynamic shared memory per block after `cudaFuncSetAttribute`; "
+        "AMD gives a workgroup at most 64 KiB of LDS on gfx90a, gfx942 and gfx1100, and the launch fails.",
+        "Shrink the tile (fewer stages or a smaller block tile) so the block needs <= 64 KiB, or keep "
+        "part of the data in registers.",
+        check=check_shared_memory,
+    ),
+    Rule(
+        "launch-bounds-2nd-arg", "warning", "`__launch_bounds__` with a second argument",
+        "CUDA's second argument is the minimum number of blocks per SM; HIP reads it as the minimum "
+        "number of waves per execution unit, so the register budget the compiler picks changes.",
+        "Drop the second argument, or translate it: min waves per EU = min blocks x ceil(threads / "
+        "warpSize) / EUs per CU (4 on CDNA); tune with `__attribute__((amdgpu_waves_per_eu(...)))`.",
+        pattern=re.compile(r"__launch_bounds__\s*\((?:[^(),]|\([^()]*\))+,(?:[^()]|\([^()]*\))+\)"),
+    ),
+    Rule(
+        "bf16-type", "warning", "CUDA bfloat16 type or header",
+        "HIP's bfloat16 is `__hip_bfloat16` from `<hip/hip_bf16.h>` (ROCm >= 5.7; older ROCm only has "
+        "`hip_bfloat16`); some `__nv_bfloat162` intrinsics and conversions are missing or round differently.",
+        "Build against ROCm >= 6, check every bf16 intrinsic you use exists in hip_bf16.h, and verify "
+        "numerics against a float reference (`tiletune verify`).",
+        pattern=re.compile(r"\b__nv_bfloat162?\b|\bnv_bfloat162?\b|#\s*include\s*[<\"]cuda_bf16\.h[>\"]"),
+    ),
+    Rule(
+        "fp8-type", "error", "CUDA fp8 type or header",
+        "MI300 (gfx942) implements fp8 as e4m3 FNUZ / e5m2 FNUZ: max 240 instead of 448, a different "
+        "exponent bias, no negative zero and 0x80 as NaN. Bits written by NVIDIA e4m3 code decode to "
+        "different values, and scales computed for 448 overflow.",
+        "Use `__hip_fp8_e4m3_fnuz` / `__hip_fp8_e5m2_fnuz` from `<hip/hip_fp8.h>` on gfx942 (OCP types on "
+        "gfx950), recompute scaling with the type's max, and never reinterpret fp8 bits across vendors.",
+        pattern=re.compile(r"\b__nv_fp8\w*|\b__NV_E[45]M[23]\b|\b__nv_cvt_\w*fp8\w*|#\s*include\s*[<\"]cuda_fp8\.h[>\"]"),
+    ),
+    Rule(
+        "grid-sync", "warning", "cooperative-groups grid synchronisation",
+        "`grid.sync()` deadlocks unless every block is resident at once and the kernel is launched with "
+        "`hipLaunchCooperativeKernel`; AMD GPUs fit a different number of blocks per CU, so a grid size "
+        "tuned on NVIDIA can hang.",
+        "Launch with `hipLaunchCooperativeKernel`, size the grid from "
+        "`hipOccupancyMaxActiveBlocksPerMultiprocessor` x CU count, and check "
+        "`hipDeviceAttributeCooperativeLaunch`; or split the kernel in two launches.",
+        pattern=re.compile(r"\bthis_grid\s*\(|\bgrid_group\b|\bcudaLaunchCooperativeKernel\w*"),
+    ),
+    Rule(
+        "texture-reference", "error", "texture reference (legacy texture API)",
+        "Texture references (`texture<...>` globals, `cudaBindTexture`) were removed in CUDA 12 and are "
+        "deprecated, partly unsupported, in HIP.",
+        "Use texture objects (`hipTextureObject_t` with `hipCreateTextureObject`) or plain `__ldg` / "
+        "global loads.",
+        pattern=re.compile(r"\btexture\s*<[^>]*>\s*\w+\s*;|\bcuda(?:Bind|Unbind)Texture\w*|\bcudaGetTextureReference\b"),
+    ),
+    Rule(
+        "cutlass-cute", "error", "CUTLASS / CuTe include",
+        "CUTLASS and CuTe are NVIDIA-only template libraries (PTX, tensor-core layouts); no hipify "
+        "engine translates them.",
+        "Use Composable Kernel or hipBLASLt for GEMMs on AMD, or write the kernel in TileLang, which "
+        "lowers to both CUDA and HIP (`tiletune kernels lower`).",
+        pattern=re.compile(r"#\s*include\s*[<\"](?:cutlass|cute)/"),
+    ),
+    Rule(
+        "thrust-cuda-par", "warning", "`thrust::cuda::par` execution policy",
+        "Translators only respell it `thrust::hip::par`: the build then needs rocThrust and hipCUB from "
+        "ROCm, and CUDA-backend specifics (`par_nosync`, `thrust::cuda::pointer`, CUDA memory resources, "
+        "CUB tuning policies) have no guaranteed rocThrust equivalent.",
+        "Install rocthrust and hipcub, prefer the portable `thrust::device` (or `thrust::hip::par.on(stream)`), "
+        "and check every `thrust::cuda::` symbol against rocThrust.",
+        pattern=re.compile(r"\bthrust::cuda(?:_cub)?::par\w*"),
+    ),
+    Rule(
+        "cuda-arch-guard", "warning", "`__CUDA_ARCH__` version test",
+        "`__CUDA_ARCH__` is not defined when hipcc compiles for AMD, so `#if __CUDA_ARCH__ >= 800` "
+        "silently selects the fallback (or the host-only) branch: fast paths disappear without an error.",
+        "Test `__HIP_DEVICE_COMPILE__` / `__HIP_PLATFORM_AMD__` (and `__gfx942__` etc.) explicitly for the AMD path.",
+        pattern=re.compile(r"^\s*#\s*(?:if|elif)\b.*__CUDA_ARCH__\s*(?:[<>]=?|==|!=)"),
+    ),
+]
+
+RULES_BY_ID: dict[str, Rule] = {rule.id: rule for rule in RULES}

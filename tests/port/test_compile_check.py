@@ -1,0 +1,86 @@
+"""hipcc compile check: translated units compile for gfx90a and errors land on the CUDA lines.
+
+Needs a hipcc that targets gfx90a (Debian's `hipcc` package does, without a GPU); skipped otherwise.
+"""
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tiletune.port.compile_check import probe_arch, compile_units, find_hipcc, hipcc_version, line_map
+from tiletune.port.hipify import run_hipify
+
+from port_corpus import CORPUS
+
+
+def _hipcc_problem() -> str:
+    hipcc = find_hipcc()
+    if hipcc is None:
+        return "hipcc not installed (CI installs it with .ci/install-hipcc.sh)"
+    with tempfile.TemporaryDirectory() as scratch:
+        return probe_arch(hipcc, "gfx90a", Path(scratch))
+
+
+HIPCC_PROBLEM = _hipcc_problem()
+needs_hipcc = pytest.mark.skipif(bool(HIPCC_PROBLEM), reason=HIPCC_PROBLEM or "hipcc works")
+
+
+def test_line_map_follows_inserted_and_rewritten_lines():
+    source = "a\nb cuda\nc\n"
+    translated = "#include <hip/hip_runtime.h>\na\nb hip\nc\n"
+    assert line_map(source, translated) == [1, 1, 2, 3]
+
+
+@needs_hipcc
+def test_clean_sample_compiles_with_its_header(tmp_path):
+    tree = tmp_path / "src"
+    tree.mkdir()
+    for name in ("clean_silu_mul.cu", "common.cuh"):
+        shutil.copy(CORPUS / name, tree)
+    report = run_hipify([str(tree)], str(tmp_path / "hip"), engine="torch", compile_check=True)
+    assert report.compile.compiler.startswith("hipcc")
+    assert [(r.source.endswith("clean_silu_mul.cu"), r.ok) for r in report.compile.results] == [(True, True)]
+    assert report.strict_failures() == []
+
+
+@needs_hipcc
+def test_errors_map_back_to_cuda_lines(tmp_path):
+    source = tmp_path / "broken.cu"
+    # No include: the torch engine prepends hip_runtime.h, shifting every line of the translation by one.
+    source.write_text("__global__ void scale(float* x) {\n  x[threadIdx.x] *= not_declared;\n}\n")
+    report = run_hipify([str(source)], str(tmp_path / "hip"), engine="torch", compile_check=True)
+    result, = report.compile.results
+    assert not result.ok
+    diagnostic, = (d for d in result.diagnostics if d.severity == "error")
+    assert (Path(diagnostic.path).name, diagnostic.line) == ("broken.cu", 2)
+    assert "not_declared" in diagnostic.message and diagnostic.compiled_at.endswith("broken.hip:3")
+    assert report.strict_failures() == ["1 unit(s) failed to compile"]
+
+
+@needs_hipcc
+def test_warp_sync_code_fails_on_the_flagged_line(tmp_path):
+    report = run_hipify([str(CORPUS / "softmax_ballot.cu"), str(CORPUS / "common.cuh")], str(tmp_path / "hip"),
+                        engine="torch", compile_check=True)
+    result, = report.compile.results
+    error_lines = {d.line for d in result.diagnostics if d.severity == "error"}
+    flagged = {f.line for f in report.findings if f.rule == "mask-32bit"}
+    assert 21 in error_lines & flagged  # __ballot_sync(0xffffffff, ...): missing before ROCm 6.2, rejected after
+
+
+@needs_hipcc
+def test_target_the_compiler_cannot_build_is_reported_not_crashed(tmp_path):
+    version = hipcc_version(find_hipcc()) or "0"
+    if int(version.split(".")[0]) >= 6:
+        pytest.skip(f"hipcc {version} supports gfx942")
+    check = compile_units([], {}, "gfx942")
+    assert "gfx942" in check.skipped and check.results == []
+
+
+def test_missing_hipcc_skips_with_the_install_hint(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("ROCM_PATH", str(tmp_path))
+    monkeypatch.delenv("HIPCC", raising=False)
+    check = compile_units([], {}, "gfx90a")
+    assert "hipcc not found" in check.skipped and "apt-get install hipcc" in check.skipped

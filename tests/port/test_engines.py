@@ -1,0 +1,81 @@
+"""Translation engines: the torch table in-process, hipify-perl / hipify-clang as subprocesses."""
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from tiletune.errors import UserError
+from tiletune.port.engines import select_engine
+
+from port_corpus import CLEAN_SAMPLE
+
+
+def _tool(directory: Path, name: str, script: str) -> Path:
+    path = directory / name
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+@pytest.fixture
+def bare_path(tmp_path, monkeypatch):
+    """A PATH holding only sh and sed, plus a bin/ directory the test can put fake tools in."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("sh", "sed", "cat"):
+        os.symlink(f"/bin/{tool}", bin_dir / tool)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    return bin_dir
+
+
+def test_torch_engine_translates_runtime_api_and_headers():
+    engine = select_engine("torch")
+    hip = engine.translate(CLEAN_SAMPLE)
+    assert engine.name == "torch" and "torch" in engine.description
+    assert "hipMalloc(" in hip and "hipStream_t" in hip and "hip/hip_fp16.h" in hip
+    assert "cudaMalloc" not in hip and "cudaStream_t" not in hip
+
+
+def test_auto_uses_torch_without_hipify_tools(bare_path):
+    assert select_engine("auto").name == "torch"
+
+
+def test_auto_prefers_hipify_perl_on_path(bare_path, tmp_path):
+    _tool(bare_path, "hipify-perl", 'for f; do :; done; sed "s/cudaMalloc/hipMalloc/g" "$f"\n')
+    engine = select_engine("auto")
+    assert engine.name == "perl" and "hipify-perl" in engine.description
+    assert "hipMalloc(&ptr" in engine.translate(CLEAN_SAMPLE)
+
+
+def test_a_failing_tool_is_a_user_error_naming_the_file(bare_path):
+    _tool(bare_path, "hipify-perl", 'echo "parse error near line 3" >&2; exit 1\n')
+    with pytest.raises(UserError, match=r"hipify-perl failed on .*clean_silu_mul.cu.*parse error"):
+        select_engine("perl").translate(CLEAN_SAMPLE)
+
+
+def test_clang_engine_passes_cuda_path_and_reads_its_output(bare_path, tmp_path, monkeypatch):
+    toolkit = tmp_path / "cuda"
+    (toolkit / "include").mkdir(parents=True)
+    (toolkit / "include" / "cuda_runtime.h").write_text("")
+    monkeypatch.setenv("CUDA_HOME", str(toolkit))
+    log = tmp_path / "args"
+    _tool(bare_path, "hipify-clang",
+          f'echo "$@" > {log}\nwhile [ "$1" != "-o" ]; do shift; done\necho "// translated" > "$2"\n')
+    engine = select_engine("auto")
+    assert engine.name == "clang"
+    assert engine.translate(CLEAN_SAMPLE) == "// translated\n"
+    assert f"--cuda-path={toolkit}" in log.read_text()
+
+
+@pytest.mark.parametrize(("engine", "message"), [
+    ("perl", "hipify-perl is not on PATH"),
+    ("clang", "hipify-clang is not on PATH"),
+    ("cuda2hip", "unknown --engine"),
+])
+def test_unavailable_or_unknown_engine_is_a_user_error(bare_path, engine, message):
+    with pytest.raises(UserError, match=message):
+        select_engine(engine)

@@ -1,0 +1,116 @@
+"""`tiletune hipify` end to end: output tree, untouched input, in-place backups, statistics, CLI."""
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tiletune.cli import main
+from tiletune.errors import UserError
+from tiletune.port.hipify import run_hipify
+
+from port_corpus import CLEAN_SAMPLE, CORPUS
+
+
+def _digest(tree: Path) -> dict[str, str]:
+    return {str(p.relative_to(tree)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(tree.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def tree(tmp_path) -> Path:
+    """A copy of the corpus with a nested directory, as a user's csrc/ would look."""
+    root = tmp_path / "csrc"
+    shutil.copytree(CORPUS, root)
+    (root / "ops").mkdir()
+    shutil.move(root / "softmax_ballot.cu", root / "ops" / "softmax_ballot.cu")
+    (root / "ops" / "softmax_ballot.cu").write_text(
+        (root / "ops" / "softmax_ballot.cu").read_text().replace('"common.cuh"', '"../common.cuh"'))
+    return root
+
+
+def test_out_mirrors_the_tree_and_leaves_the_input_untouched(tree, tmp_path):
+    before = _digest(tree)
+    report = run_hipify([str(tree)], str(tmp_path / "hip"), engine="torch")
+    assert _digest(tree) == before
+    out = tmp_path / "hip"
+    assert (out / "ops" / "softmax_ballot.hip").is_file() and (out / "common.cuh").is_file()
+    assert not list(out.rglob("*.cu"))
+    assert "hipGetErrorString" in (out / "common.cuh").read_text()
+    assert len(report.files) == len(before)
+
+
+def test_statistics_count_translated_and_untranslated_cuda_names(tree, tmp_path):
+    report = run_hipify([str(tree)], str(tmp_path / "hip"), engine="torch")
+    files = {Path(f.source).name: f for f in report.files}
+    clean = files["clean_silu_mul.cu"]
+    assert clean.translated >= 8 and clean.left == {}  # CUDA_CHECK is the sample's own macro, not CUDA API
+    assert files["wmma_gemm.cu"].left["wmma::fragment"] == 3
+    assert "cutlass::half_t" in files["cutlass_gemm.cu"].left
+    assert report.rule_counts()["wmma"] == 10
+
+
+def test_inplace_rewrites_with_backups_and_never_overwrites_a_backup(tmp_path):
+    source = tmp_path / "silu.cu"
+    shutil.copy(CLEAN_SAMPLE, source)
+    shutil.copy(CLEAN_SAMPLE.parent / "common.cuh", tmp_path)
+    original = source.read_text()
+    report = run_hipify([str(tmp_path)], inplace=True, engine="torch")
+    assert "hipMalloc" in source.read_text()
+    assert (tmp_path / "silu.cu.prehip").read_text() == original
+    assert report.destination == "in place"
+    run_hipify([str(tmp_path)], inplace=True, engine="torch")
+    assert (tmp_path / "silu.cu.prehip").read_text() == original
+    assert not list(tmp_path.glob("*.prehip.prehip"))
+
+
+def test_lint_only_translates_nothing(tree):
+    before = _digest(tree)
+    report = run_hipify([str(tree)], lint_only=True)
+    assert report.files == [] and len(report.findings) > 40 and _digest(tree) == before
+
+
+@pytest.mark.parametrize(("paths", "kwargs", "message"), [
+    (["missing/dir"], {"out": "x"}, "no such file or directory"),
+    ([str(CORPUS)], {}, "exactly one of --out DIR, --inplace"),
+    ([str(CORPUS)], {"out": "x", "inplace": True}, "exactly one of"),
+    ([str(CORPUS)], {"out": str(CORPUS / "hip")}, "inside the input directory"),
+    ([str(CORPUS)], {"out": str(CORPUS)}, "inside the input directory"),
+    ([str(CORPUS / "common.cuh")], {"out": str(CORPUS)}, "would overwrite the input"),
+    ([str(CORPUS)], {"lint_only": True, "compile_check": True}, "--compile-check compiles the translation"),
+    ([str(CORPUS)], {"out": "x", "offload_arch": "sm_90"}, "not an AMD GPU target"),
+    ([__file__], {"out": "x"}, "not a CUDA/C\\+\\+ source"),
+])
+def test_user_mistakes_are_user_errors(paths, kwargs, message):
+    with pytest.raises(UserError, match=message):
+        run_hipify(paths, **kwargs)
+
+
+def test_cli_text_report_and_report_files(tree, tmp_path):
+    result = CliRunner().invoke(main, ["hipify", str(tree), "--out", str(tmp_path / "hip"), "--engine", "torch"])
+    assert result.exit_code == 0, result.output
+    assert "Findings by rule:" in result.stdout and "[warp-lane-loop]" in result.stdout
+    assert "CUDA references translated" in result.stdout
+    sarif = json.loads((tmp_path / "hip" / "hipify-report.sarif").read_text())
+    assert sarif["version"] == "2.1.0"
+
+
+def test_cli_strict_fails_on_errors_and_passes_on_clean_code(tree):
+    runner = CliRunner()
+    assert runner.invoke(main, ["hipify", str(tree), "--lint-only", "--strict"]).exit_code == 1
+    clean = runner.invoke(main, ["hipify", str(CLEAN_SAMPLE), str(CORPUS / "common.cuh"), "--lint-only", "--strict"])
+    assert clean.exit_code == 0 and "nothing that needs a human was found" in clean.stdout
+
+
+def test_cli_json_on_stdout_is_parseable(tree):
+    result = CliRunner().invoke(main, ["hipify", str(tree), "--lint-only", "--format", "json"])
+    data = json.loads(result.stdout)
+    assert data["stats"]["findings_by_rule"]["mask-32bit"] == 4
+
+
+def test_cli_user_error_is_one_line_and_exit_2(tmp_path):
+    result = CliRunner().invoke(main, ["hipify", str(tmp_path / "nope.cu"), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("tiletune: error:")

@@ -1,0 +1,100 @@
+"""The migration lint: every rule fires where the corpus says it should, and nowhere else."""
+
+from pathlib import Path
+
+import pytest
+
+from tiletune.port.lint import lint_file, lint_text, strip_comments
+from tiletune.port.rules import RULES, RULES_BY_ID, evaluate_int, source_constants
+
+from port_corpus import CLEAN_SAMPLE, CORPUS, SAMPLES, expected_findings
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.name)
+def test_findings_match_the_expect_markers(sample: Path):
+    found = {(finding.line, finding.rule) for finding in lint_file(sample)}
+    assert found == expected_findings(sample)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.id)
+def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
+    samples = [sample for sample in SAMPLES if any(r == rule.id for _, r in expected_findings(sample))]
+    assert samples, f"no corpus sample exercises {rule.id}"
+    for sample in samples:
+        fired = {f.line for f in lint_text(sample.read_text(), sample.name, rules=[rule])}
+        assert fired == {line for line, r in expected_findings(sample) if r == rule.id}
+    assert lint_text(CLEAN_SAMPLE.read_text(), CLEAN_SAMPLE.name, rules=[rule]) == []
+
+
+@pytest.mark.parametrize(("code", "rule"), [
+    ("#define WARP_SIZE (32)", "warp-size-define"),
+    ("static constexpr int kWarpSize = 32;", "warp-size-define"),
+    ("template <int WarpSize = 32> __device__ void f();", "warp-size-define"),
+    ("if (tid < 32) { s[tid] += s[tid + 32]; }", "warp-size-literal"),
+    ("int lane = threadIdx.x & 0x1f;", "warp-size-literal"),
+    ("for (int mask = 1; mask < 32; mask <<= 1) v += __shfl_xor_sync(m, v, mask);", "warp-lane-loop"),
+    ("unsigned full_mask = 0xFFFFFFFFu;", "mask-32bit"),
+    ("v = __shfl_down_sync(~0u, v, 1);", "mask-32bit"),
+    ("uint32_t votes = __ballot_sync(m, p);", "ballot-32bit-result"),
+    ("int leader = __ffs(__ballot_sync(m, p)) - 1;", "popc-32bit"),
+    ("__asm__ __volatile__(\"bar.sync 0;\");", "inline-asm"),
+    ("asm(\"wgmma.fence.sync.aligned;\");", "ptx-mma"),
+    ("__shared__ float big[128][160];", "lds-limit"),
+    ("__launch_bounds__(MAX_THREADS, MIN_BLOCKS(2))", "launch-bounds-2nd-arg"),
+    ("#include \"cuda_fp8.h\"", "fp8-type"),
+    ("#elif __CUDA_ARCH__ == 900", "cuda-arch-guard"),
+    ("auto tile = cg::tiled_partition<32>(cg::this_thread_block());", "warp-tile-32"),
+])
+def test_rule_variants_fire(code, rule):
+    assert rule in {f.rule for f in lint_text(code, "snippet.cu")}
+
+
+@pytest.mark.parametrize("code", [
+    "float y = x / 32.0f;",  # arithmetic on data, not lanes
+    "const int blocks = 32 * num_sms;",
+    "__launch_bounds__(256) __global__ void k();",
+    "unsigned long long votes = __ballot_sync(0xffffffffffffffffull, p);",
+    "v = __shfl_xor_sync(0xffffffffffffffffull, v, 1);",
+    "// #define WARP_SIZE 32 and lane = threadIdx.x & 31 in a comment",
+    "/* asm volatile(\"mov.u32 %0, %%laneid;\") */",
+    "for (int i = 0; i < 32; ++i) acc += x[i];",
+    "cg::thread_block_tile<32> warp = cg::tiled_partition<32>(block);  // warp-tile-32 only",
+    "__shared__ float tile[64][65];",
+    "CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 48 * 1024));",
+    "printf(\"// not a comment %d\", lane & 1);",
+])
+def test_portable_code_stays_quiet(code):
+    rules = {f.rule for f in lint_text(code, "snippet.cu")}
+    assert rules <= {"warp-tile-32"}
+
+
+def test_strip_comments_keeps_lines_and_strings():
+    text = 'a; // x\n/* two\nlines */ b = "//keep";\n'
+    stripped = strip_comments(text)
+    assert stripped.count("\n") == text.count("\n")
+    assert '"//keep"' in stripped and "x" not in stripped.split("\n")[0]
+
+
+@pytest.mark.parametrize(("expr", "value"), [
+    ("kStages * (kBlockM + kBlockN) * kBlockK * sizeof(float)", 98304),
+    ("96 * 1024u", 98304),
+    ("(1 << 16) + 1", 65537),
+    ("static_cast<size_t>(kBlockM) * 2", 256),
+    ("smem_bytes", None),
+    ("kBlockM / 0", None),
+])
+def test_evaluate_int(expr, value):
+    constants = source_constants("constexpr int kBlockM = 128, kBlockN = 128;\n#define kBlockK 32\nconst int kStages = 3;")
+    assert evaluate_int(expr, constants) == value
+
+
+def test_findings_carry_severity_fix_and_source_line():
+    finding = lint_text("int lane = threadIdx.x % 32;\n", "k.cu")[0]
+    assert (finding.path, finding.line, finding.column, finding.severity) == ("k.cu", 1, 24, "error")
+    assert finding.code == "int lane = threadIdx.x % 32;"
+    assert "warpSize" in RULES_BY_ID[finding.rule].fix
+
+
+def test_unknown_dynamic_shared_memory_is_a_warning():
+    finding, = lint_file(CORPUS / "large_smem.cu")[-1:]
+    assert finding.rule == "lds-limit" and finding.severity == "warning" and "smem_bytes" in finding.message
