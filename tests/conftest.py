@@ -1,9 +1,14 @@
 """Shared test setup: `gpu` tests run only where torch sees a CUDA or ROCm device."""
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Tests never reach a hub: fail fast instead of waiting on the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -88,7 +88,11 @@ def load_model(cfg: TuneConfig, tokenizer, trainable: bool):
         if cfg.adapter_name_or_path:
             model = _load_adapters(cfg, model, trainable=False)
         return model.eval()
+    return prepare_for_training(cfg, model)
 
+
+def prepare_for_training(cfg: TuneConfig, model):
+    """Gradient checkpointing, then LoRA / freeze / full as `finetuning_type` says, trainable weights in float32."""
     model.config.use_cache = False
     if not cfg.disable_gradient_checkpointing and getattr(model, "supports_gradient_checkpointing", False):
         set_checkpointing(model, enabled=True, use_reentrant=cfg.use_reentrant_gc)

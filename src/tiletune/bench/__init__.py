@@ -1,0 +1,1 @@
+"""Ablation benchmarks of training-step time, throughput and memory (`tiletune bench`)."""

@@ -1,0 +1,40 @@
+"""Known model shapes for `--model-preset`: randomly initialised, so speed is measured without a download."""
+
+from __future__ import annotations
+
+from tiletune.errors import UserError
+
+PRESETS: dict[str, dict] = {
+    "llama3-8b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+    "llama3-1b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, head_dim=64,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    ),
+    "qwen3-4b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        model_type="llama", vocab_size=1024, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+
+
+def preset_config(name: str):
+    """The transformers config of preset `name`."""
+    from transformers import AutoConfig
+
+    if name not in PRESETS:
+        raise UserError(f"model preset {name!r} is unknown; available: {', '.join(PRESETS)}")
+    shape = dict(PRESETS[name])
+    return AutoConfig.for_model(shape.pop("model_type"), **shape)

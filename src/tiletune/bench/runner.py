@@ -1,0 +1,203 @@
+"""`tiletune bench`: variants in fresh processes, interleaved over repeats; table, JSON, CSV and plot.
+
+Protocol (docs/design.md): one run, variants interleaved (A B C A B C ...), each in a fresh process on
+the same random tokens and seed, warm-up steps dropped, median of the timed steps with min and max,
+ratios to the baseline of the same run, peak memory from the end of the warm-up, and FLOP utilisation
+against a bf16 matmul peak measured in the same run.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from tiletune.bench.worker import RESULT_PREFIX
+from tiletune.errors import UserError
+
+
+def ablation_variants() -> list[str]:
+    """baseline, each kernel op alone, all of them, and Liger-Kernel when it is installed."""
+    from importlib.util import find_spec
+
+    from tiletune.kernels.registry import OPS
+
+    return ["baseline", *OPS, "all"] + (["liger"] if find_spec("liger_kernel") else [])
+
+
+def check_variants(variants: list[str]) -> None:
+    from tiletune.kernels.registry import OPS
+
+    known = {"baseline", "all", "liger", *OPS}
+    unknown = [v for v in variants if v not in known]
+    if unknown:
+        raise UserError(f"bench variant {unknown[0]!r} is unknown; available: {', '.join(sorted(known))}")
+    if "baseline" not in variants:
+        raise UserError("bench needs the 'baseline' variant: every ratio is measured against it")
+
+
+def _spawn(job: dict) -> dict:
+    """Run one job in a fresh Python process and return its result (UserError with its output if it fails)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tiletune.bench.worker", json.dumps(job)], capture_output=True, text=True, env=env
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX) :])
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+    raise UserError(f"bench variant {job['variant']!r} failed (exit {proc.returncode}):\n{tail}")
+
+
+def run_bench(config: str, overrides: list[str], variants: list[str], out_dir: Path, preset: str | None,
+              batch: int, seq: int, steps: int, warmup: int, repeats: int, seed: int = 0) -> dict:  # fmt: skip
+    """Measure every variant `repeats` times, interleaved; write bench.json/csv/png into `out_dir`."""
+    check_variants(variants)
+    if out_dir.exists() and any(out_dir.glob("bench.*")):
+        raise UserError(f"{out_dir} already holds bench results; choose another --out or move them away")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    common = dict(config=config, overrides=overrides, preset=preset, batch=batch, seq=seq,
+                  steps=steps, warmup=warmup, seed=seed)  # fmt: skip
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    with tqdm(total=repeats * len(variants) + 1, desc="bench", dynamic_ncols=True) as bar:
+        peak = _spawn({**common, "variant": "matmul_peak"})["matmul_peak_tflops"]
+        bar.update(1)
+        for repeat in range(repeats):
+            for variant in variants:
+                bar.set_postfix(variant=variant, repeat=repeat + 1)
+                runs[variant].append(_spawn({**common, "variant": variant}))
+                bar.update(1)
+    result = summarise(runs, peak)
+    result["setting"] = {**common, "variants": variants, "repeats": repeats}
+    result["environment"] = environment()
+    write_outputs(result, out_dir)
+    return result
+
+
+def summarise(runs: dict[str, list[dict]], matmul_peak_tflops: float) -> dict:
+    """Per variant: median/min/max step time, tokens/s, peak memory, TFLOP/s, utilisation, ratios to baseline."""
+    rows = []
+    for variant, results in runs.items():
+        times = sorted(t for r in results for t in r["step_times"])
+        median = statistics.median(times)
+        first = results[0]
+        achieved = first["flops_per_step"] / median / 1e12
+        rows.append({
+            "variant": variant,
+            "step_time_s": median,
+            "step_time_min_s": times[0],
+            "step_time_max_s": times[-1],
+            "timed_steps": len(times),
+            "tokens_per_s": first["tokens_per_step"] / median,
+            "peak_allocated_gib": max(r["peak_allocated_gib"] for r in results),
+            "peak_reserved_gib": max(r["peak_reserved_gib"] for r in results),
+            "tflops_per_step": first["flops_per_step"] / 1e12,
+            "achieved_tflops": achieved,
+            "utilisation": achieved / matmul_peak_tflops if matmul_peak_tflops else None,
+            "final_loss": statistics.mean(r["losses"][-1] for r in results),
+            "patched": first.get("patched"),
+        })  # fmt: skip
+    baseline = next(r for r in rows if r["variant"] == "baseline")
+    for row in rows:
+        row["speedup"] = baseline["step_time_s"] / row["step_time_s"]
+        row["time_ratio"] = row["step_time_s"] / baseline["step_time_s"]
+        row["memory_ratio"] = row["peak_allocated_gib"] / baseline["peak_allocated_gib"]
+    return {"matmul_peak_tflops": matmul_peak_tflops, "variants": rows}
+
+
+def environment() -> dict:
+    """Where the numbers were measured: device, versions, date and commit."""
+    import torch
+    import transformers
+
+    try:  # the commit of the tiletune source that ran
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "hip": getattr(torch.version, "hip", None),
+        "transformers": transformers.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit or "unknown",
+    }
+
+
+COLUMNS = [
+    ("variant", "variant", "{}"),
+    ("step_time_s", "step s (median)", "{:.3f}"),
+    ("step_time_min_s", "min", "{:.3f}"),
+    ("step_time_max_s", "max", "{:.3f}"),
+    ("time_ratio", "x baseline", "{:.2f}"),
+    ("tokens_per_s", "tokens/s", "{:,.0f}"),
+    ("peak_allocated_gib", "peak GiB", "{:.1f}"),
+    ("memory_ratio", "mem x", "{:.2f}"),
+    ("achieved_tflops", "TFLOP/s", "{:.0f}"),
+    ("utilisation", "util", "{:.0%}"),
+    ("final_loss", "loss", "{:.4f}"),
+]
+
+
+def table(result: dict) -> str:
+    """The result as a markdown table (what the terminal and the docs show)."""
+    head = "| " + " | ".join(title for _, title, _ in COLUMNS) + " |"
+    rule = "|" + "|".join(" --- " for _ in COLUMNS) + "|"
+    lines = [head, rule]
+    for row in result["variants"]:
+        cells = [fmt.format(row[key]) if row[key] is not None else "-" for key, _, fmt in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    env = result["environment"]
+    lines.append(
+        f"\n{env['device']}, torch {env['torch']}, {env['date']}, commit {env['commit']}; "
+        f"matmul peak {result['matmul_peak_tflops']:.0f} TFLOP/s"
+    )
+    return "\n".join(lines)
+
+
+def write_outputs(result: dict, out_dir: Path) -> None:
+    """bench.json (everything), bench.csv (one row per variant), bench.md (the table), bench.png."""
+    (out_dir / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    with (out_dir / "bench.csv").open("w", newline="") as handle:
+        fields = [key for key, _, _ in COLUMNS] + ["tflops_per_step", "peak_reserved_gib", "speedup"]
+        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(result["variants"])
+    (out_dir / "bench.md").write_text(table(result) + "\n")
+    plot(result, out_dir / "bench.png")
+
+
+def plot(result: dict, path: Path) -> None:
+    """Bars of median step time (with min-max whiskers) and peak memory per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["variants"]
+    names = [r["variant"] for r in rows]
+    fig, (time_ax, mem_ax) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
+    medians = [r["step_time_s"] for r in rows]
+    spread = [[m - r["step_time_min_s"] for m, r in zip(medians, rows)], [r["step_time_max_s"] - m for m, r in zip(medians, rows)]]
+    time_ax.bar(names, medians, yerr=spread, capsize=3, color="#4c72b0")
+    time_ax.set_ylabel("step time (s), median, min-max")
+    mem_ax.bar(names, [r["peak_allocated_gib"] for r in rows], color="#dd8452")
+    mem_ax.set_ylabel("peak memory allocated (GiB)")
+    for ax in (time_ax, mem_ax):
+        ax.tick_params(axis="x", rotation=30)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"tiletune bench on {result['environment']['device']}")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

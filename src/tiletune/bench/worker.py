@@ -1,0 +1,166 @@
+"""One benchmark variant in its own process: build the model, apply the variant, time training steps.
+
+Run by `tiletune bench` as `python -m tiletune.bench.worker JSON`; prints one line `BENCH_RESULT {...}`.
+A step is forward + backward + optimizer step on a fixed batch of random tokens (the same seed in
+every variant), timed with the device synchronised; warm-up steps are dropped, and peak memory is
+counted from the end of the warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+
+from tiletune.config import TuneConfig, load_config
+from tiletune.model import compute_dtype, prepare_for_training
+
+RESULT_PREFIX = "BENCH_RESULT "
+LIGER_APPLY = {"llama": "apply_liger_kernel_to_llama", "qwen3": "apply_liger_kernel_to_qwen3", "qwen2": "apply_liger_kernel_to_qwen2"}
+
+
+def variant_kernels(variant: str):
+    """The `kernels:` spec a variant stands for (None for the stock model and for Liger)."""
+    if variant in ("baseline", "liger"):
+        return None
+    if variant == "all":
+        return "all"
+    return {variant: "tilelang"}
+
+
+def build_model(cfg: TuneConfig, preset: str | None, variant: str, device: torch.device):
+    """The model for one variant: a random-init preset or `model_name_or_path`, set up to train."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tiletune.bench.presets import preset_config
+
+    model_config = preset_config(preset) if preset else AutoConfig.from_pretrained(cfg.model_name_or_path)
+    if variant == "liger":
+        import liger_kernel.transformers as liger
+
+        getattr(liger, LIGER_APPLY[model_config.model_type])()  # patches the model classes: before building
+    dtype = compute_dtype(cfg)
+    if preset:
+        with device:
+            model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=dtype).to(device)
+    model = prepare_for_training(cfg, model)
+    spec = variant_kernels(variant)
+    report = None
+    if spec is not None:
+        from tiletune.patch import apply_kernels, parse_kernel_spec
+
+        report = apply_kernels(model, parse_kernel_spec(spec))
+    return model, report
+
+
+def step_flops(model_config, trainable_linear: int, tokens: int, seq: int, checkpointing: bool) -> float:
+    """Floating-point operations of one training step, counted from the model's shape.
+
+    Matmuls: 2 per weight per token forward, the same again for the input gradient, 2 per trainable
+    weight per token for weight gradients, and the decoder's forward once more under checkpointing.
+    Causal attention: 2·S·d per token per layer forward (QKᵀ and AV, half the square), 2x that backward.
+    """
+    c = model_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q_dim, kv_dim = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    per_layer = c.hidden_size * (2 * q_dim + 2 * kv_dim) + 3 * c.hidden_size * c.intermediate_size
+    decoder, head = c.num_hidden_layers * per_layer, c.hidden_size * c.vocab_size
+    attention = c.num_hidden_layers * 2 * seq * q_dim  # forward, per token
+    forward = 2 * (decoder + head) + attention
+    backward = 2 * (decoder + head) + 2 * attention + 2 * trainable_linear
+    recompute = 2 * decoder + attention if checkpointing else 0
+    return float(tokens) * (forward + backward + recompute)
+
+
+def run(job: dict) -> dict:
+    """Time `job['steps']` training steps of one variant after `job['warmup']`; returns the measurements."""
+    cfg = load_config(job["config"], job.get("overrides", []))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(job["seed"])
+    model, report = build_model(cfg, job.get("preset"), job["variant"], device)
+    batch, seq = job["batch"], job["seq"]
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(job["seed"])
+    input_ids = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+    dtype = compute_dtype(cfg)
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+    model.train()
+
+    times, losses = [], []
+    for step in range(job["warmup"] + job["steps"]):
+        if step == job["warmup"] and device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        _sync(device)
+        start = time.perf_counter()
+        with autocast:
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        losses.append(loss.item())
+        if step >= job["warmup"]:
+            times.append(elapsed)
+
+    trainable_linear = sum(
+        m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.requires_grad
+    )
+    base_config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+    result = {
+        "variant": job["variant"],
+        "step_times": times,
+        "losses": losses,
+        "tokens_per_step": batch * seq,
+        "flops_per_step": step_flops(base_config, trainable_linear, batch * seq, seq, not cfg.disable_gradient_checkpointing),
+        "patched": report.to_dict() if report is not None else None,
+    }
+    if device.type == "cuda":
+        result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    else:
+        from tiletune.callbacks import peak_memory_gib
+
+        result["peak_allocated_gib"] = result["peak_reserved_gib"] = peak_memory_gib()
+    return result
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_matmul_peak(size: int = 8192, repeats: int = 20) -> float:
+    """bf16 matmul TFLOP/s on this GPU (median of `repeats` products after warm-up); 0 without a GPU."""
+    if not torch.cuda.is_available():
+        return 0.0
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    timings = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        timings.append(start.elapsed_time(end) / 1000)
+    timings.sort()
+    return 2 * size**3 / timings[len(timings) // 2] / 1e12
+
+
+if __name__ == "__main__":
+    job = json.loads(sys.argv[1])
+    if job.get("variant") == "matmul_peak":
+        print(RESULT_PREFIX + json.dumps({"matmul_peak_tflops": measure_matmul_peak()}), flush=True)
+    else:
+        print(RESULT_PREFIX + json.dumps(run(job)), flush=True)

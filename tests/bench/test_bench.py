@@ -1,0 +1,61 @@
+"""`tiletune bench` end to end on the CPU (tiny preset): fresh processes, outputs, ratios, FLOP counts."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from tiletune.bench.presets import preset_config
+from tiletune.bench.runner import summarise
+from tiletune.bench.worker import step_flops
+from tiletune.cli import main
+
+
+def test_bench_runs_variants_in_fresh_processes_and_writes_outputs(tmp_path):
+    config = tmp_path / "b.yaml"
+    config.write_text("model_name_or_path: unused\nfinetuning_type: lora\nlora_target: q_proj,v_proj\n")
+    out = tmp_path / "bench"
+    args = ["bench", str(config), "--model-preset", "tiny", "--variants", "baseline,rms_norm", "--batch", "2",
+            "--seq", "32", "--steps", "2", "--warmup", "1", "--repeats", "2", "--out", str(out)]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "| baseline |" in result.output and "| rms_norm |" in result.output
+    data = json.loads((out / "bench.json").read_text())
+    rows = {r["variant"]: r for r in data["variants"]}
+    assert rows["baseline"]["timed_steps"] == 4 and rows["baseline"]["time_ratio"] == 1.0
+    assert rows["rms_norm"]["patched"] is not None
+    # same data and seed in both variants: the reference-fallback kernel gives the same first loss
+    assert rows["rms_norm"]["final_loss"] == pytest.approx(rows["baseline"]["final_loss"], rel=1e-4)
+    assert (out / "bench.csv").read_text().startswith("variant,step_time_s")
+    assert (out / "bench.png").stat().st_size > 1000
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 2 and "already holds bench results" in again.output
+
+
+def test_unknown_variant_and_missing_baseline_are_refused(tmp_path):
+    config = tmp_path / "b.yaml"
+    config.write_text("model_name_or_path: unused\n")
+    for variants, message in [("baseline,flash", "variant 'flash' is unknown"), ("all", "needs the 'baseline'")]:
+        result = CliRunner().invoke(main, ["bench", str(config), "--variants", variants, "--out", str(tmp_path / "o")])
+        assert result.exit_code == 2 and message in result.output
+
+
+def test_step_flops_of_llama3_8b_lora_matches_the_6nt_rule():
+    config = preset_config("llama3-8b")
+    tokens = 4 * 2048
+    flops = step_flops(config, trainable_linear=0, tokens=tokens, seq=2048, checkpointing=True)
+    linear_params = 32 * (4096 * (2 * 4096 + 2 * 1024) + 3 * 4096 * 14336) + 4096 * 128256
+    attention = 4 * 32 * 2 * 2048 * 4096 * tokens  # fwd + 2x bwd + recompute
+    assert flops == pytest.approx(6 * linear_params * tokens - 2 * 4096 * 128256 * tokens + attention)
+    assert 3.6e14 < flops < 4.0e14  # design.md: about 6 x 7.5e9 x 8192 + attention
+
+
+def test_summarise_reports_ratios_against_the_baseline():
+    def run(times, memory):
+        return {"step_times": times, "losses": [1.0], "tokens_per_step": 100, "flops_per_step": 1e12,
+                "peak_allocated_gib": memory, "peak_reserved_gib": memory}  # fmt: skip
+
+    result = summarise({"baseline": [run([2.0, 2.2], 10.0)], "all": [run([1.0, 1.2], 5.0)]}, matmul_peak_tflops=10.0)
+    rows = {r["variant"]: r for r in result["variants"]}
+    assert rows["all"]["time_ratio"] == pytest.approx(1.1 / 2.1) and rows["all"]["memory_ratio"] == 0.5
+    assert rows["all"]["utilisation"] == pytest.approx(1e12 / 1.1 / 1e12 / 10.0)
