@@ -100,3 +100,35 @@ def env(ctx: click.Context, as_json: bool, strict: bool) -> None:
     click.echo(render_json(report) if as_json else render_text(report), nl=False)
     if strict and report.failed:
         ctx.exit(1)
+
+
+# ---- bench --------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+@click.option("--variants", default="baseline,all", show_default=True,
+              help="Comma-separated: baseline, all, an op name (rms_norm, swiglu, rope, linear), liger.")
+@click.option("--ablation", is_flag=True, help="baseline, each op alone, all, and liger when installed.")
+@click.option("--model-preset", help="Random-init model of a known shape: llama3-8b, llama3-1b, qwen3-4b, tiny.")
+@click.option("--batch", type=int, help="Sequences per step (default: the config's per_device_train_batch_size).")
+@click.option("--seq", type=int, help="Tokens per sequence (default: the config's cutoff_len).")
+@click.option("--steps", default=10, show_default=True, help="Timed steps per run.")
+@click.option("--warmup", default=3, show_default=True, help="Untimed steps first.")
+@click.option("--repeats", default=2, show_default=True, help="Fresh-process runs per variant, interleaved.")
+@click.option("--out", "out_dir", default="bench", show_default=True, type=click.Path(file_okay=False))
+def bench(config, overrides, variants, ablation, model_preset, batch, seq, steps, warmup, repeats, out_dir) -> None:
+    """Step time, tokens/s, memory and FLOP utilisation of kernel variants of the CONFIG's training step."""
+    from pathlib import Path
+
+    from tiletune.bench.runner import ablation_variants, run_bench, table
+    from tiletune.config import load_config
+
+    cfg = load_config(config, overrides)
+    chosen = ablation_variants() if ablation else [v.strip() for v in variants.split(",") if v.strip()]
+    result = run_bench(
+        str(Path(config).resolve()), list(overrides), chosen, Path(out_dir), model_preset,
+        batch or cfg.train_arg("per_device_train_batch_size"), seq or cfg.cutoff_len, steps, warmup, repeats,
+    )  # fmt: skip
+    click.echo(table(result))
