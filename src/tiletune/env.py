@@ -158,9 +158,12 @@ def nvidia_smi_gpus() -> tuple[list[Gpu], str | None]:
                    "--format=csv,noheader,nounits"])
     gpus, driver = [], None
     for line in output.strip().splitlines():
-        name, memory_mib, capability, driver = (part.strip() for part in line.split(","))
-        gpus.append(Gpu("nvidia", name, "sm_" + capability.replace(".", ""),
-                        round(float(memory_mib) / 1024, 1), "nvidia-smi"))
+        fields = [part.strip() for part in line.split(",")]
+        if len(fields) != 4 or not re.fullmatch(r"\d+\.\d+", fields[2]):
+            continue  # an old driver without compute_cap, or "[N/A]" fields
+        name, memory_mib, capability, driver = fields
+        memory = round(float(memory_mib) / 1024, 1) if memory_mib.isdigit() else None
+        gpus.append(Gpu("nvidia", name, "sm_" + capability.replace(".", ""), memory, "nvidia-smi"))
     return gpus, driver
 
 

@@ -50,6 +50,10 @@ class HipifyReport:
         """Findings per rule id."""
         return Counter(finding.rule for finding in self.findings)
 
+    def translated_count(self) -> int:
+        """CUDA references the engine translated, summed over files."""
+        return sum(file.translated for file in self.files)
+
     def left_counts(self) -> Counter:
         """CUDA names left untranslated, summed over files."""
         total: Counter = Counter()
@@ -101,8 +105,7 @@ def _text_findings(report: HipifyReport) -> list[str]:
 
 def _text_translation(report: HipifyReport) -> list[str]:
     left = report.left_counts()
-    translated = sum(file.translated for file in report.files)
-    lines = [f"Translation with {report.engine}: {translated} CUDA references translated, "
+    lines = [f"Translation with {report.engine}: {report.translated_count()} CUDA references translated, "
              f"{sum(left.values())} left as they were"]
     for file in report.files:
         lines.append(f"  {file.source} -> {file.output}: {file.translated} translated, {sum(file.left.values())} left")
@@ -162,7 +165,7 @@ def to_json(report: HipifyReport) -> str:
         "findings": findings,
         "stats": {
             "files": len(report.files),
-            "translated": sum(file.translated for file in report.files),
+            "translated": report.translated_count(),
             "left": sum(left.values()),
             "left_by_name": dict(left.most_common()),
             "findings_by_rule": dict(report.rule_counts().most_common()),

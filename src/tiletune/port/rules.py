@@ -181,12 +181,35 @@ def check_shared_memory(text: str) -> Iterable[Hit]:
                       severity="warning")
 
 
+# ---- lane masks: 32-bit all-ones values that reach a warp function ---------------------------
+
+_MASK32 = r"(?:0[xX][fF]{8}(?![0-9a-fA-F])[uUlL]*|~0[uU]?\b|\(unsigned\)\s*-1|uint32_t\(-1\))"
+_WARP_SYNC_MASK = re.compile(
+    rf"\b__(?:shfl(?:_up|_down|_xor)?|ballot|any|all|uni|match_any|match_all|reduce_\w+)_sync\s*\(\s*({_MASK32}|\w+)"
+)
+_MASK32_BINDING = re.compile(rf"^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+\(?{_MASK32}|\b(\w+)\s*=\s*{_MASK32}", re.M)
+
+
+def check_lane_masks(text: str) -> Iterable[Hit]:
+    """Flag where a 32-bit all-ones mask is written: as the mask argument of a `*_sync` warp
+    function, or as a constant or variable that such a call uses (or whose name says mask)."""
+    masks_used = set()
+    for match in _WARP_SYNC_MASK.finditer(text):
+        if re.fullmatch(_MASK32, match.group(1)):
+            yield Hit(*_position(text, match.start()))
+        else:
+            masks_used.add(match.group(1))
+    for match in _MASK32_BINDING.finditer(text):
+        name = match.group(1) or match.group(2)
+        if name in masks_used or "mask" in name.lower():
+            yield Hit(*_position(text, match.start()), f"`{name}` holds a 32-bit mask")
+
+
 # ---- the table ---------------------------------------------------------------------------------
 
 _LANE_NAMES = re.compile(r"threadIdx|blockDim|\btid\b|lane|warp|\bwid\b", re.I)
 _SHUFFLE = re.compile(r"__shfl|__reduce_\w+_sync|shfl_(?:xor|down|up)")
 _WARP_SIZE_NAME = r"\w*(?i:warp_?size|warpsz|threads_per_warp|lanes?_per_warp)\w*"
-_MASK32 = r"(?:0[xX][fF]{8}(?![0-9a-fA-F])[uUlL]*|~0[uU]?\b|\(unsigned\)\s*-1|uint32_t\(-1\))"
 
 RULES: list[Rule] = [
     Rule(
@@ -230,11 +253,7 @@ RULES: list[Rule] = [
         "`*_sync` forms at all.",
         "Pass a 64-bit mask (`0xffffffffffffffffull`, or `__activemask()` stored in a 64-bit integer); "
         "for ROCm < 6.2 use the unmasked `__shfl_xor` / `__ballot` forms.",
-        pattern=re.compile(
-            rf"\b__(?:shfl(?:_up|_down|_xor)?|ballot|any|all|uni|match_any|match_all|reduce_\w+)_sync\s*\(\s*{_MASK32}"
-            rf"|^\s*#\s*define\s+\w*MASK\w*\s+\(?{_MASK32}|\b\w*mask\w*\s*=\s*{_MASK32}",
-            re.I,
-        ),
+        check=check_lane_masks,
     ),
     Rule(
         "ballot-32bit-result", "error", "ballot or active mask stored in 32 bits",
