@@ -1,9 +1,12 @@
 """Time tiletune's TileLang kernels (forward + backward) against eager PyTorch, Liger-Kernel and cuBLAS.
 
 Llama-3-8B shapes: 8192 tokens (batch 4 x 2048), hidden 4096, intermediate 14336, 32 q / 8 kv heads of
-128, bf16. Each variant is timed with CUDA events (triton.testing.do_bench, median of its repeats);
-variants are interleaved (A B C A B C ...) over --rounds rounds, and the table shows the median over
-rounds with min and max. Ratios are baseline time / variant time from the same run (> 1 is faster).
+128, bf16. Each variant is timed two ways: `gpu` replays the forward + backward captured in a CUDA
+graph (triton.testing.do_bench_cudagraph), i.e. device time, what a training step pays when the CPU
+runs ahead of the GPU; `launch` calls it eagerly between CUDA events (triton.testing.do_bench), so
+Python dispatch shows when it exceeds the device time. Variants are interleaved (A B C A B C ...) over
+--rounds rounds; the table shows the median over rounds with min and max. Ratios are baseline time /
+variant time from the same run (> 1 is faster).
 
     python benchmarks/kernels.py [--tune] [--rounds 5] [--out benchmarks/results]
 
@@ -33,9 +36,17 @@ LINEAR_SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (1024, 4096), "
 
 
 def bench(fn, grads=()):
+    """Median ms of `fn` launched eagerly between CUDA events."""
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=25, rep=100, grad_to_none=list(grads), return_mode="median")
+
+
+def bench_graph(fn, grads=()):
+    """Median ms of `fn` replayed from a CUDA graph (device time)."""
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=100, grad_to_none=list(grads), return_mode="median")
 
 
 def fwd_bwd(forward, inputs, grad_out):
@@ -155,24 +166,30 @@ def main() -> None:
         if args.only and args.only != group:
             continue
         for case, variants, grads in cases():
-            times = {v: [] for v in variants}
+            times = {(v, how): [] for v in variants for how in ("gpu", "launch")}
             for fn in variants.values():
                 fn()  # compile and warm up outside the timed rounds
             for _ in range(args.rounds):
                 for v, fn in variants.items():
-                    times[v].append(bench(fn, grads))
+                    times[(v, "gpu")].append(bench_graph(fn, grads))
+                    times[(v, "launch")].append(bench(fn, grads))
             base = "eager" if "eager" in variants else "cublas"
-            for v, ts in times.items():
-                med = statistics.median(ts)
-                rows.append({"case": case, "variant": v, "median_ms": med, "min_ms": min(ts), "max_ms": max(ts),
-                             "ratio_vs_" + base: statistics.median(times[base]) / med,
-                             "ratio_vs_liger": statistics.median(times["liger"]) / med if "liger" in times else None})
+            for v in variants:
+                row = {"case": case, "variant": v}
+                for how in ("gpu", "launch"):
+                    ts = times[(v, how)]
+                    med = statistics.median(ts)
+                    row.update({f"{how}_median_ms": med, f"{how}_min_ms": min(ts), f"{how}_max_ms": max(ts),
+                                f"{how}_vs_{base}": statistics.median(times[(base, how)]) / med,
+                                f"{how}_vs_liger": statistics.median(times[("liger", how)]) / med if "liger" in variants else None})
+                rows.append(row)
             print(f"done {case}", flush=True)
     geo = {}
     for kind in ("fwd", "fwd+bwd"):
-        ratios = [r["ratio_vs_cublas"] for r in rows if r["variant"] == "tilelang" and r["case"].startswith(f"linear {kind} ")]
-        if ratios:
-            geo[f"linear {kind} geomean vs cublas"] = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        for how in ("gpu", "launch"):
+            ratios = [r[f"{how}_vs_cublas"] for r in rows if r["variant"] == "tilelang" and r["case"].startswith(f"linear {kind} ")]
+            if ratios:
+                geo[f"linear {kind} {how} geomean vs cublas"] = math.exp(sum(map(math.log, ratios)) / len(ratios))
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(), "torch": torch.__version__, "tokens": TOKENS, "dtype": "bfloat16",
             "rounds": args.rounds, "tuned": args.tune}
@@ -181,16 +198,24 @@ def main() -> None:
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows, "geomean": geo}, f, indent=1)
     with open(stem + ".csv", "w", newline="") as f:
-        fields = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
+        fields = list(dict.fromkeys(k for r in rows for k in r))
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
-    print(f"\n{meta['gpu']}  {meta['date']}  commit {meta['commit'][:10]}  (median of {args.rounds} rounds, ms)")
-    print(f"{'case':34s} {'variant':9s} {'median':>8s} {'min':>8s} {'max':>8s} {'vs base':>8s} {'vs liger':>8s}")
+    print(f"\n{meta['gpu']}  {meta['date']}  commit {meta['commit'][:10]}  (median of {args.rounds} rounds, ms; "
+          "ratio = baseline / variant)")
+    print(f"{'case':30s} {'variant':9s} {'gpu':>7s} {'min':>7s} {'max':>7s} {'vs base':>7s} {'vs liger':>8s}"
+          f" | {'launch':>7s} {'vs base':>7s} {'vs liger':>8s}")
     for r in rows:
-        base = r.get("ratio_vs_eager") or r.get("ratio_vs_cublas")
-        liger = f"{r['ratio_vs_liger']:8.2f}" if r["ratio_vs_liger"] else ""
-        print(f"{r['case']:34s} {r['variant']:9s} {r['median_ms']:8.3f} {r['min_ms']:8.3f} {r['max_ms']:8.3f} {base:8.2f} {liger}")
+        cells = []
+        for how in ("gpu", "launch"):
+            base = r.get(f"{how}_vs_eager") or r.get(f"{how}_vs_cublas")
+            liger = r[f"{how}_vs_liger"]
+            cells.append((r[f"{how}_median_ms"], r[f"{how}_min_ms"], r[f"{how}_max_ms"], base,
+                          f"{liger:8.2f}" if liger else " " * 8))
+        g, la = cells
+        print(f"{r['case']:30s} {r['variant']:9s} {g[0]:7.3f} {g[1]:7.3f} {g[2]:7.3f} {g[3]:7.2f} {g[4]}"
+              f" | {la[0]:7.3f} {la[3]:7.2f} {la[4]}")
     for k, v in geo.items():
         print(f"{k}: {v:.3f}")
 

@@ -10,7 +10,7 @@ from tiletune.kernels import _tilelang
 
 
 def test_parse_target():
-    assert _tilelang.parse_target("cuda:sm_90") == {"kind": "cuda", "arch": "sm_90"}
+    assert _tilelang.parse_target("cuda:sm_90") == {"kind": "cuda", "arch": "sm_90a"}
     assert _tilelang.parse_target("hip:gfx942") == {"kind": "hip", "mcpu": "gfx942"}
     with pytest.raises(ValueError, match="unknown target"):
         _tilelang.parse_target("rocm:942")

@@ -51,10 +51,14 @@ def tilelang():
 
 
 def parse_target(name: str) -> dict[str, str]:
-    """'cuda:sm_90' -> {'kind': 'cuda', 'arch': 'sm_90'}; 'hip:gfx942' -> {'kind': 'hip', 'mcpu': 'gfx942'}."""
+    """'cuda:sm_90' -> {'kind': 'cuda', 'arch': 'sm_90a'}; 'hip:gfx942' -> {'kind': 'hip', 'mcpu': 'gfx942'}.
+
+    sm_90 becomes sm_90a: TileLang's Hopper GEMMs use wgmma and register reallocation, which only
+    the architecture-specific target has.
+    """
     kind, _, arch = name.partition(":")
     if kind == "cuda" and arch.startswith("sm_"):
-        return {"kind": "cuda", "arch": arch}
+        return {"kind": "cuda", "arch": "sm_90a" if arch == "sm_90" else arch}
     if kind == "hip" and arch.startswith("gfx"):
         return {"kind": "hip", "mcpu": arch}
     raise ValueError(f"unknown target {name!r}: expected cuda:sm_XX or hip:gfxXXX, e.g. {', '.join(KNOWN_TARGETS)}")

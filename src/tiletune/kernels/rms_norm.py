@@ -44,11 +44,11 @@ def _tiling(n: int) -> tuple[int, int]:
     return rows, max(64, min(512, rows * n // 16))
 
 
-def forward_kernel(n: int, eps: float, dtype: str):
-    """PrimFunc Y = RMSNorm(X) * W for X of shape (m, n), m dynamic."""
+def forward_kernel(n: int, eps: float, dtype: str, tiling: tuple[int, int] | None = None):
+    """PrimFunc Y = RMSNorm(X) * W for X of shape (m, n), m dynamic; tiling = (rows per block, threads)."""
     import tilelang.language as T
 
-    rows, threads = _tiling(n)
+    rows, threads = tiling or _tiling(n)
     m = T.dynamic("m")
 
     @T.prim_func
@@ -74,7 +74,7 @@ def forward_kernel(n: int, eps: float, dtype: str):
     return rms_norm_fwd
 
 
-def backward_kernel(n: int, eps: float, dtype: str, programs: int):
+def backward_kernel(n: int, eps: float, dtype: str, programs: int, tiling: tuple[int, int] | None = None):
     """PrimFunc for dX and per-program partial dW (fp32, summed by the caller), m dynamic.
 
     A persistent grid of `programs` blocks strides over the rows, so the partial-dW buffer has a
@@ -82,7 +82,7 @@ def backward_kernel(n: int, eps: float, dtype: str, programs: int):
     """
     import tilelang.language as T
 
-    rows, threads = _tiling(n)
+    rows, threads = tiling or _tiling(n)
     m = T.dynamic("m")
 
     @T.prim_func

@@ -63,7 +63,7 @@ def _tiling(heads_q: int, heads_k: int, d: int) -> tuple[int, int] | None:
     return tokens, threads
 
 
-def kernel(heads_q: int, heads_k: int, d: int, dtype: str, backward: bool):
+def kernel(heads_q: int, heads_k: int, d: int, dtype: str, backward: bool, tiling: tuple[int, int] | None = None):
     """PrimFunc rotating Q (t, heads_q * d) and K (t, heads_k * d) by C, S (t, d), t dynamic.
 
     Forward: out[j] = x[j] c[j] + sign(j) x[p] s[j]; backward: dx[j] = g[j] c[j] - sign(j) g[p] s[p],
@@ -72,7 +72,7 @@ def kernel(heads_q: int, heads_k: int, d: int, dtype: str, backward: bool):
     import tilelang.language as T
 
     half = d // 2
-    tokens, threads = _tiling(heads_q, heads_k, d)
+    tokens, threads = tiling or _tiling(heads_q, heads_k, d)
     t = T.dynamic("t")
 
     @T.macro

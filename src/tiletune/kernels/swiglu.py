@@ -38,16 +38,16 @@ _BLOCK = (8, 512)  # rows x columns per block: 16 elements for each of 256 threa
 _THREADS = 256
 
 
-def forward_kernel(n: int, dtype: str):
-    """PrimFunc Y = silu(G) * U over (m, n), m dynamic."""
+def forward_kernel(n: int, dtype: str, block: tuple[int, int] = _BLOCK, threads: int = _THREADS):
+    """PrimFunc Y = silu(G) * U over (m, n), m dynamic; block = (rows, columns) per thread block."""
     import tilelang.language as T
 
-    bm, bn = _BLOCK
+    bm, bn = block
     m = T.dynamic("m")
 
     @T.prim_func
     def swiglu_fwd(G: T.Tensor((m, n), dtype), U: T.Tensor((m, n), dtype), Y: T.Tensor((m, n), dtype)):
-        with T.Kernel(T.ceildiv(n, bn), T.ceildiv(m, bm), threads=_THREADS) as (bx, by):
+        with T.Kernel(T.ceildiv(n, bn), T.ceildiv(m, bm), threads=threads) as (bx, by):
             g = T.alloc_fragment((bm, bn), dtype)
             u = T.alloc_fragment((bm, bn), dtype)
             y = T.alloc_fragment((bm, bn), dtype)
@@ -61,11 +61,11 @@ def forward_kernel(n: int, dtype: str):
     return swiglu_fwd
 
 
-def backward_kernel(n: int, dtype: str):
+def backward_kernel(n: int, dtype: str, block: tuple[int, int] = _BLOCK, threads: int = _THREADS):
     """PrimFunc (dG, dU) from (dY, G, U) over (m, n), m dynamic."""
     import tilelang.language as T
 
-    bm, bn = _BLOCK
+    bm, bn = block
     m = T.dynamic("m")
 
     @T.prim_func
@@ -76,7 +76,7 @@ def backward_kernel(n: int, dtype: str):
         DG: T.Tensor((m, n), dtype),
         DU: T.Tensor((m, n), dtype),
     ):
-        with T.Kernel(T.ceildiv(n, bn), T.ceildiv(m, bm), threads=_THREADS) as (bx, by):
+        with T.Kernel(T.ceildiv(n, bn), T.ceildiv(m, bm), threads=threads) as (bx, by):
             dy = T.alloc_fragment((bm, bn), dtype)
             g = T.alloc_fragment((bm, bn), dtype)
             u = T.alloc_fragment((bm, bn), dtype)

@@ -1,0 +1,487 @@
+"""Swap kernels into a Hugging Face model: the `kernels:` spec, selectors, apply/revert, PatchReport.
+
+    spec = parse_kernel_spec({"rms_norm": "tilelang", "linear": {"impl": "tilelang", "layers": "10",
+                                                                 "modules": ["mlp.gate_proj"]}})
+    report = apply_kernels(model, spec)
+    print(report.summary()); report.save(output_dir)   # kernels.json
+    report.revert()
+
+Patching replaces forwards (instance attributes) or, for rope, the attention forward's reference to
+`apply_rotary_pos_emb`; Parameters are never touched, so optimizers, PEFT, ZeRO-3 hooks and FSDP see the
+same objects. PEFT-wrapped Linear layers get the kernel on their base layer. Kernels know nothing of
+models: this module maps model structure to the ops in tiletune.kernels.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import importlib
+import json
+import re
+import sys
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiletune.errors import UserError
+from tiletune.kernels import registry
+from tiletune.kernels.registry import OPS, REFERENCE
+
+DEFAULT_IMPL = "tilelang"
+_OPTIONS = ("strict", "plugins")
+_OP_KEYS = ("impl", "layers", "modules")
+
+# ---- the spec -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpSelection:
+    """One op of the spec: which implementation, on which decoder layers and module paths."""
+
+    op: str
+    impl: str
+    layers: tuple[int, ...] | None = None  # None: every decoder layer
+    modules: tuple[str, ...] = ()  # globs on the path inside a decoder layer; empty: every candidate
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"impl": self.impl, "layers": "all" if self.layers is None else list(self.layers),
+                "modules": list(self.modules) or "all"}
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """The parsed `kernels:` value."""
+
+    ops: tuple[OpSelection, ...] = ()
+    strict: bool = False
+    plugins: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ops": {s.op: s.to_dict() for s in self.ops}, "strict": self.strict, "plugins": list(self.plugins)}
+
+
+def parse_kernel_spec(value: Any) -> KernelSpec:
+    """Parse the `kernels:` config value (or `kernels=` on the command line) into a KernelSpec.
+
+    Accepts `all`, `none`, a comma list (`rms_norm,swiglu` or `rms_norm=tilelang,linear=reference`),
+    YAML/JSON text, or a mapping of op -> impl | {impl, layers, modules} plus `strict` and `plugins`.
+    Raises UserError naming the bad op, implementation, layer selector or key, with what exists.
+    """
+    if isinstance(value, KernelSpec):
+        return value
+    if value is None or value is False or (isinstance(value, str) and value.strip().lower() in ("", "none", "off", "false")):
+        return KernelSpec()
+    if value is True or (isinstance(value, str) and value.strip().lower() in ("all", "on", "true")):
+        return _parse_mapping({op: DEFAULT_IMPL for op in OPS})
+    if isinstance(value, str):
+        return _parse_mapping(_text_to_mapping(value))
+    if isinstance(value, dict):
+        return _parse_mapping(value)
+    raise UserError(f"kernels: expected all, none, or a mapping of op -> implementation; got {type(value).__name__} {value!r}")
+
+
+def _text_to_mapping(text: str) -> dict:
+    if any(c in text for c in "{}:\n"):
+        import yaml
+
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise UserError(f"kernels: cannot parse {text!r}: {err}") from None
+        if not isinstance(loaded, dict):
+            raise UserError(f"kernels: expected a mapping, got {text!r}")
+        return loaded
+    mapping = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        op, _, impl = item.partition("=")
+        mapping[op.strip()] = impl.strip() or DEFAULT_IMPL
+    return mapping
+
+
+def _parse_mapping(mapping: dict) -> KernelSpec:
+    strict = mapping.get("strict", False)
+    if not isinstance(strict, bool):
+        raise UserError(f"kernels.strict: expected true or false, got {strict!r}")
+    plugins = mapping.get("plugins") or ()
+    plugins = (plugins,) if isinstance(plugins, str) else tuple(plugins)
+    for module in plugins:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise UserError(f"kernels.plugins: cannot import {module!r}: {err}") from None
+    default = mapping.get("all")
+    ops = {op: default for op in OPS} if default not in (None, False, "none") else {}
+    for key, value in mapping.items():
+        if key in _OPTIONS or key == "all":
+            continue
+        if key not in OPS:
+            raise UserError(f"kernels: unknown op {key!r}; ops: {', '.join(OPS)} (options: all, {', '.join(_OPTIONS)})")
+        ops[key] = value
+    selections = [sel for op, value in ops.items() if (sel := _parse_op(op, value)) is not None]
+    return KernelSpec(tuple(selections), strict, plugins)
+
+
+def _parse_op(op: str, value: Any) -> OpSelection | None:
+    if value in (None, False, "none", "off"):
+        return None
+    if value is True:
+        value = DEFAULT_IMPL
+    if isinstance(value, str):
+        value = {"impl": value}
+    if not isinstance(value, dict):
+        raise UserError(f"kernels.{op}: expected an implementation name or {{impl, layers, modules}}, got {value!r}")
+    unknown = set(value) - set(_OP_KEYS)
+    if unknown:
+        raise UserError(f"kernels.{op}: unknown key {sorted(unknown)[0]!r}; keys: {', '.join(_OP_KEYS)}")
+    impl = value.get("impl", DEFAULT_IMPL)
+    available = registry.impls(op)
+    if impl not in available:
+        raise UserError(f"kernels.{op}: unknown implementation {impl!r}; {op} has: {', '.join(sorted(available))}")
+    modules = value.get("modules") or ()
+    modules = (modules,) if isinstance(modules, str) else tuple(str(m) for m in modules)
+    return OpSelection(op, impl, parse_layers(value.get("layers", "all"), f"kernels.{op}.layers"), modules)
+
+
+def parse_layers(value: Any, where: str = "layers") -> tuple[int, ...] | None:
+    """'all' -> None; 10, '10', '0-15', '0,4,8', '0-3,8' or a list -> sorted layer indices."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "all"):
+        return None
+    items = value if isinstance(value, (list, tuple)) else [value]
+    layers: set[int] = set()
+    for item in items:
+        if isinstance(item, bool):
+            raise UserError(f"{where}: bad layer selector {item!r}")
+        if isinstance(item, int):
+            layers.add(item)
+            continue
+        for part in str(item).split(","):
+            match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+            if not match or (match[2] and int(match[2]) < int(match[1])):
+                raise UserError(f"{where}: bad layer selector {part.strip()!r}; use an index (10), a range (0-15), "
+                                "a list (0,4,8) or all")
+            layers.update(range(int(match[1]), int(match[2] or match[1]) + 1))
+    return tuple(sorted(layers))
+
+
+# ---- finding patchable modules --------------------------------------------------------------------
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """(path, ModuleList) of the model's decoder layers; UserError if it has none."""
+    best = None
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) and type(module[0]).__name__.endswith("DecoderLayer"):
+            if best is None or len(module) > len(best[1]):
+                best = (path, module)
+    if best is None:
+        raise UserError(f"kernels: found no decoder layers (a ModuleList of *DecoderLayer) in {type(model).__name__}")
+    return best
+
+
+def _adapter_paths(layer: nn.Module) -> set[str]:
+    """Paths of PEFT-style wrappers (modules with a base_layer) inside a layer."""
+    return {p for p, m in layer.named_modules() if isinstance(getattr(m, "base_layer", None), nn.Module)}
+
+
+def _rms_norm_candidates(layer: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for path, module in layer.named_modules():
+        name = type(module).__name__
+        if (name.endswith("RMSNorm") and not name.startswith("Gemma") and isinstance(getattr(module, "weight", None), torch.Tensor)
+                and _eps(module) is not None):
+            yield path, module
+
+
+def _eps(module: nn.Module) -> float | None:
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return float(eps) if isinstance(eps, (int, float)) else None
+
+
+def _is_silu(act: Any) -> bool:
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def _swiglu_candidates(layer: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for path, module in layer.named_modules():
+        if all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj")) and _is_silu(getattr(module, "act_fn", None)):
+            yield path, module
+
+
+def _rope_candidates(layer: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for path, module in layer.named_modules():
+        if hasattr(module, "q_proj") and "apply_rotary_pos_emb" in _innermost(type(module).forward).__code__.co_names:
+            yield path, module
+
+
+def _linear_candidates(layer: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    wrappers = _adapter_paths(layer)
+    for path, module in layer.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        owner = next((w for w in wrappers if path.startswith(w + ".")), None)
+        if owner is None:
+            yield path, module
+        elif path == owner + ".base_layer":
+            yield owner, module  # the kernel goes on the base layer; report the wrapper's path
+        # other Linears inside a wrapper are the adapter's own (lora_A, lora_B): left alone
+
+
+CANDIDATES: dict[str, Callable[[nn.Module], Iterator[tuple[str, nn.Module]]]] = {
+    "rms_norm": _rms_norm_candidates, "swiglu": _swiglu_candidates, "rope": _rope_candidates, "linear": _linear_candidates,
+}
+
+# ---- patched forwards -----------------------------------------------------------------------------
+
+
+def _rms_norm_forward(impl: str, strict: bool):
+    from tiletune.kernels.rms_norm import rms_norm
+
+    def forward(self, hidden_states):
+        return rms_norm(hidden_states, self.weight, _eps(self), impl, strict)
+    return forward
+
+
+def _swiglu_forward(impl: str, strict: bool):
+    from tiletune.kernels.swiglu import swiglu
+
+    def forward(self, x):
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), impl, strict))
+    return forward
+
+
+def _linear_forward(impl: str, strict: bool):
+    from tiletune.kernels.linear import linear
+
+    def forward(self, x):
+        weight, bias = self.weight, self.bias
+        if torch.is_autocast_enabled(x.device.type):  # custom ops are not autocast: cast as F.linear would
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        return linear(x, weight, bias, impl, strict)
+    return forward
+
+
+def _rope_function(original: Callable, impl: str, strict: bool) -> Callable:
+    """A drop-in for transformers' apply_rotary_pos_emb that runs tiletune's rope op."""
+    from tiletune.kernels.rope import rope
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, unsqueeze_dim=1, **kwargs):
+        if args or kwargs or unsqueeze_dim != 1 or cos.shape[-1] != q.shape[-1]:
+            return original(q, k, cos, sin, *args, unsqueeze_dim=unsqueeze_dim, **kwargs)
+        return rope(q, k, cos, sin, impl, strict)
+    return apply_rotary_pos_emb
+
+
+def _innermost(func: Callable) -> Callable:
+    while hasattr(func, "__wrapped__"):
+        func = func.__wrapped__
+    return func
+
+
+def _with_global(func: Callable, name: str, value: Any) -> Callable:
+    """A copy of `func` whose global `name` is `value`, through functools.wraps decorator layers.
+
+    This scopes the replacement of a function a forward calls (apply_rotary_pos_emb) to the modules
+    patched with the copy, instead of changing the modeling module for everyone.
+    """
+    inner = getattr(func, "__wrapped__", None)
+    if inner is None:
+        new = types.FunctionType(func.__code__, _scoped_globals(func.__globals__, name, value), func.__name__,
+                                 func.__defaults__, func.__closure__)
+    else:
+        cells = func.__closure__ or ()
+        if not any(cell.cell_contents is inner for cell in cells):
+            raise LookupError(f"cannot see through decorator {func.__qualname__}")
+        new_inner = _with_global(inner, name, value)
+        closure = tuple(types.CellType(new_inner) if cell.cell_contents is inner else cell for cell in cells)
+        new = types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, closure)
+        new.__wrapped__ = new_inner
+    new.__kwdefaults__ = func.__kwdefaults__
+    new.__qualname__ = func.__qualname__
+    return new
+
+
+def _scoped_globals(base: dict, name: str, value: Any) -> dict:
+    """A copy of a module's namespace with `name` set to `value`, registered as a module of its own.
+
+    torch.compile resolves a function's globals through sys.modules[globals['__name__']], so the
+    copy must be importable under its own name for compiled code to see the replacement.
+    """
+    scoped = types.ModuleType(f"tiletune._scoped.{base['__name__']}.{name}_{id(value):x}")
+    scoped.__dict__.update({**base, "__name__": scoped.__name__, name: value})
+    sys.modules[scoped.__name__] = scoped
+    return scoped.__dict__
+
+
+@functools.cache
+def _rope_forward(cls: type, impl: str, strict: bool) -> Callable:
+    inner = _innermost(cls.forward)
+    return _with_global(cls.forward, "apply_rotary_pos_emb", _rope_function(inner.__globals__["apply_rotary_pos_emb"], impl, strict))
+
+
+def _forward_for(op: str, module: nn.Module, impl: str, strict: bool) -> Callable:
+    if op == "rope":
+        return _rope_forward(type(module), impl, strict)
+    return {"rms_norm": _rms_norm_forward, "swiglu": _swiglu_forward, "linear": _linear_forward}[op](impl, strict)
+
+
+def _set_forward(module: nn.Module, forward: Callable) -> Callable[[], None]:
+    """Bind `forward` as the module's forward; return the undo. Keeps accelerate's hooks in front."""
+    attr = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
+    had_own = attr in module.__dict__
+    previous = module.__dict__.get(attr)
+    setattr(module, attr, types.MethodType(forward, module))
+
+    def undo() -> None:
+        if had_own:
+            setattr(module, attr, previous)
+        else:
+            delattr(module, attr)
+    return undo
+
+
+# ---- apply / revert / report ----------------------------------------------------------------------
+
+
+@dataclass
+class PatchEntry:
+    """One patched module."""
+
+    op: str
+    layer: int
+    module: str  # path inside the decoder layer
+    impl: str
+    fallback: str | None = None  # why the reference runs instead of impl on this machine
+
+
+@dataclass
+class PatchReport:
+    """What apply_kernels did: patched modules, fallbacks with reasons; revert() undoes it."""
+
+    spec: KernelSpec
+    layers_path: str = ""
+    num_layers: int = 0
+    entries: list[PatchEntry] = field(default_factory=list)
+    _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def revert(self) -> None:
+        """Restore every patched forward."""
+        while self._undo:
+            self._undo.pop()()
+
+    def fallbacks(self) -> dict[str, str]:
+        """op -> reason, for ops whose implementation cannot run on this machine."""
+        return {e.op: e.fallback for e in self.entries if e.fallback}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the spec, per-op summary, every entry, and runtime fallbacks seen so far."""
+        ops = {}
+        for sel in self.spec.ops:
+            mine = [e for e in self.entries if e.op == sel.op]
+            ops[sel.op] = {"impl": sel.impl, "patched": len(mine), "layers": _ranges(sorted({e.layer for e in mine})),
+                           "modules": sorted({e.module for e in mine}), "fallback": self.fallbacks().get(sel.op)}
+        runtime = [{"op": op, "impl": impl, "reason": reason, "calls": n}
+                   for (op, impl, reason), n in registry.runtime_fallbacks.items()]
+        return {"spec": self.spec.to_dict(), "decoder_layers": {"path": self.layers_path, "count": self.num_layers},
+                "ops": ops, "entries": [asdict(e) for e in self.entries], "runtime_fallbacks": runtime}
+
+    def save(self, output_dir: str | Path) -> Path:
+        """Write kernels.json into output_dir; returns its path."""
+        path = Path(output_dir) / "kernels.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    def summary(self) -> str:
+        """One screen: per op, the implementation, where it went, and any fallback with its reason."""
+        if not self.spec.ops:
+            return "kernels: none (stock PyTorch forwards)"
+        lines = [f"kernels ({self.num_layers} decoder layers at {self.layers_path or 'model'}; strict: "
+                 f"{'on' if self.spec.strict else 'off'})"]
+        for op, info in self.to_dict()["ops"].items():
+            modules = ", ".join(info["modules"]) or "-"
+            status = (f"falls back to reference: {info['fallback']}" if info["fallback"]
+                      else "active" if info["patched"] else "no module in the decoder layers fits this op")
+            lines.append(f"  {op:9s} {info['impl']:10s} {info['patched']:4d} modules  layers {info['layers'] or '-':10s} "
+                         f"[{_clip(modules, 48)}]  {status}")
+        for item in self.to_dict()["runtime_fallbacks"]:
+            lines.append(f"  {item['op']:9s} {item['impl']:10s} fell back at run time on {item['calls']} calls: {item['reason']}")
+        return "\n".join(lines)
+
+
+def _ranges(values: list[int]) -> str:
+    parts, start = [], None
+    for i, v in enumerate(values):
+        start = v if start is None else start
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            parts.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ",".join(parts)
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def apply_kernels(model: nn.Module, spec: Any) -> PatchReport:
+    """Patch `model` per `spec` (a KernelSpec or a raw `kernels:` value); returns the PatchReport.
+
+    A previous apply on the same model is reverted first. Raises UserError for a layer index the
+    model lacks, a module pattern that matches nothing, or (strict) an implementation that cannot
+    run on this machine.
+    """
+    spec = parse_kernel_spec(spec)
+    revert_kernels(model)
+    report = PatchReport(spec)
+    model._tiletune_kernels = report
+    if not spec.ops:
+        return report
+    report.layers_path, layers = decoder_layers(model)
+    report.num_layers = len(layers)
+    plan = {sel: _select(sel, layers) for sel in spec.ops}  # validate everything before patching anything
+    reasons = {sel: None if sel.impl == REFERENCE else registry.get(sel.op, sel.impl).unavailable() for sel in spec.ops}
+    for sel, reason in reasons.items():
+        if reason and spec.strict:
+            raise UserError(f"kernels.{sel.op}: implementation {sel.impl!r} cannot run here ({reason}) and strict is true")
+    for sel, chosen in plan.items():
+        for index, path, module in chosen:
+            report._undo.append(_set_forward(module, _forward_for(sel.op, module, sel.impl, spec.strict)))
+            report.entries.append(PatchEntry(sel.op, index, path, sel.impl, reasons[sel]))
+    return report
+
+
+def _select(sel: OpSelection, layers: nn.ModuleList) -> list[tuple[int, str, nn.Module]]:
+    """(layer index, path in layer, module to patch) chosen by `sel`; UserError for what matches nothing."""
+    if sel.layers is not None:
+        missing = [i for i in sel.layers if i >= len(layers)]
+        if missing:
+            raise UserError(f"kernels.{sel.op}.layers: layer {missing[0]} does not exist; the model has layers 0-{len(layers) - 1}")
+    indices = range(len(layers)) if sel.layers is None else sel.layers
+    chosen, seen_paths, used = [], set(), set()
+    for index in indices:
+        for path, module in CANDIDATES[sel.op](layers[index]):
+            seen_paths.add(path)
+            hits = [p for p in sel.modules if fnmatch.fnmatchcase(path, p)]
+            if sel.modules and not hits:
+                continue
+            used.update(hits)
+            chosen.append((index, path, module))
+    for pattern in sel.modules:
+        if pattern not in used:
+            raise UserError(f"kernels.{sel.op}.modules: {pattern!r} matches no {sel.op} module; candidates in a decoder "
+                            f"layer: {', '.join(sorted(seen_paths)) or 'none'}")
+    return chosen
+
+
+def revert_kernels(model: nn.Module) -> None:
+    """Undo apply_kernels on `model` (no-op if nothing is applied)."""
+    report = model.__dict__.pop("_tiletune_kernels", None)
+    if report is not None:
+        report.revert()

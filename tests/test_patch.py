@@ -1,0 +1,235 @@
+"""patch: the kernels spec, selectors, report, revert, parameter identity, PEFT, compile, training parity."""
+
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tiletune.errors import UserError
+from tiletune.kernels import registry
+from tiletune.patch import apply_kernels, parse_kernel_spec, parse_layers, revert_kernels
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+
+
+def tiny_llama(layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rope_scaling=LLAMA3_SCALING, attn_implementation="eager")
+    model = LlamaForCausalLM(config).eval()
+    for p in model.parameters():  # RMSNorm weights start at 1: make them count
+        torch.nn.init.normal_(p, std=0.2)
+    return model
+
+
+def tokens(seed: int = 1, batch: int = 2, seq: int = 11) -> torch.Tensor:
+    return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- spec -----------------------------------------------------------------------------------------
+
+
+def test_parse_all_none_and_per_op():
+    assert parse_kernel_spec("none").ops == () and parse_kernel_spec(None).ops == ()
+    assert {s.op: s.impl for s in parse_kernel_spec("all").ops} == {op: "tilelang" for op in registry.OPS}
+    spec = parse_kernel_spec({"rms_norm": "tilelang", "linear": {"impl": "reference", "layers": "0-2,5",
+                                                                 "modules": "mlp.*"}, "strict": True})
+    by_op = {s.op: s for s in spec.ops}
+    assert spec.strict and set(by_op) == {"rms_norm", "linear"}
+    assert by_op["linear"].layers == (0, 1, 2, 5) and by_op["linear"].modules == ("mlp.*",)
+    assert by_op["rms_norm"].layers is None
+
+
+def test_parse_command_line_forms():
+    assert [s.op for s in parse_kernel_spec("rms_norm,swiglu").ops] == ["rms_norm", "swiglu"]
+    assert [(s.op, s.impl) for s in parse_kernel_spec("rope=reference").ops] == [("rope", "reference")]
+    spec = parse_kernel_spec("{linear: {impl: tilelang, layers: '10'}}")
+    assert spec.ops[0].layers == (10,)
+
+
+@pytest.mark.parametrize("layers,expected", [("10", (10,)), (3, (3,)), ("0-3", (0, 1, 2, 3)), ("0,4,8", (0, 4, 8)),
+                                             ([1, "3-4"], (1, 3, 4)), ("all", None)])
+def test_parse_layers(layers, expected):
+    assert parse_layers(layers) == expected
+
+
+@pytest.mark.parametrize("value,message", [
+    ({"rms_nrom": "tilelang"}, "unknown op 'rms_nrom'.*rms_norm, swiglu, rope, linear"),
+    ({"rms_norm": "cuda"}, "unknown implementation 'cuda'; rms_norm has: reference, tilelang"),
+    ({"linear": {"impl": "tilelang", "layer": "1"}}, "unknown key 'layer'"),
+    ({"linear": {"layers": "3-1"}}, "bad layer selector '3-1'"),
+    ({"linear": {"layers": "x"}}, "bad layer selector 'x'"),
+    ({"plugins": ["no_such_plugin_mod"]}, "cannot import 'no_such_plugin_mod'"),
+    ({"strict": "yes"}, "kernels.strict"),
+])
+def test_parse_errors_name_the_culprit(value, message):
+    with pytest.raises(UserError, match=message):
+        parse_kernel_spec(value)
+
+
+# ---- apply / revert -------------------------------------------------------------------------------
+
+
+def test_apply_all_patches_every_op_and_keeps_parameters():
+    model = tiny_llama()
+    params = [(n, id(p)) for n, p in model.named_parameters()]
+    with torch.no_grad():
+        before = model(tokens()).logits
+    report = apply_kernels(model, "all")
+    counts = {op: info["patched"] for op, info in report.to_dict()["ops"].items()}
+    assert counts == {"rms_norm": 4, "swiglu": 2, "rope": 2, "linear": 14}
+    assert [(n, id(p)) for n, p in model.named_parameters()] == params
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens()).logits, before, rtol=1e-5, atol=1e-5)
+    layer = model.model.layers[0]
+    assert "forward" in layer.input_layernorm.__dict__ and "forward" in layer.self_attn.__dict__
+    report.revert()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert [(n, id(p)) for n, p in model.named_parameters()] == params
+
+
+def test_patched_model_really_calls_the_custom_ops(monkeypatch):
+    model = tiny_llama()
+    calls = []
+    for op in ("rms_norm", "swiglu", "rope", "linear"):
+        impl = registry.get(op, "reference")
+        monkeypatch.setitem(registry._impls[op], "reference",
+                            impl.__class__(**{**impl.__dict__, "forward": (lambda f, o: lambda *a: calls.append(o) or f(*a))(impl.forward, op)}))
+    apply_kernels(model, "all")
+    with torch.no_grad():
+        model(tokens())
+    assert {op: calls.count(op) for op in set(calls)} == {"rms_norm": 5 - 1, "swiglu": 2, "rope": 2, "linear": 14}
+
+
+def test_selectors_layers_and_module_globs():
+    model = tiny_llama(layers=3)
+    report = apply_kernels(model, {"linear": {"impl": "tilelang", "layers": "1", "modules": ["mlp.gate_proj", "self_attn.[qk]_proj"]},
+                                   "rms_norm": {"layers": "0,2", "modules": "post_*"}})
+    got = sorted((e.op, e.layer, e.module) for e in report.entries)
+    assert got == [("linear", 1, "mlp.gate_proj"), ("linear", 1, "self_attn.k_proj"), ("linear", 1, "self_attn.q_proj"),
+                   ("rms_norm", 0, "post_attention_layernorm"), ("rms_norm", 2, "post_attention_layernorm")]
+    assert "forward" in model.model.layers[1].mlp.gate_proj.__dict__
+    assert "forward" not in model.model.layers[0].mlp.gate_proj.__dict__
+    revert_kernels(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("spec,message", [
+    ({"linear": {"layers": "7"}}, "layer 7 does not exist; the model has layers 0-1"),
+    ({"linear": {"modules": ["mlp.gate"]}}, "'mlp.gate' matches no linear module; candidates.*mlp.gate_proj"),
+])
+def test_apply_errors_name_what_exists(spec, message):
+    with pytest.raises(UserError, match=message):
+        apply_kernels(tiny_llama(), spec)
+
+
+def test_fallback_reported_once_with_reason(tmp_path):
+    model = tiny_llama()
+    report = apply_kernels(model, {"rms_norm": "tilelang", "swiglu": "reference"})
+    assert set(report.fallbacks()) == {"rms_norm"}
+    assert "no CUDA or ROCm GPU" in report.fallbacks()["rms_norm"] or "not installed" in report.fallbacks()["rms_norm"]
+    with torch.no_grad():
+        model(tokens())
+    saved = json.loads(report.save(tmp_path).read_text())
+    assert saved["ops"]["rms_norm"]["fallback"] == report.fallbacks()["rms_norm"]
+    assert saved["ops"]["swiglu"]["fallback"] is None
+    assert any(item["op"] == "rms_norm" and item["calls"] >= 4 for item in saved["runtime_fallbacks"])
+    summary = report.summary()
+    assert "rms_norm" in summary and "falls back to reference" in summary and len(summary.splitlines()) < 25
+
+
+def test_strict_turns_fallback_into_error():
+    with pytest.raises(UserError, match="cannot run here.*strict"):
+        apply_kernels(tiny_llama(), {"rms_norm": "tilelang", "strict": True})
+
+
+def test_plugin_registers_an_implementation(tmp_path, monkeypatch):
+    (tmp_path / "my_kernels_plugin.py").write_text(textwrap.dedent("""
+        import tiletune.kernels
+        from tiletune.kernels.swiglu import reference_forward
+
+        @tiletune.kernels.register("swiglu", "doubled")
+        def doubled(gate, up):
+            '''Twice silu(gate) * up: visibly not the reference.'''
+            return 2 * reference_forward(gate, up)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = tiny_llama()
+    with torch.no_grad():
+        mlp = model.model.layers[0].mlp
+        x = torch.randn(3, 64)
+        stock = mlp(x)
+        apply_kernels(model, {"swiglu": "doubled", "plugins": ["my_kernels_plugin"]})
+        doubled = mlp(x)
+    assert not torch.allclose(stock, doubled)
+    monkeypatch.delitem(sys.modules, "my_kernels_plugin")
+    registry._impls["swiglu"].pop("doubled")
+
+
+def test_peft_lora_gets_kernel_on_base_layer():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    params = [id(p) for p in model.parameters()]
+    report = apply_kernels(model, {"linear": {"modules": ["self_attn.q_proj"]}})
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert [e.module for e in report.entries] == ["self_attn.q_proj", "self_attn.q_proj"]
+    assert "forward" in q.base_layer.__dict__ and "forward" not in q.__dict__
+    assert all("forward" not in m.__dict__ for m in q.lora_A.modules())
+    assert [id(p) for p in model.parameters()] == params
+
+
+# ---- training-level checks ------------------------------------------------------------------------
+
+
+def test_torch_compile_aot_eager_on_patched_model():
+    model = tiny_llama()
+    ids = tokens()
+    expected_loss = model(ids, labels=ids).loss
+    expected_loss.backward()
+    expected_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    apply_kernels(model, "all")
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=False)
+    loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    for p, g in zip(model.parameters(), expected_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+
+
+def _train_lora(kernels, steps: int = 4) -> tuple[list[float], list[torch.Tensor], int]:
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    report = apply_kernels(model, kernels)
+    assert model.base_model.model.model.gradient_checkpointing
+    torch.manual_seed(0)
+    for p in model.parameters():  # LoRA B starts at zero; give it values so every path carries gradient
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.05)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses, ids = [], tokens()
+    for _ in range(steps):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters() if p.requires_grad], len(report.entries)
+
+
+def test_lora_with_gradient_checkpointing_trains_identically_all_vs_none():
+    losses_none, params_none, patched_none = _train_lora("none")
+    losses_all, params_all, patched_all = _train_lora("all")
+    assert patched_none == 0 and patched_all == 22
+    assert losses_none[-1] < losses_none[0]
+    torch.testing.assert_close(torch.tensor(losses_all), torch.tensor(losses_none), rtol=1e-5, atol=1e-6)
+    for a, b in zip(params_all, params_none):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
