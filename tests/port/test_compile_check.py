@@ -70,6 +70,15 @@ def test_warp_sync_code_fails_on_the_flagged_line(tmp_path):
 
 
 @needs_hipcc
+def test_inplace_diagnostics_point_at_the_rewritten_file(tmp_path):
+    source = tmp_path / "broken.cu"
+    source.write_text("__global__ void scale(float* x) {\n  x[threadIdx.x] *= not_declared;\n}\n")
+    report = run_hipify([str(source)], inplace=True, engine="torch", compile_check=True)
+    diagnostic, = (d for d in report.compile.results[0].diagnostics if d.severity == "error")
+    assert "not_declared" in source.read_text().splitlines()[diagnostic.line - 1]
+
+
+@needs_hipcc
 def test_target_the_compiler_cannot_build_is_reported_not_crashed(tmp_path):
     version = hipcc_version(find_hipcc()) or "0"
     if int(version.split(".")[0]) >= 6:

@@ -66,6 +66,16 @@ def test_inplace_rewrites_with_backups_and_never_overwrites_a_backup(tmp_path):
     assert not list(tmp_path.glob("*.prehip.prehip"))
 
 
+def test_inplace_findings_point_at_the_rewritten_lines(tmp_path):
+    for name in ("softmax_ballot.cu", "common.cuh"):
+        shutil.copy(CORPUS / name, tmp_path)
+    report = run_hipify([str(tmp_path)], inplace=True, engine="torch")
+    rewritten = (tmp_path / "softmax_ballot.cu").read_text().splitlines()
+    assert rewritten[0] == '#include "hip/hip_runtime.h"'  # the torch engine added a line on top
+    assert [f.line for f in report.findings if f.rule == "warp-lane-loop"] == [34]
+    assert all(finding.code in rewritten[finding.line - 1] for finding in report.findings)
+
+
 def test_lint_only_translates_nothing(tree):
     before = _digest(tree)
     report = run_hipify([str(tree)], lint_only=True)

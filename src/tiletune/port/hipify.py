@@ -11,12 +11,13 @@ import os
 import re
 import shutil
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 from tiletune.errors import UserError
 from tiletune.port.compile_check import SourceMap, compile_units, line_map
 from tiletune.port.engines import select_engine
-from tiletune.port.lint import lint_text, strip_comments
+from tiletune.port.lint import Finding, lint_text, strip_comments
 from tiletune.port.report import FileResult, HipifyReport
 
 SOURCE_SUFFIXES = frozenset({".cu", ".cuh", ".cpp", ".cc", ".cxx", ".c", ".h", ".hpp", ".hh", ".hxx", ".inl"})
@@ -108,6 +109,14 @@ def _write(destination: Path, text: str, inplace: bool, notes: list[str]) -> Non
     destination.write_text(text, encoding="utf-8")
 
 
+def _moved(finding: Finding, lines: list[int]) -> Finding:
+    """`finding` placed on the last translated line that came from its CUDA line (lines a translator
+    inserts map to the line after them)."""
+    if finding.line not in lines:
+        return finding
+    return replace(finding, line=len(lines) - lines[::-1].index(finding.line))
+
+
 def run_hipify(paths: list[str], out: str | None = None, *, engine: str = "auto", inplace: bool = False,
                lint_only: bool = False, compile_check: bool = False, offload_arch: str = "gfx90a",
                hipcc_flags: tuple[str, ...] = ()) -> HipifyReport:
@@ -133,6 +142,9 @@ def run_hipify(paths: list[str], out: str | None = None, *, engine: str = "auto"
     translator = select_engine(engine)
     translations = {source: translator.translate(source) for source in sources}
 
+    line_maps = {source: line_map(texts[source], hip_text) for source, hip_text in translations.items()}
+    if inplace:  # the CUDA text now lives in the .prehip backups: point findings at the rewritten files
+        findings = [_moved(finding, line_maps[Path(finding.path).resolve()]) for finding in findings]
     report = HipifyReport(engine=translator.description,
                           destination="in place" if inplace else display_path(out_dir), files=[], findings=findings)
     source_maps, units = {}, []
@@ -147,7 +159,7 @@ def run_hipify(paths: list[str], out: str | None = None, *, engine: str = "auto"
             source=display_path(source), output=display_path(destination),
             translated=sum(names_before.values()) - sum(left.values()), left=dict(left.most_common()),
         ))
-        source_maps[destination.resolve()] = SourceMap(display_path(source), line_map(texts[source], hip_text))
+        source_maps[destination.resolve()] = SourceMap(display_path(source), [] if inplace else line_maps[source])
         if _is_compile_unit(source, texts[source]):
             units.append((destination, display_path(source)))
     if inplace:
