@@ -11,7 +11,6 @@ decides where the text goes, so the input tree stays untouched.
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -65,6 +64,7 @@ def _tool_version(executable: str) -> str:
 
 
 def _torch_engine() -> Engine:
+    import torch
     from torch.utils.hipify import hipify_python
 
     def translate(path: Path) -> str:
@@ -74,8 +74,7 @@ def _torch_engine() -> Engine:
         )
         return hipify_python.hip_header_magic(text)
 
-    version = importlib.metadata.version("torch")
-    return Engine("torch", f"torch.utils.hipify's mapping table from torch {version}", translate)
+    return Engine("torch", f"torch.utils.hipify's mapping table from torch {torch.__version__}", translate)
 
 
 def _perl_engine(executable: str) -> Engine:

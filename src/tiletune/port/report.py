@@ -6,13 +6,13 @@ findings and hipcc diagnostics become results placed on the CUDA source lines.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import textwrap
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import tiletune
 from tiletune.port.compile_check import CompileCheck
 from tiletune.port.lint import Finding
 from tiletune.port.rules import RULES, RULES_BY_ID
@@ -223,7 +223,7 @@ def to_sarif(report: HipifyReport) -> str:
         "$schema": SARIF_SCHEMA,
         "version": "2.1.0",
         "runs": [{
-            "tool": {"driver": {"name": "tiletune-hipify", "version": importlib.metadata.version("tiletune"),
+            "tool": {"driver": {"name": "tiletune-hipify", "version": tiletune.__version__,
                                 "rules": _sarif_rules()}},
             "originalUriBaseIds": {"%SRCROOT%": {"uri": Path.cwd().as_uri() + "/"}},
             "results": results,
