@@ -35,24 +35,36 @@ LINEAR_SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (1024, 4096), "
                  "down_proj": (4096, 14336)}
 
 
-def bench(fn, grads=()):
+def bench(fn) -> float:
     """Median ms of `fn` launched eagerly between CUDA events."""
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=25, rep=100, grad_to_none=list(grads), return_mode="median")
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def bench_graph(fn, grads=()):
-    """Median ms of `fn` replayed from a CUDA graph (device time)."""
+def bench_graph(fn) -> float:
+    """Median ms of `fn` replayed from a CUDA graph (device time); NaN if it cannot be captured."""
     from triton.testing import do_bench_cudagraph
 
-    return do_bench_cudagraph(fn, rep=100, grad_to_none=list(grads), return_mode="median")
+    try:
+        return do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except RuntimeError as err:
+        print(f"CUDA graph capture failed: {str(err).splitlines()[0]}", flush=True)
+        return float("nan")
 
 
-def fwd_bwd(forward, inputs, grad_out):
+def fwd_bwd(forward, leaves, grad_out):
+    """Forward then backward to `leaves` (torch.autograd.grad: no accumulation into .grad)."""
     def run():
-        out = forward(*inputs)
-        torch.autograd.backward(out, grad_out)
+        torch.autograd.grad(forward(), leaves, grad_out)
+    return run
+
+
+def forward_only(forward):
+    """Forward without autograd recording."""
+    def run():
+        with torch.no_grad():
+            forward()
     return run
 
 
@@ -70,19 +82,19 @@ def elementwise_cases():
     w = (1 + 0.1 * torch.randn(HIDDEN, device=dev)).to(dt).requires_grad_()
     dy = torch.randn_like(x)
     yield "rms_norm", {
-        "eager": fwd_bwd(lambda: rms_norm.reference_forward(x, w, 1e-5), (), dy),
-        "liger": fwd_bwd(lambda: LigerRMSNormFunction.apply(x, w, 1e-5, 0.0, "llama", False), (), dy),
-        "tilelang": fwd_bwd(lambda: rms_norm.rms_norm(x, w, 1e-5, "tilelang", True), (), dy),
-    }, (x, w)
+        "eager": fwd_bwd(lambda: rms_norm.reference_forward(x, w, 1e-5), (x, w), dy),
+        "liger": fwd_bwd(lambda: LigerRMSNormFunction.apply(x, w, 1e-5, 0.0, "llama", False), (x, w), dy),
+        "tilelang": fwd_bwd(lambda: rms_norm.rms_norm(x, w, 1e-5, "tilelang", True), (x, w), dy),
+    }
 
     g = torch.randn(TOKENS, INTER, device=dev, dtype=dt, requires_grad=True)
     u = torch.randn(TOKENS, INTER, device=dev, dtype=dt, requires_grad=True)
     dy = torch.randn_like(g)
     yield "swiglu", {
-        "eager": fwd_bwd(lambda: F.silu(g) * u, (), dy),
-        "liger": fwd_bwd(lambda: LigerSiLUMulFunction.apply(g, u), (), dy),
-        "tilelang": fwd_bwd(lambda: swiglu.swiglu(g, u, "tilelang", True), (), dy),
-    }, (g, u)
+        "eager": fwd_bwd(lambda: F.silu(g) * u, (g, u), dy),
+        "liger": fwd_bwd(lambda: LigerSiLUMulFunction.apply(g, u), (g, u), dy),
+        "tilelang": fwd_bwd(lambda: swiglu.swiglu(g, u, "tilelang", True), (g, u), dy),
+    }
 
     b, s = 4, TOKENS // 4
     q = torch.randn(b, s, HEADS, HEAD_DIM, device=dev, dtype=dt).transpose(1, 2).requires_grad_()
@@ -91,10 +103,10 @@ def elementwise_cases():
     cos, sin = (f(torch.cat([angle, angle], -1)).to(dt) for f in (torch.cos, torch.sin))
     dq, dk = torch.randn_like(q), torch.randn_like(k)
     yield "rope", {
-        "eager": fwd_bwd(lambda: apply_rotary_pos_emb(q, k, cos, sin), (), (dq, dk)),
-        "liger": fwd_bwd(lambda: liger_rotary_pos_emb(q, k, cos, sin), (), (dq, dk)),
-        "tilelang": fwd_bwd(lambda: rope.rope(q, k, cos, sin, "tilelang", True), (), (dq, dk)),
-    }, (q, k)
+        "eager": fwd_bwd(lambda: apply_rotary_pos_emb(q, k, cos, sin), (q, k), (dq, dk)),
+        "liger": fwd_bwd(lambda: liger_rotary_pos_emb(q, k, cos, sin), (q, k), (dq, dk)),
+        "tilelang": fwd_bwd(lambda: rope.rope(q, k, cos, sin, "tilelang", True), (q, k), (dq, dk)),
+    }
 
 
 def linear_cases():
@@ -106,13 +118,13 @@ def linear_cases():
         w = (torch.randn(out_f, in_f, device="cuda") / in_f**0.5).to(torch.bfloat16).requires_grad_()
         dy = torch.randn(TOKENS, out_f, device="cuda", dtype=torch.bfloat16)
         yield f"linear fwd {name}", {
-            "cublas": lambda x=x, w=w: torch.matmul(x, w.t()),
-            "tilelang": lambda x=x, w=w: linear.linear(x, w, None, "tilelang", True),
-        }, (x, w)
+            "cublas": forward_only(lambda x=x, w=w: torch.matmul(x, w.t())),
+            "tilelang": forward_only(lambda x=x, w=w: linear.linear(x, w, None, "tilelang", True)),
+        }
         yield f"linear fwd+bwd {name}", {
-            "cublas": fwd_bwd(lambda x=x, w=w: torch.matmul(x, w.t()), (), dy),
-            "tilelang": fwd_bwd(lambda x=x, w=w: linear.linear(x, w, None, "tilelang", True), (), dy),
-        }, (x, w)
+            "cublas": fwd_bwd(lambda x=x, w=w: torch.matmul(x, w.t()), (x, w), dy),
+            "tilelang": fwd_bwd(lambda x=x, w=w: linear.linear(x, w, None, "tilelang", True), (x, w), dy),
+        }
 
 
 def tune_linear():
@@ -131,10 +143,9 @@ def tune_linear():
         for kind, args in operands.items():
             funcs = [linear.gemm_kernel(kind, out_f, in_f, "bfloat16", c) for c in linear.CANDIDATES]
             kernels = tl.par_compile(funcs, target=target, ignore_error=True)
-            timed = []
-            for config, kernel in zip(linear.CANDIDATES, kernels):
-                if kernel is not None:
-                    timed.append((bench(lambda k=kernel: k(*args)), config))
+            timed = [(bench(lambda k=kernel: k(*args)), config) for config, kernel in zip(linear.CANDIDATES, kernels)
+                     if kernel is not None]
+            print(f"    # {kind} {name}: " + ", ".join(f"{c}={ms:.3f}" for ms, c in sorted(timed)), flush=True)
             best_ms, best = min(timed)
             linear.TUNED[(arch, kind, out_f, in_f, "bfloat16")] = best
             print(f"    ({arch!r}, {kind!r}, {out_f}, {in_f}, 'bfloat16'): {best},  # {best_ms:.3f} ms ({name})",
@@ -165,14 +176,14 @@ def main() -> None:
     for group, cases in groups.items():
         if args.only and args.only != group:
             continue
-        for case, variants, grads in cases():
+        for case, variants in cases():
             times = {(v, how): [] for v in variants for how in ("gpu", "launch")}
             for fn in variants.values():
                 fn()  # compile and warm up outside the timed rounds
             for _ in range(args.rounds):
                 for v, fn in variants.items():
-                    times[(v, "gpu")].append(bench_graph(fn, grads))
-                    times[(v, "launch")].append(bench(fn, grads))
+                    times[(v, "gpu")].append(bench_graph(fn))
+                    times[(v, "launch")].append(bench(fn))
             base = "eager" if "eager" in variants else "cublas"
             for v in variants:
                 row = {"case": case, "variant": v}

@@ -233,3 +233,42 @@ def test_lora_with_gradient_checkpointing_trains_identically_all_vs_none():
     torch.testing.assert_close(torch.tensor(losses_all), torch.tensor(losses_none), rtol=1e-5, atol=1e-6)
     for a, b in zip(params_all, params_none):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_warmup_without_gpu_says_why():
+    from tiletune.patch import warmup_kernels
+
+    if registry.get("rms_norm", "tilelang").unavailable() is None:
+        pytest.skip("TileLang can run here")
+    with pytest.raises(UserError, match="cannot run here"):
+        warmup_kernels(tiny_llama(), {"rms_norm": "tilelang"}, torch.bfloat16)
+
+
+# ---- on the GPU -----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_warmup_compiles_every_kernel_a_model_needs():
+    from tiletune.patch import warmup_kernels
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(tiny_llama().config)
+    done = warmup_kernels(model, "all", torch.bfloat16)
+    assert sorted(line.split()[0] for line in done) == ["linear"] * 4 + ["rms_norm", "rope", "swiglu"]
+
+
+@pytest.mark.gpu
+def test_patched_model_on_gpu_trains_like_stock():
+    results = {}
+    for kernels in ("none", {"rms_norm": "tilelang", "swiglu": "tilelang", "rope": "tilelang", "linear": "tilelang",
+                             "strict": True}):
+        model = tiny_llama().to("cuda", torch.bfloat16).train()
+        report = apply_kernels(model, kernels)
+        ids = tokens(batch=3, seq=77).cuda()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        results[str(len(report.entries))] = (loss.item(), torch.cat([p.grad.float().flatten() for p in model.parameters()]))
+    (loss_stock, grad_stock), (loss_tl, grad_tl) = results["0"], results["22"]
+    assert abs(loss_tl - loss_stock) / loss_stock < 1e-2
+    assert torch.isfinite(grad_tl).all()
+    assert torch.nn.functional.cosine_similarity(grad_tl, grad_stock, dim=0) > 0.999

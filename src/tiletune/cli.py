@@ -132,3 +132,65 @@ def bench(config, overrides, variants, ablation, model_preset, batch, seq, steps
         batch or cfg.train_arg("per_device_train_batch_size"), seq or cfg.cutoff_len, steps, warmup, repeats,
     )  # fmt: skip
     click.echo(table(result))
+
+
+# ---- kernels ------------------------------------------------------------------------------------
+
+
+@main.group(invoke_without_command=True)
+@click.pass_context
+def kernels(ctx: click.Context) -> None:
+    """List kernel ops and implementations, lower them for a target, or precompile for a config."""
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(kernels_list)
+
+
+@kernels.command("list")
+def kernels_list() -> None:
+    """Every op with its implementations, whether each can run here and why not, target and cache."""
+    from tiletune.kernels import _tilelang, registry
+
+    version = _tilelang.version()
+    click.echo(f"TileLang: {version or 'not installed (pip install tilelang)'}")
+    click.echo(f"target here: {_tilelang.device_target() or 'none (no CUDA or ROCm GPU visible)'}")
+    click.echo(f"kernel cache: {_tilelang.tilelang_cache_dir()}")
+    click.echo(f"\n{'op':9s} {'impl':10s} {'runs here':9s} notes")
+    for op in registry.OPS:
+        for name, impl in registry.impls(op).items():
+            reason = impl.unavailable()
+            click.echo(f"{op:9s} {name:10s} {'no' if reason else 'yes':9s} {reason or impl.description}")
+
+
+@kernels.command("lower")
+@click.option("--target", "targets", multiple=True, metavar="TARGET",
+              help="cuda:sm_80, cuda:sm_90, hip:gfx90a, hip:gfx942, hip:gfx1100 (repeatable; default: all).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Directory to write into.")
+def kernels_lower(targets: tuple[str, ...], out_dir: str) -> None:
+    """Write every kernel's device source for each TARGET to OUT/<target>/, without a GPU."""
+    from tiletune.kernels.lowering import lower_all
+
+    failures = lower_all(targets or None, out_dir, echo=click.echo)
+    if failures:
+        for line in failures:
+            click.echo(f"FAILED {line}", err=True)
+        sys.exit(1)
+
+
+@kernels.command("warmup")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+def kernels_warmup(config: str, overrides: tuple[str, ...]) -> None:
+    """Compile ahead of time every kernel CONFIG's `kernels:` block needs (on this machine's GPU)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tiletune.config import load_config
+    from tiletune.patch import warmup_kernels
+
+    cfg = load_config(config, overrides)
+    dtype = torch.float16 if cfg.train_arg("fp16") else torch.bfloat16 if cfg.train_arg("bf16") or cfg.pure_bf16 else torch.float32
+    model_config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
+    for line in warmup_kernels(model, cfg.kernels, dtype):
+        click.echo(f"compiled {line}")

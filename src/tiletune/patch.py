@@ -485,3 +485,67 @@ def revert_kernels(model: nn.Module) -> None:
     report = model.__dict__.pop("_tiletune_kernels", None)
     if report is not None:
         report.revert()
+
+
+# ---- warmup ---------------------------------------------------------------------------------------
+
+
+def _static_shapes(op: str, module: nn.Module) -> tuple:
+    """The static dimensions a kernel for `module` is compiled for."""
+    if op == "rms_norm":
+        return (module.weight.shape[-1], _eps(module))
+    if op == "swiglu":
+        return (module.gate_proj.out_features,)
+    if op == "rope":
+        head_dim = module.head_dim
+        return (module.q_proj.out_features // head_dim, module.k_proj.out_features // head_dim, head_dim)
+    return (module.out_features, module.in_features)
+
+
+def _run_once(op: str, shapes: tuple, impl: str, dtype: torch.dtype) -> None:
+    """Forward + backward of `op` on one token with these static shapes, strict: compiles its kernels."""
+    from tiletune.kernels import linear, rms_norm, rope, swiglu
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
+
+    if op == "rms_norm":
+        out = rms_norm.rms_norm(rand(1, shapes[0]), rand(shapes[0]), shapes[1], impl, True)
+    elif op == "swiglu":
+        out = swiglu.swiglu(rand(1, shapes[0]), rand(1, shapes[0]), impl, True)
+    elif op == "rope":
+        heads_q, heads_k, d = shapes
+        cos, sin = torch.randn(2, 1, 1, d, device="cuda", dtype=dtype)
+        out = sum(t.sum() for t in rope.rope(rand(1, heads_q, 1, d), rand(1, heads_k, 1, d), cos, sin, impl, True))
+    else:
+        out = linear.linear(rand(1, shapes[1]), rand(*shapes), None, impl, True)
+    out.float().sum().backward()
+
+
+def warmup_kernels(model: nn.Module, spec: Any, dtype: torch.dtype) -> list[str]:
+    """Compile, on this machine's GPU, every kernel `spec` needs for `model` in `dtype`; return what was done.
+
+    `model` may live on the meta device: only its structure is read. The compiled kernels land in the
+    disk cache, so training starts without compiling.
+    """
+    spec = parse_kernel_spec(spec)
+    report = apply_kernels(model, spec)
+    try:
+        _, layers = decoder_layers(model) if spec.ops else ("", nn.ModuleList())
+        wanted = {}
+        for e in report.entries:
+            module = layers[e.layer].get_submodule(e.module)
+            module = getattr(module, "base_layer", module)
+            wanted.setdefault((e.op, e.impl, _static_shapes(e.op, module)), None)
+    finally:
+        report.revert()
+    done = []
+    for op, impl, shapes in wanted:
+        if impl == REFERENCE:
+            continue
+        reason = registry.get(op, impl).unavailable()
+        if reason:
+            raise UserError(f"kernels warmup: {op} implementation {impl!r} cannot run here: {reason}")
+        _run_once(op, shapes, impl, dtype)
+        done.append(f"{op} {impl} {'x'.join(str(s) for s in shapes)} {str(dtype).removeprefix('torch.')}")
+    return done

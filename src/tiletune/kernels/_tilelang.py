@@ -40,6 +40,17 @@ def installed() -> bool:
     return importlib.util.find_spec("tilelang") is not None
 
 
+def version() -> str | None:
+    """The installed TileLang version, without importing it; None if not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("tilelang")
+    except PackageNotFoundError:
+        return None
+
+
 @functools.cache
 def tilelang():
     """Import and return the tilelang module (seconds, once per process)."""
@@ -68,7 +79,13 @@ def device_arch(device: torch.device | int | None = None) -> str | None:
     """The GPU architecture torch sees ('sm_90', 'gfx942'), or None without a GPU."""
     if not torch.cuda.is_available():
         return None
-    props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
+    index = device.index if isinstance(device, torch.device) else device
+    return _arch(torch.cuda.current_device() if index is None else index)
+
+
+@functools.cache
+def _arch(index: int) -> str:
+    props = torch.cuda.get_device_properties(index)
     if torch.version.hip:
         return props.gcnArchName.split(":")[0]
     return f"sm_{props.major}{props.minor}"
@@ -124,9 +141,10 @@ def lower_source(func, target: str) -> str:
         return tl.lower(func, target=tgt).kernel_source
 
 
-def sm_count(device: torch.device | None = None) -> int:
-    """Number of multiprocessors (compute units) of the current GPU: sizes persistent grids."""
-    return torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device()).multi_processor_count
+@functools.cache
+def sm_count(index: int = 0) -> int:
+    """Number of multiprocessors (compute units) of GPU `index`: sizes persistent grids."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}

@@ -10,6 +10,9 @@ see benchmarks/kernels.py --tune), else a per-architecture default.
 # No `from __future__ import annotations` here: TileLang reads the kernel signature's shapes
 # (a_shape, b_shape, c_shape) from the closure, which string annotations would hide.
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -95,12 +98,11 @@ def config_for(arch: str, kind: str, out_features: int, in_features: int, dtype:
     return TUNED.get((arch, kind, out_features, in_features, dtype), default)
 
 
-def kernel_sources(target: str) -> dict[str, str]:
-    """Device source of the three GEMMs for `target`, at Llama-3-8B's q_proj shape (4096 x 4096)."""
-    arch = target.partition(":")[2]
-    return {f"linear_{kind}": _tilelang.lower_source(
-        gemm_kernel(kind, 4096, 4096, "bfloat16", config_for(arch, kind, 4096, 4096, "bfloat16")), target)
-        for kind in ("fwd", "dgrad", "wgrad")}
+def lowering_kernels(arch: str) -> dict[str, Callable]:
+    """Kernel name -> PrimFunc builder of the three GEMMs at Llama-3-8B's q_proj shape, for `tiletune kernels lower`."""
+    return {f"linear_{kind}": functools.partial(gemm_kernel, kind, 4096, 4096, "bfloat16",
+                                                config_for(arch, kind, 4096, 4096, "bfloat16"))
+            for kind in ("fwd", "dgrad", "wgrad")}
 
 
 def tilelang_unsupported(x: Tensor, weight: Tensor, bias: Tensor | None) -> str | None:

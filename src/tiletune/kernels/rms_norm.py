@@ -7,6 +7,8 @@ hidden size, eps and dtype are static per compiled kernel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -44,11 +46,27 @@ def _tiling(n: int) -> tuple[int, int]:
     return rows, max(64, min(512, rows * n // 16))
 
 
+def _rstd_macro(rows: int, n: int, eps: float):
+    """T.macro: rstd[i] = rsqrt(mean(x[i, :]²) + eps) in fp32, using `sq` as scratch."""
+    import tilelang.language as T
+
+    @T.macro
+    def rstd_of(x, sq, rstd):
+        for i, j in T.Parallel(rows, n):
+            sq[i, j] = T.cast(x[i, j], "float32") * T.cast(x[i, j], "float32")
+        T.reduce_sum(sq, rstd, dim=1)
+        for i in T.Parallel(rows):
+            rstd[i] = T.rsqrt(rstd[i] / n + eps)
+
+    return rstd_of
+
+
 def forward_kernel(n: int, eps: float, dtype: str, tiling: tuple[int, int] | None = None):
     """PrimFunc Y = RMSNorm(X) * W for X of shape (m, n), m dynamic; tiling = (rows per block, threads)."""
     import tilelang.language as T
 
     rows, threads = tiling or _tiling(n)
+    rstd_of = _rstd_macro(rows, n, eps)
     m = T.dynamic("m")
 
     @T.prim_func
@@ -61,11 +79,7 @@ def forward_kernel(n: int, eps: float, dtype: str, tiling: tuple[int, int] | Non
             y = T.alloc_fragment((rows, n), dtype)
             T.copy(W, w)
             T.copy(X[bx * rows, 0], x)
-            for i, j in T.Parallel(rows, n):
-                sq[i, j] = T.cast(x[i, j], "float32") * T.cast(x[i, j], "float32")
-            T.reduce_sum(sq, rstd, dim=1)
-            for i in T.Parallel(rows):
-                rstd[i] = T.rsqrt(rstd[i] / n + eps)
+            rstd_of(x, sq, rstd)
             for i, j in T.Parallel(rows, n):
                 normed = T.cast(T.cast(x[i, j], "float32") * rstd[i], dtype)
                 y[i, j] = T.cast(T.cast(normed, "float32") * T.cast(w[j], "float32"), dtype)
@@ -83,6 +97,7 @@ def backward_kernel(n: int, eps: float, dtype: str, programs: int, tiling: tuple
     import tilelang.language as T
 
     rows, threads = tiling or _tiling(n)
+    rstd_of = _rstd_macro(rows, n, eps)
     m = T.dynamic("m")
 
     @T.prim_func
@@ -108,11 +123,7 @@ def backward_kernel(n: int, eps: float, dtype: str, programs: int, tiling: tuple
                 row0 = (it * programs + bx) * rows
                 T.copy(X[row0, 0], x)
                 T.copy(DY[row0, 0], dy)
-                for i, j in T.Parallel(rows, n):
-                    tmp[i, j] = T.cast(x[i, j], "float32") * T.cast(x[i, j], "float32")
-                T.reduce_sum(tmp, rstd, dim=1)
-                for i in T.Parallel(rows):
-                    rstd[i] = T.rsqrt(rstd[i] / n + eps)
+                rstd_of(x, tmp, rstd)
                 for i, j in T.Parallel(rows, n):
                     tmp[i, j] = T.cast(dy[i, j], "float32") * T.cast(w[j], "float32") * T.cast(x[i, j], "float32") * rstd[i]
                 T.reduce_sum(tmp, dot, dim=1)
@@ -127,12 +138,10 @@ def backward_kernel(n: int, eps: float, dtype: str, programs: int, tiling: tuple
     return rms_norm_bwd
 
 
-def kernel_sources(target: str) -> dict[str, str]:
-    """Device source of each kernel for `target`, at the Llama-3-8B hidden size (for `kernels lower`)."""
-    return {
-        "rms_norm_fwd": _tilelang.lower_source(forward_kernel(4096, 1e-5, "bfloat16"), target),
-        "rms_norm_bwd": _tilelang.lower_source(backward_kernel(4096, 1e-5, "bfloat16", 264), target),
-    }
+def lowering_kernels(arch: str) -> dict[str, Callable]:
+    """Kernel name -> PrimFunc builder at the Llama-3-8B hidden size, for `tiletune kernels lower`."""
+    return {"rms_norm_fwd": lambda: forward_kernel(4096, 1e-5, "bfloat16"),
+            "rms_norm_bwd": lambda: backward_kernel(4096, 1e-5, "bfloat16", 264)}
 
 
 def tilelang_unsupported(x: Tensor, weight: Tensor, eps: float) -> str | None:
@@ -144,8 +153,8 @@ def tilelang_unsupported(x: Tensor, weight: Tensor, eps: float) -> str | None:
     return reason
 
 
-def _programs() -> int:
-    return 2 * _tilelang.sm_count()
+def _programs(device: torch.device) -> int:
+    return 2 * _tilelang.sm_count(device.index or 0)
 
 
 def tilelang_forward(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -161,7 +170,7 @@ def tilelang_forward(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def tilelang_backward(dy: Tensor, x: Tensor, weight: Tensor, eps: float, weight_grad: bool):
     """(dx, dweight or None) through the TileLang backward kernel."""
-    n, dtype, programs = x.shape[-1], _tilelang.DTYPES[x.dtype], _programs()
+    n, dtype, programs = x.shape[-1], _tilelang.DTYPES[x.dtype], _programs(x.device)
     kernel = _tilelang.compiled(("rms_norm_bwd", n, eps, dtype, programs), lambda: backward_kernel(n, eps, dtype, programs))
     x2, dy2 = x.reshape(-1, n).contiguous(), dy.reshape(-1, n).contiguous()
     dx = torch.empty_like(x2)

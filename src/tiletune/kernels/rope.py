@@ -12,6 +12,8 @@ the custom ops ``tiletune::rope`` / ``tiletune::rope_backward``. Tokens (batch x
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -116,10 +118,9 @@ def kernel(heads_q: int, heads_k: int, d: int, dtype: str, backward: bool, tilin
     return rope
 
 
-def kernel_sources(target: str) -> dict[str, str]:
-    """Device source of each kernel for `target`, at Llama-3-8B's 32 q heads, 8 kv heads, head_dim 128."""
-    return {f"rope_{'bwd' if bwd else 'fwd'}": _tilelang.lower_source(kernel(32, 8, 128, "bfloat16", bwd), target)
-            for bwd in (False, True)}
+def lowering_kernels(arch: str) -> dict[str, Callable]:
+    """Kernel name -> PrimFunc builder at Llama-3-8B's 32 q / 8 kv heads of 128, for `tiletune kernels lower`."""
+    return {"rope_fwd": lambda: kernel(32, 8, 128, "bfloat16", False), "rope_bwd": lambda: kernel(32, 8, 128, "bfloat16", True)}
 
 
 def tilelang_unsupported(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> str | None:

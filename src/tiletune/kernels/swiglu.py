@@ -7,6 +7,8 @@ The token dimension is dynamic; the intermediate size and dtype are static per c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -97,12 +99,9 @@ def backward_kernel(n: int, dtype: str, block: tuple[int, int] = _BLOCK, threads
     return swiglu_bwd
 
 
-def kernel_sources(target: str) -> dict[str, str]:
-    """Device source of each kernel for `target`, at the Llama-3-8B intermediate size."""
-    return {
-        "swiglu_fwd": _tilelang.lower_source(forward_kernel(14336, "bfloat16"), target),
-        "swiglu_bwd": _tilelang.lower_source(backward_kernel(14336, "bfloat16"), target),
-    }
+def lowering_kernels(arch: str) -> dict[str, Callable]:
+    """Kernel name -> PrimFunc builder at the Llama-3-8B intermediate size, for `tiletune kernels lower`."""
+    return {"swiglu_fwd": lambda: forward_kernel(14336, "bfloat16"), "swiglu_bwd": lambda: backward_kernel(14336, "bfloat16")}
 
 
 def tilelang_unsupported(gate: Tensor, up: Tensor) -> str | None:

@@ -1,0 +1,40 @@
+"""`tiletune kernels lower`: every kernel's device source for each target, without a GPU."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from tiletune.errors import UserError
+from tiletune.kernels import _tilelang
+from tiletune.kernels.registry import OPS
+
+
+def lower_all(targets: Iterable[str] | None, out_dir: str | Path, echo: Callable[[str], None] = print) -> list[str]:
+    """Write OUT/<target with ':' as '-'>/<kernel>.cu|.hip for every kernel and target; return failures."""
+    if not _tilelang.installed():
+        raise UserError("tiletune kernels lower needs TileLang: pip install tilelang")
+    targets = list(targets or _tilelang.KNOWN_TARGETS)
+    for target in targets:
+        try:
+            _tilelang.parse_target(target)
+        except ValueError as err:
+            raise UserError(str(err)) from None
+    failures = []
+    for target in targets:
+        folder = Path(out_dir) / target.replace(":", "-")
+        folder.mkdir(parents=True, exist_ok=True)
+        suffix = ".cu" if target.startswith("cuda") else ".hip"
+        for op in OPS:
+            builders = importlib.import_module(f"tiletune.kernels.{op}").lowering_kernels(target.partition(":")[2])
+            for name, build in builders.items():
+                try:
+                    source = _tilelang.lower_source(build(), target)
+                except Exception as err:  # noqa: BLE001 - any lowering error is reported per kernel
+                    failures.append(f"{target} {name}: {type(err).__name__}: {str(err).strip().splitlines()[-1]}")
+                    continue
+                path = folder / f"{name}{suffix}"
+                path.write_text(source)
+                echo(f"{target:12s} {name:14s} {len(source):7d} chars  {path}")
+    return failures
