@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from tiletune.callbacks import LOG_NAME
 
 
-def smooth(values: list[float], weight: float = 0.9) -> list[float]:
-    """Exponential moving average, bias-corrected so the curve starts at the first value."""
+def smooth(values: list[float]) -> list[float]:
+    """Exponential moving average, bias-corrected; the fewer the points, the lighter the smoothing."""
+    weight = 0.9 * (1 - math.exp(-len(values) / 40))
     out, average = [], 0.0
     for count, value in enumerate(values, start=1):
         average = weight * average + (1 - weight) * value
@@ -36,6 +38,8 @@ def plot_loss(output_dir: str | Path) -> list[Path]:
         ax.plot(steps, values, color="#1f77b4", alpha=0.35, label="original")
         if len(values) > 2:
             ax.plot(steps, smooth(list(values)), color="#1f77b4", label="smoothed")
+        if min(values) > 0 and max(values) / min(values) > 100:
+            ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_ylabel(key)
         ax.set_title(f"{key} of {output_dir.name}")
