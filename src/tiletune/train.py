@@ -38,6 +38,7 @@ def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
     do_train, do_eval, do_predict = (bool(cfg.train_arg(k)) for k in ("do_train", "do_eval", "do_predict"))
     if not (do_train or do_eval or do_predict):
         raise UserError("nothing to do: set do_train, do_eval or do_predict to true")
+    kernel_spec = _kernel_spec(cfg)  # a bad `kernels:` block fails before anything heavy loads
     output_dir = cfg.output_dir
     resume = find_resume_checkpoint(cfg, output_dir) if do_train else None
     if not dry_run:
@@ -49,6 +50,7 @@ def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
     template.fix_tokenizer(tokenizer)
     splits = build_splits(cfg, tokenizer, template)
     model = load_model(cfg, tokenizer, trainable=do_train)
+    kernel_report = _apply_kernels(model, kernel_spec)
     summary = _summary(cfg, model, splits, template)
     log.info("%s", json.dumps(summary))
     if dry_run:
@@ -56,6 +58,8 @@ def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
         return summary
 
     output_dir.mkdir(parents=True, exist_ok=True)
+    if kernel_report is not None:
+        kernel_report.save(output_dir)
     metrics: dict = {}
     if do_train or do_eval:
         trainer = _make_trainer(cfg, model, tokenizer, splits, output_dir)
@@ -87,6 +91,26 @@ def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
         print(json.dumps(predict_metrics, indent=2))
         metrics.update(predict_metrics)
     return metrics
+
+
+def _kernel_spec(cfg: TuneConfig):
+    if cfg.kernels is None:
+        return None
+    from tiletune.patch import parse_kernel_spec
+
+    spec = parse_kernel_spec(cfg.kernels)
+    return spec if spec.ops else None
+
+
+def _apply_kernels(model, spec):
+    """Patch the `kernels:` selection into the model and show the one-screen summary."""
+    if spec is None:
+        return None
+    from tiletune.patch import apply_kernels
+
+    report = apply_kernels(model, spec)
+    print(report.summary())
+    return report
 
 
 # ---- output directory and resuming -------------------------------------------------------------
