@@ -128,3 +128,16 @@ def test_every_llamafactory_example_config_dry_runs(compat_dir, tiny_model_dir, 
         assert "dry run: config, model and data are valid" in result.output
         stage = yaml.safe_load(path.read_text())["stage"]
         assert f"stage: {stage}" in result.output
+
+
+def test_kernels_block_is_applied_reported_and_saved(run_config, tmp_path, capsys):
+    run_train(run_config(kernels={"rms_norm": "tilelang", "linear": {"impl": "reference", "layers": "1"}}, max_steps=1))
+    saved = json.loads((tmp_path / "out" / "kernels.json").read_text())
+    assert saved["ops"]["rms_norm"]["patched"] == 4 and saved["ops"]["rms_norm"]["layers"] == "0-1"
+    assert saved["ops"]["linear"]["impl"] == "reference" and saved["ops"]["linear"]["layers"] == "1"
+    assert "rms_norm" in capsys.readouterr().out
+
+
+def test_bad_kernels_block_fails_before_loading_anything(run_config):
+    with pytest.raises(UserError, match="rms_nrom"):
+        run_train(run_config(kernels={"rms_nrom": "tilelang"}))
