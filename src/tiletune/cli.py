@@ -194,3 +194,50 @@ def kernels_warmup(config: str, overrides: tuple[str, ...]) -> None:
         model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
     for line in warmup_kernels(model, cfg.kernels, dtype):
         click.echo(f"compiled {line}")
+
+
+# ---- verify -------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Report folder (default: <output_dir>/verify).")
+@click.option("--batches", default=2, show_default=True, help="Batches of the config's batch size to compare on.")
+@click.option("--seq", type=int, help="Tokens per sequence (default: min(cutoff_len, 512)).")
+@click.option("--random-tokens", is_flag=True, help="Random token ids instead of the config's dataset.")
+@click.option("--k", default=2.0, show_default=True, help="Pass when kernel error <= k x stock error.")
+@click.option("--floor", type=float, help="Errors under this always pass (default: half the dtype's epsilon).")
+@click.option("--save-golden", type=click.Path(dir_okay=False), help="Write inputs + stock tensors to this safetensors file.")
+@click.option("--against", type=click.Path(dir_okay=False), help="Compare this machine's run with a golden file.")
+@click.option("--tolerance", type=float, help="Relative error allowed against a golden file / between loss curves.")
+@click.option("--steps", default=0, show_default=True, help="Also train stock and patched N steps and compare losses.")
+@click.option("--seed", default=0, show_default=True)
+def verify(config, overrides, out_dir, batches, seq, random_tokens, k, floor, save_golden, against, tolerance, steps, seed):
+    """Per-layer forward/gradient error of the kernel-patched model vs the stock one; exit 1 on failure."""
+    import sys
+    from pathlib import Path
+
+    from tiletune.config import load_config
+    from tiletune.verify.report import golden_table, verdict_table
+    from tiletune.verify.run import VerifyOptions, run_verify
+
+    cfg = load_config(config, overrides)
+    options = VerifyOptions(
+        out_dir=Path(out_dir) if out_dir else cfg.output_dir / "verify", batches=batches, seq=seq,
+        random_tokens=random_tokens, k=k, floor=floor, save_golden=Path(save_golden) if save_golden else None,
+        against=Path(against) if against else None, tolerance=tolerance, steps=steps, seed=seed,
+    )  # fmt: skip
+    result = run_verify(cfg, options)
+    if "tensors" in result:
+        click.echo(verdict_table(result["tensors"]))
+    if "golden" in result:
+        click.echo(golden_table(result["golden"]["tensors"]))
+    if "convergence" in result:
+        conv = result["convergence"]
+        click.echo(f"convergence over {conv['steps']} steps: largest relative loss gap {conv['max_relative_gap']:.2e} "
+                   f"(tolerance {conv['tolerance']:.0e}) {'pass' if conv['passed'] else 'FAIL'}")  # fmt: skip
+    for warning in result.get("warnings", []):
+        click.echo(f"warning: {warning}")
+    click.echo(f"verify: {'PASS' if result['passed'] else 'FAIL'} (report in {options.out_dir})")
+    sys.exit(0 if result["passed"] else 1)

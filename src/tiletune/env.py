@@ -13,6 +13,7 @@ import fnmatch
 import importlib.metadata
 import importlib.resources
 import json
+import os
 import platform
 import re
 import shutil
@@ -432,3 +433,29 @@ def render_json(report: EnvReport) -> str:
     data = asdict(report)
     data["failed"] = report.failed
     return json.dumps(data, indent=2) + "\n"
+
+
+def run_stamp() -> dict:
+    """Where and when a measurement ran: device and arch, torch build, versions, UTC date, tiletune commit."""
+    import datetime
+
+    import torch
+    import transformers
+
+    try:  # the commit of the tiletune source that ran
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    on_gpu = torch.cuda.is_available()
+    return {
+        "device": torch.cuda.get_device_name() if on_gpu else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
+        "arch": gpu_arch() if on_gpu else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "hip": getattr(torch.version, "hip", None),
+        "transformers": transformers.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit or "unknown",
+    }

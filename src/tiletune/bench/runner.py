@@ -9,10 +9,8 @@ against a bf16 matmul peak measured in the same run.
 from __future__ import annotations
 
 import csv
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -21,6 +19,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from tiletune.bench.worker import RESULT_PREFIX
+from tiletune.env import run_stamp
 from tiletune.errors import UserError
 
 
@@ -77,7 +76,7 @@ def run_bench(config: str, overrides: list[str], variants: list[str], out_dir: P
                 bar.update(1)
     result = summarise(runs, peak)
     result["setting"] = {**common, "variants": variants, "repeats": repeats}
-    result["environment"] = environment()
+    result["environment"] = run_stamp()
     write_outputs(result, out_dir)
     return result
 
@@ -111,28 +110,6 @@ def summarise(runs: dict[str, list[dict]], matmul_peak_tflops: float) -> dict:
         row["time_ratio"] = row["step_time_s"] / baseline["step_time_s"]
         row["memory_ratio"] = row["peak_allocated_gib"] / baseline["peak_allocated_gib"]
     return {"matmul_peak_tflops": matmul_peak_tflops, "variants": rows}
-
-
-def environment() -> dict:
-    """Where the numbers were measured: device, versions, date and commit."""
-    import torch
-    import transformers
-
-    try:  # the commit of the tiletune source that ran
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        ).stdout.strip()
-    except OSError:
-        commit = ""
-    return {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "hip": getattr(torch.version, "hip", None),
-        "transformers": transformers.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": commit or "unknown",
-    }
 
 
 COLUMNS = [

@@ -1,0 +1,1 @@
+"""Per-layer precision validation of kernel-patched models (`tiletune verify`)."""

@@ -1,0 +1,311 @@
+"""`tiletune verify`: per-layer numerics of the kernel-patched model against the stock one.
+
+Three runs over the same weights and inputs: the stock model and the patched model in the configured
+dtype, and the stock model in high precision (float32 on a GPU, float64 on the CPU) as the reference
+both are measured against. Golden files carry the inputs and the stock run to another machine;
+`--steps` trains both models a few steps from the same start and compares the loss curves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tiletune.config import TuneConfig
+from tiletune.errors import UserError
+from tiletune.verify.capture import run_and_capture, watched_modules
+from tiletune.verify.metrics import DTYPE_TOLERANCE, compare_runs, errors, floor_for
+
+log = logging.getLogger("tiletune.verify")
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+@dataclass
+class VerifyOptions:
+    """What `tiletune verify` was asked for, beyond the config."""
+
+    out_dir: Path
+    batches: int = 2
+    seq: int | None = None
+    random_tokens: bool = False
+    k: float = 2.0
+    floor: float | None = None
+    save_golden: Path | None = None
+    against: Path | None = None
+    tolerance: float | None = None
+    steps: int = 0
+    seed: int = 0
+
+
+# ---- set-up ------------------------------------------------------------------------------------
+
+
+def prepare(cfg: TuneConfig, options: VerifyOptions):
+    """Tokenizer, the model set up as for training (LoRA weights made non-trivial), inputs, device, dtype."""
+    from tiletune.data.templates import get_template
+    from tiletune.model import compute_dtype, load_model, load_tokenizer, set_checkpointing
+
+    dtype = compute_dtype(cfg)
+    tokenizer = load_tokenizer(cfg)
+    template = get_template(cfg.template, tokenizer, cfg.stage, cfg.default_system)
+    template.fix_tokenizer(tokenizer)
+    torch.manual_seed(options.seed)
+    model = load_model(cfg, tokenizer, trainable=True)
+    set_checkpointing(model, enabled=False)  # same numerics; keeps the hooks to one call per module
+    _randomise_adapters(model, options.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device)
+    batches = _inputs(cfg, options, tokenizer, template, model.config.vocab_size)
+    return model, batches, device, dtype
+
+
+def _randomise_adapters(model, seed: int) -> None:
+    """LoRA B starts at zero, which would make every adapter gradient trivially equal: draw A and B afresh."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "lora_A" in name or "lora_B" in name:
+            with torch.no_grad():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+
+
+def _inputs(cfg: TuneConfig, options: VerifyOptions, tokenizer, template, vocab: int) -> list[dict]:
+    batch = cfg.train_arg("per_device_train_batch_size", 1)
+    seq = options.seq or min(cfg.cutoff_len, 512)
+    generator = torch.Generator().manual_seed(options.seed)
+    if options.random_tokens or not cfg.dataset:
+        return [
+            {"input_ids": (ids := torch.randint(0, vocab, (batch, seq), generator=generator)), "labels": ids.clone()}
+            for _ in range(options.batches)
+        ]
+    from transformers import DataCollatorForSeq2Seq
+
+    from tiletune.data.processing import build_splits
+
+    train = build_splits(cfg, tokenizer, template).train
+    needed = batch * options.batches
+    if len(train) < needed:
+        raise UserError(f"verify needs {needed} examples ({options.batches} batches of {batch}); the data has {len(train)}")
+    collate = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)
+    rows = [{k: train[i][k][:seq] for k in ("input_ids", "attention_mask", "labels")} for i in range(needed)]
+    return [
+        {k: v for k, v in collate(rows[i : i + batch]).items() if k in ("input_ids", "labels")}
+        for i in range(0, needed, batch)
+    ]
+
+
+def fingerprint(model) -> str:
+    """Identifies the model: its config and a sample of every weight (what a golden file must match)."""
+    config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+    digest = hashlib.sha256(json.dumps(config.to_diff_dict(), sort_keys=True, default=str).encode())
+    for name, param in sorted(model.named_parameters()):
+        sample = param.detach().flatten()[:256].double().cpu()
+        digest.update(name.encode() + f"{float(sample.sum()):.6e}".encode())
+    return digest.hexdigest()[:16]
+
+
+# ---- the three runs ----------------------------------------------------------------------------
+
+
+def capture_three(model, spec, batches, device, dtype, watch_extra: list[str]):
+    """(stock, patched, reference) captures and the PatchReport; the model ends in the reference dtype."""
+    from tiletune.patch import apply_kernels
+
+    watch = watched_modules(model, watch_extra)
+    stock = run_and_capture(model, batches, watch, dtype, device)
+    report = apply_kernels(model, spec)
+    try:
+        patched = run_and_capture(model, batches, watch, dtype, device)
+    finally:
+        report.revert()
+    reference_dtype = torch.float32 if device.type == "cuda" else torch.float64
+    model.to(reference_dtype)
+    reference = run_and_capture(model, batches, watch, reference_dtype, device)
+    return stock, patched, reference, report
+
+
+def dtype_warnings(captured: dict, dtype: torch.dtype) -> list[str]:
+    """fp16 runs whose activations come near the largest float16 value."""
+    if dtype != torch.float16:
+        return []
+    near = [name for name, t in captured.items() if t.abs().max() > FP16_MAX / 4]
+    return [f"fp16: {name} reaches {float(captured[name].abs().max()):.3g}, near float16's range" for name in near]
+
+
+# ---- golden files ------------------------------------------------------------------------------
+
+
+def save_golden(path: Path, batches, stock: dict, meta: dict) -> None:
+    """The inputs and the stock run's tensors in one safetensors file, with the metadata as JSON."""
+    from safetensors.torch import save_file
+
+    if path.exists():
+        raise UserError(f"golden file {path} already exists; choose another name or move it away")
+    tensors = {f"input.{i}.{k}": v.contiguous() for i, b in enumerate(batches) for k, v in b.items()}
+    tensors.update({f"stock.{k}": v.contiguous() for k, v in stock.items()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"tiletune_golden": json.dumps(meta)})
+
+
+def load_golden(path: Path, model_print: str):
+    """(batches, stock tensors, metadata) of a golden file made from the same model."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise UserError(f"golden file {path} not found")
+    with safe_open(str(path), "pt") as handle:
+        raw_meta = (handle.metadata() or {}).get("tiletune_golden")
+        if raw_meta is None:
+            raise UserError(f"{path} is not a tiletune golden file (no tiletune_golden metadata)")
+        meta = json.loads(raw_meta)
+        if meta["fingerprint"] != model_print:
+            raise UserError(
+                f"golden file {path} was made from a different model or config (fingerprint {meta['fingerprint']}, "
+                f"this one {model_print}); make it with the same model_name_or_path, finetuning keys and seed"
+            )
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+    count = len({k.split(".")[1] for k in tensors if k.startswith("input.")})
+    batches = [{k: tensors[f"input.{i}.{k}"] for k in ("input_ids", "labels")} for i in range(count)]
+    stock = {k.removeprefix("stock."): v for k, v in tensors.items() if k.startswith("stock.")}
+    return batches, stock, meta
+
+
+def compare_to_golden(captured: dict, golden: dict, tolerance: float) -> list[dict]:
+    """Every golden tensor against this machine's run: errors and pass when finite and rel_l2 <= tolerance."""
+    rows = []
+    for name, want in golden.items():
+        if name not in captured:
+            rows.append({"name": name, "passed": False, "missing": True})
+            continue
+        err = errors(captured[name], want)
+        rows.append({"name": name, **err.to_dict(), "passed": err.nonfinite == 0 and err.rel_l2 <= tolerance})
+    return sorted(rows, key=lambda r: (r["passed"], -r.get("rel_l2", float("inf"))))
+
+
+# ---- convergence -------------------------------------------------------------------------------
+
+
+def loss_curve(model, batches, steps: int, lr: float, dtype, device, seed: int) -> list[float]:
+    """Losses of `steps` AdamW steps over `batches` (cycled), from the model's current weights."""
+    from contextlib import nullcontext
+
+    torch.manual_seed(seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype in (torch.bfloat16, torch.float16) else nullcontext()
+    losses = []
+    for step in range(steps):
+        batch = batches[step % len(batches)]
+        with autocast:
+            loss = model(input_ids=batch["input_ids"].to(device), labels=batch["labels"].to(device)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def convergence(model, spec, batches, steps: int, lr: float, dtype, device, seed: int, tolerance: float) -> dict:
+    """Stock and patched loss curves from the same weights and data, their largest relative gap, a verdict.
+
+    The trainable weights are restored afterwards, so later checks see the model as it was.
+    """
+    from tiletune.patch import apply_kernels
+
+    start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    def restore():
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name in start:
+                    param.copy_(start[name])
+
+    stock = loss_curve(model, batches, steps, lr, dtype, device, seed)
+    restore()
+    report = apply_kernels(model, spec)
+    try:
+        patched = loss_curve(model, batches, steps, lr, dtype, device, seed)
+    finally:
+        report.revert()
+        restore()
+    gap = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(stock, patched))
+    finite = all(math.isfinite(loss) for loss in patched)
+    return {"steps": steps, "stock": stock, "patched": patched, "max_relative_gap": gap, "tolerance": tolerance,
+            "passed": finite and gap <= tolerance}  # fmt: skip
+
+
+# ---- the command -------------------------------------------------------------------------------
+
+
+def run_verify(cfg: TuneConfig, options: VerifyOptions) -> dict:
+    """Run the checks the options ask for; write verify.json / verify.png; returns the result (passed or not)."""
+    from tiletune.env import run_stamp
+    from tiletune.patch import parse_kernel_spec
+    from tiletune.verify.report import heatmap
+
+    spec = parse_kernel_spec(cfg.kernels)
+    if not spec.ops and options.against is None:
+        raise UserError("verify compares the kernel-patched model with the stock one: set a kernels: block (e.g. kernels=all)")
+    if (options.out_dir / "verify.json").exists():
+        raise UserError(f"{options.out_dir} already holds a verify report; choose another --out or move it away")
+    model, batches, device, dtype = prepare(cfg, options)
+    model_print = fingerprint(model)
+    result = {"environment": {**run_stamp(), "dtype": str(dtype).removeprefix("torch."), "seed": options.seed},
+              "fingerprint": model_print, "kernels": spec.to_dict(), "passed": True}  # fmt: skip
+
+    if options.against is not None:
+        batches, golden, meta = load_golden(options.against, model_print)
+        from tiletune.patch import apply_kernels
+
+        report = apply_kernels(model, spec)
+        watch = watched_modules(model, sorted({_module_of(name) for name in golden} - {None}))
+        captured = run_and_capture(model, batches, watch, dtype, device)
+        tolerance = options.tolerance or DTYPE_TOLERANCE[dtype]
+        rows = compare_to_golden(captured, golden, tolerance)
+        result["golden"] = {"file": str(options.against), "made_on": meta["environment"], "tolerance": tolerance, "tensors": rows}
+        result["passed"] = all(r["passed"] for r in rows)
+        report.revert()
+    else:
+        from tiletune.patch import apply_kernels
+
+        probe = apply_kernels(model, spec)  # which modules the kernels go to: watch those too
+        extra = _patched_paths(probe)
+        probe.revert()
+        if options.steps:
+            lr = cfg.train_arg("learning_rate", 1e-4)
+            tolerance = options.tolerance or 5 * DTYPE_TOLERANCE[dtype]
+            result["convergence"] = convergence(model, spec, batches, options.steps, lr, dtype, device, options.seed, tolerance)
+        stock, patched, reference, report = capture_three(model, spec, batches, device, dtype, extra)
+        verdicts = compare_runs(stock, patched, reference, options.k, options.floor or floor_for(dtype))
+        result.update(
+            k=options.k,
+            floor=options.floor or floor_for(dtype),
+            patch=report.to_dict(),
+            warnings=dtype_warnings(stock, dtype),
+            tensors=[v.to_dict() for v in verdicts],
+        )
+        result["passed"] = all(v.passed for v in verdicts) and result.get("convergence", {}).get("passed", True)
+        if options.save_golden is not None:
+            meta = {"fingerprint": model_print, "environment": result["environment"], "kernels": "stock"}
+            save_golden(options.save_golden, batches, stock, meta)
+        options.out_dir.mkdir(parents=True, exist_ok=True)
+        heatmap(verdicts, options.out_dir / "verify.png")
+    options.out_dir.mkdir(parents=True, exist_ok=True)
+    (options.out_dir / "verify.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return result
+
+
+def _module_of(captured_name: str) -> str | None:
+    """`layers.3.mlp` for `b0.layers.3.mlp.output`; None for losses, parameter gradients and whole layers."""
+    match = re.match(r"b\d+\.(layers\.\d+\.[^.].*)\.(output|input_grad)$", captured_name)
+    return match.group(1) if match else None
+
+
+def _patched_paths(report) -> list[str]:
+    return sorted({f"layers.{e.layer}.{e.module}" for e in report.entries})

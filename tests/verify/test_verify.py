@@ -1,0 +1,85 @@
+"""`tiletune verify` on the CPU with the demo model: the gate passes a correct kernel and fails a wrong one,
+golden files round-trip and refuse another model, and the convergence check runs."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tiletune.cli import main
+from tiletune.verify.metrics import errors, judge
+
+REPO = Path(__file__).resolve().parents[2]
+PLUGIN = '''
+from tiletune.kernels import register
+from tiletune.kernels.rms_norm import reference_forward
+
+
+@register("rms_norm", "{name}")
+def rms_norm(x, weight, eps):
+    return reference_forward(x, weight, {eps}) * {scale}
+'''
+
+
+def verify(tmp_path, *args, kernels="kernels=all"):
+    base = [str(REPO / "examples" / "demo.yaml"), kernels, f"model_name_or_path={REPO / 'examples' / 'tiny-llama'}",
+            f"dataset_dir={REPO / 'examples' / 'data'}", f"output_dir={tmp_path / 'run'}"]  # fmt: skip
+    return CliRunner().invoke(main, ["verify", *base, *args])
+
+
+def plugin(tmp_path, monkeypatch, name: str, scale: float, eps: str = "eps"):
+    (tmp_path / f"{name}.py").write_text(PLUGIN.format(name=name, scale=scale, eps=eps))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return f"kernels={{rms_norm: {name}, plugins: [{name}]}}"
+
+
+def test_correct_plugin_kernel_passes(tmp_path, monkeypatch):
+    result = verify(tmp_path, "--out", str(tmp_path / "v"), kernels=plugin(tmp_path, monkeypatch, "exact_norm", 1.0))
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "v" / "verify.json").read_text())
+    assert report["passed"] and len(report["tensors"]) > 100
+    assert (tmp_path / "v" / "verify.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("scale, eps", [(1.01, "eps"), (1.0, "1e-2")])
+def test_wrong_plugin_kernel_fails_and_names_the_layers(tmp_path, monkeypatch, scale, eps):
+    kernels = plugin(tmp_path, monkeypatch, f"bad_norm_{str(scale).replace('.', '')}_{eps.replace('-', '')}", scale, eps)
+    result = verify(tmp_path, "--out", str(tmp_path / "v"), kernels=kernels)
+    assert result.exit_code == 1, result.output
+    assert "FAIL" in result.output and "layers.0.input_layernorm.output" in result.output
+    report = json.loads((tmp_path / "v" / "verify.json").read_text())
+    failed = [t["name"] for t in report["tensors"] if not t["passed"]]
+    assert any("layers.3." in name for name in failed)
+
+
+def test_golden_file_round_trip_and_refusal(tmp_path):
+    golden = tmp_path / "golden.safetensors"
+    made = verify(tmp_path, "--out", str(tmp_path / "a"), "--save-golden", str(golden), "--steps", "3")
+    assert made.exit_code == 0, made.output
+    assert golden.is_file()
+    assert "convergence over 3 steps" in made.output
+    again = verify(tmp_path, "--out", str(tmp_path / "b"), "--against", str(golden))
+    assert again.exit_code == 0, again.output
+    assert "tensors match the golden file" in again.output
+    other = verify(tmp_path, "lora_rank=4", "--out", str(tmp_path / "c"), "--against", str(golden))
+    assert other.exit_code == 2 and "made from a different model or config" in other.output
+
+
+def test_verify_without_kernels_is_refused(tmp_path):
+    result = verify(tmp_path, "--out", str(tmp_path / "v"), kernels="kernels=none")
+    assert result.exit_code == 2 and "set a kernels: block" in result.output
+
+
+def test_gate_rules():
+    import torch
+
+    ref = torch.randn(1000, dtype=torch.float64)
+    stock = errors(ref.float().double() + 1e-7 * torch.randn(1000, dtype=torch.float64), ref)
+    assert judge("x", stock, errors(ref * 1.01, ref), k=2, floor=1e-8).passed is False
+    assert judge("x", stock, stock, k=2, floor=1e-8).passed is True
+    nan = ref.clone()
+    nan[3] = float("nan")
+    assert judge("x", stock, errors(nan, ref), k=2, floor=1.0).passed is False
