@@ -213,7 +213,10 @@ def kernels_warmup(config: str, overrides: tuple[str, ...]) -> None:
 @click.option("--tolerance", type=float, help="Relative error allowed against a golden file / between loss curves.")
 @click.option("--steps", default=0, show_default=True, help="Also train stock and patched N steps and compare losses.")
 @click.option("--seed", default=0, show_default=True)
-def verify(config, overrides, out_dir, batches, seq, random_tokens, k, floor, save_golden, against, tolerance, steps, seed):
+@click.option("--model-preset", help="Random-init model of a known shape (llama3-8b, llama3-1b, qwen3-4b, tiny).")
+@click.option("--layers", type=int, help="With --model-preset: keep only this many decoder layers.")
+def verify(config, overrides, out_dir, batches, seq, random_tokens, k, floor, save_golden, against, tolerance, steps,
+           seed, model_preset, layers):  # fmt: skip
     """Per-layer forward/gradient error of the kernel-patched model vs the stock one; exit 1 on failure."""
     import sys
     from pathlib import Path
@@ -227,6 +230,7 @@ def verify(config, overrides, out_dir, batches, seq, random_tokens, k, floor, sa
         out_dir=Path(out_dir) if out_dir else cfg.output_dir / "verify", batches=batches, seq=seq,
         random_tokens=random_tokens, k=k, floor=floor, save_golden=Path(save_golden) if save_golden else None,
         against=Path(against) if against else None, tolerance=tolerance, steps=steps, seed=seed,
+        preset=model_preset, layers=layers,
     )  # fmt: skip
     result = run_verify(cfg, options)
     if "tensors" in result:

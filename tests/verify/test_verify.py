@@ -83,3 +83,13 @@ def test_gate_rules():
     nan = ref.clone()
     nan[3] = float("nan")
     assert judge("x", stock, errors(nan, ref), k=2, floor=1.0).passed is False
+
+
+def test_random_init_preset_with_fewer_layers(tmp_path):
+    config = REPO / "examples" / "bench" / "llama3_8b_lora.yaml"
+    args = ["verify", str(config), "kernels=all", "bf16=false", f"output_dir={tmp_path}", "--model-preset", "tiny",
+            "--layers", "1", "--seq", "32", "--out", str(tmp_path / "v")]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    names = [t["name"] for t in json.loads((tmp_path / "v" / "verify.json").read_text())["tensors"]]
+    assert any("layers.0.mlp.output" in n for n in names) and not any("layers.1." in n for n in names)

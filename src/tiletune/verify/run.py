@@ -42,28 +42,53 @@ class VerifyOptions:
     tolerance: float | None = None
     steps: int = 0
     seed: int = 0
+    preset: str | None = None  # a random-init model shape instead of model_name_or_path
+    layers: int | None = None  # keep only this many decoder layers of the preset
 
 
 # ---- set-up ------------------------------------------------------------------------------------
 
 
 def prepare(cfg: TuneConfig, options: VerifyOptions):
-    """Tokenizer, the model set up as for training (LoRA weights made non-trivial), inputs, device, dtype."""
-    from tiletune.data.templates import get_template
-    from tiletune.model import compute_dtype, load_model, load_tokenizer, set_checkpointing
+    """The model set up as for training (LoRA weights made non-trivial), its inputs, the device and dtype."""
+    from tiletune.model import compute_dtype, set_checkpointing
 
     dtype = compute_dtype(cfg)
-    tokenizer = load_tokenizer(cfg)
-    template = get_template(cfg.template, tokenizer, cfg.stage, cfg.default_system)
-    template.fix_tokenizer(tokenizer)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(options.seed)
-    model = load_model(cfg, tokenizer, trainable=True)
+    if options.preset:
+        model, tokenizer, template = _preset_model(cfg, options, dtype, device), None, None
+    else:
+        model, tokenizer, template = _configured_model(cfg)
     set_checkpointing(model, enabled=False)  # same numerics; keeps the hooks to one call per module
     _randomise_adapters(model, options.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     batches = _inputs(cfg, options, tokenizer, template, model.config.vocab_size)
     return model, batches, device, dtype
+
+
+def _configured_model(cfg: TuneConfig):
+    from tiletune.data.templates import get_template
+    from tiletune.model import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(cfg)
+    template = get_template(cfg.template, tokenizer, cfg.stage, cfg.default_system)
+    template.fix_tokenizer(tokenizer)
+    return load_model(cfg, tokenizer, trainable=True), tokenizer, template
+
+
+def _preset_model(cfg: TuneConfig, options: VerifyOptions, dtype, device):
+    from transformers import AutoModelForCausalLM
+
+    from tiletune.bench.presets import preset_config
+    from tiletune.model import prepare_for_training
+
+    shape = preset_config(options.preset)
+    if options.layers:
+        shape.num_hidden_layers = options.layers
+    with device:
+        model = AutoModelForCausalLM.from_config(shape, dtype=dtype)
+    return prepare_for_training(cfg, model)
 
 
 def _randomise_adapters(model, seed: int) -> None:
@@ -79,7 +104,7 @@ def _inputs(cfg: TuneConfig, options: VerifyOptions, tokenizer, template, vocab:
     batch = cfg.train_arg("per_device_train_batch_size", 1)
     seq = options.seq or min(cfg.cutoff_len, 512)
     generator = torch.Generator().manual_seed(options.seed)
-    if options.random_tokens or not cfg.dataset:
+    if options.random_tokens or options.preset or not cfg.dataset:
         return [
             {"input_ids": (ids := torch.randint(0, vocab, (batch, seq), generator=generator)), "labels": ids.clone()}
             for _ in range(options.batches)
