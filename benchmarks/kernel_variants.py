@@ -1,5 +1,5 @@
 """Tile-shape variants of the memory-bound TileLang kernels against the memory floor, and the CPU cost
-of each layer of an op call. Used to choose the tilings in the op modules (see benchmarks/NOTES.md).
+of each layer of an op call. Used to choose the tilings in the op modules (notes in docs/kernels.md).
 
     python benchmarks/kernel_variants.py
 

@@ -69,7 +69,11 @@ def forward_only(forward):
 
 
 def elementwise_cases():
-    """(op, {variant: callable}) with callables doing forward + backward on Llama-3-8B shapes."""
+    """(op, {variant: callable}) with callables doing forward + backward on Llama-3-8B shapes.
+
+    Every variant gets its own copy of the inputs: Liger's swiglu backward writes its gradients into
+    the saved inputs, which would change the data the other variants see.
+    """
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
@@ -78,35 +82,40 @@ def elementwise_cases():
     from tiletune.kernels import rms_norm, rope, swiglu
 
     dev, dt = "cuda", torch.bfloat16
-    x = torch.randn(TOKENS, HIDDEN, device=dev, dtype=dt, requires_grad=True)
-    w = (1 + 0.1 * torch.randn(HIDDEN, device=dev)).to(dt).requires_grad_()
-    dy = torch.randn_like(x)
-    yield "rms_norm", {
-        "eager": fwd_bwd(lambda: rms_norm.reference_forward(x, w, 1e-5), (x, w), dy),
-        "liger": fwd_bwd(lambda: LigerRMSNormFunction.apply(x, w, 1e-5, 0.0, "llama", False), (x, w), dy),
-        "tilelang": fwd_bwd(lambda: rms_norm.rms_norm(x, w, 1e-5, "tilelang", True), (x, w), dy),
-    }
 
-    g = torch.randn(TOKENS, INTER, device=dev, dtype=dt, requires_grad=True)
-    u = torch.randn(TOKENS, INTER, device=dev, dtype=dt, requires_grad=True)
+    def leaves(*tensors):
+        return [t.detach().clone().requires_grad_() for t in tensors]
+
+    x = torch.randn(TOKENS, HIDDEN, device=dev, dtype=dt)
+    w = (1 + 0.1 * torch.randn(HIDDEN, device=dev)).to(dt)
+    dy = torch.randn_like(x)
+    fns = {"eager": lambda x, w: rms_norm.reference_forward(x, w, 1e-5),
+           "liger": lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-5, 0.0, "llama", False),
+           "tilelang": lambda x, w: rms_norm.rms_norm(x, w, 1e-5, "tilelang", True)}
+    yield "rms_norm", {v: _case(f, leaves(x, w), dy) for v, f in fns.items()}
+
+    g = torch.randn(TOKENS, INTER, device=dev, dtype=dt)
+    u = torch.randn_like(g)
     dy = torch.randn_like(g)
-    yield "swiglu", {
-        "eager": fwd_bwd(lambda: F.silu(g) * u, (g, u), dy),
-        "liger": fwd_bwd(lambda: LigerSiLUMulFunction.apply(g, u), (g, u), dy),
-        "tilelang": fwd_bwd(lambda: swiglu.swiglu(g, u, "tilelang", True), (g, u), dy),
-    }
+    fns = {"eager": lambda g, u: F.silu(g) * u, "liger": LigerSiLUMulFunction.apply,
+           "tilelang": lambda g, u: swiglu.swiglu(g, u, "tilelang", True)}
+    yield "swiglu", {v: _case(f, leaves(g, u), dy) for v, f in fns.items()}
 
     b, s = 4, TOKENS // 4
-    q = torch.randn(b, s, HEADS, HEAD_DIM, device=dev, dtype=dt).transpose(1, 2).requires_grad_()
-    k = torch.randn(b, s, KV_HEADS, HEAD_DIM, device=dev, dtype=dt).transpose(1, 2).requires_grad_()
+    q = torch.randn(b, s, HEADS, HEAD_DIM, device=dev, dtype=dt).transpose(1, 2)
+    k = torch.randn(b, s, KV_HEADS, HEAD_DIM, device=dev, dtype=dt).transpose(1, 2)
     angle = torch.rand(b, s, HEAD_DIM // 2, device=dev) * 100
     cos, sin = (f(torch.cat([angle, angle], -1)).to(dt) for f in (torch.cos, torch.sin))
     dq, dk = torch.randn_like(q), torch.randn_like(k)
-    yield "rope", {
-        "eager": fwd_bwd(lambda: apply_rotary_pos_emb(q, k, cos, sin), (q, k), (dq, dk)),
-        "liger": fwd_bwd(lambda: liger_rotary_pos_emb(q, k, cos, sin), (q, k), (dq, dk)),
-        "tilelang": fwd_bwd(lambda: rope.rope(q, k, cos, sin, "tilelang", True), (q, k), (dq, dk)),
-    }
+    fns = {"eager": apply_rotary_pos_emb, "liger": liger_rotary_pos_emb,
+           "tilelang": lambda q, k, c, s: rope.rope(q, k, c, s, "tilelang", True)}
+    yield "rope", {v: _case(lambda q, k, f=f: f(q, k, cos, sin), [t.detach().transpose(1, 2).clone().transpose(1, 2)
+                                                                   .requires_grad_() for t in (q, k)], (dq, dk))
+                   for v, f in fns.items()}
+
+
+def _case(forward, leaves, grad_out):
+    return fwd_bwd(lambda: forward(*leaves), leaves, grad_out)
 
 
 def linear_cases():

@@ -272,3 +272,11 @@ def test_patched_model_on_gpu_trains_like_stock():
     assert abs(loss_tl - loss_stock) / loss_stock < 1e-2
     assert torch.isfinite(grad_tl).all()
     assert torch.nn.functional.cosine_similarity(grad_tl, grad_stock, dim=0) > 0.999
+
+
+def test_apply_kernels_is_exported_lazily():
+    import subprocess
+
+    code = "import sys, tiletune; assert 'torch' not in sys.modules; from tiletune import apply_kernels; print(apply_kernels.__module__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "tiletune.patch"

@@ -381,7 +381,7 @@ class PatchReport:
         return {e.op: e.fallback for e in self.entries if e.fallback}
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: the spec, per-op summary, every entry, and runtime fallbacks seen so far."""
+        """JSON-ready: the spec, per-op summary, every entry, and the run-time fallbacks this process has seen."""
         ops = {}
         for sel in self.spec.ops:
             mine = [e for e in self.entries if e.op == sel.op]
@@ -411,7 +411,10 @@ class PatchReport:
                       else "active" if info["patched"] else "no module in the decoder layers fits this op")
             lines.append(f"  {op:9s} {info['impl']:10s} {info['patched']:4d} modules  layers {info['layers'] or '-':10s} "
                          f"[{_clip(modules, 48)}]  {status}")
+        known = self.fallbacks()
         for item in self.to_dict()["runtime_fallbacks"]:
+            if known.get(item["op"]) == item["reason"]:
+                continue  # already said above
             lines.append(f"  {item['op']:9s} {item['impl']:10s} fell back at run time on {item['calls']} calls: {item['reason']}")
         return "\n".join(lines)
 
