@@ -42,7 +42,7 @@ def sweep(name, items, nbytes, bandwidth):
         if kernel is None:
             print(f"{name:12s} {label:34s} failed to compile")
             continue
-        ms = bench(lambda: kernel(*args))
+        ms = bench(lambda kernel=kernel, args=args: kernel(*args))
         print(f"{name:12s} {label:34s} {ms:7.3f} ms  floor {floor:6.3f}  {100 * floor / ms:5.1f}% of floor", flush=True)
 
 

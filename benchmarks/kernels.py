@@ -152,7 +152,7 @@ def tune_linear():
         for kind, args in operands.items():
             funcs = [linear.gemm_kernel(kind, out_f, in_f, "bfloat16", c) for c in linear.CANDIDATES]
             kernels = tl.par_compile(funcs, target=target, ignore_error=True)
-            timed = [(bench(lambda k=kernel: k(*args)), config) for config, kernel in zip(linear.CANDIDATES, kernels)
+            timed = [(bench(lambda k=kernel, a=args: k(*a)), config) for config, kernel in zip(linear.CANDIDATES, kernels)
                      if kernel is not None]
             print(f"    # {kind} {name}: " + ", ".join(f"{c}={ms:.3f}" for ms, c in sorted(timed)), flush=True)
             best_ms, best = min(timed)

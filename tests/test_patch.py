@@ -280,3 +280,18 @@ def test_apply_kernels_is_exported_lazily():
     code = "import sys, tiletune; assert 'torch' not in sys.modules; from tiletune import apply_kernels; print(apply_kernels.__module__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "tiletune.patch"
+
+
+def test_warmup_cli_reads_the_config(tmp_path):
+    from click.testing import CliRunner
+
+    from tiletune.cli import main
+
+    tiny_llama().config.save_pretrained(tmp_path / "tiny")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model_name_or_path: {tmp_path / 'tiny'}\nkernels: none\nbf16: true\noutput_dir: {tmp_path / 'out'}\n")
+    result = CliRunner().invoke(main, ["kernels", "warmup", str(config)])
+    assert result.exit_code == 0 and "nothing to compile" in result.output
+    if registry.get("rms_norm", "tilelang").unavailable():
+        result = CliRunner().invoke(main, ["kernels", "warmup", str(config), "kernels=rms_norm"])
+        assert result.exit_code == 2 and "cannot run here" in result.output

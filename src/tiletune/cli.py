@@ -192,8 +192,11 @@ def kernels_warmup(config: str, overrides: tuple[str, ...]) -> None:
     model_config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
-    for line in warmup_kernels(model, cfg.kernels, dtype):
+    done = warmup_kernels(model, cfg.kernels, dtype)
+    for line in done:
         click.echo(f"compiled {line}")
+    if not done:
+        click.echo("nothing to compile: the config selects no TileLang kernel")
 
 
 # ---- verify -------------------------------------------------------------------------------------

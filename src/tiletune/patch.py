@@ -531,7 +531,12 @@ def warmup_kernels(model: nn.Module, spec: Any, dtype: torch.dtype) -> list[str]
     `model` may live on the meta device: only its structure is read. The compiled kernels land in the
     disk cache, so training starts without compiling.
     """
+    from tiletune.kernels._tilelang import TESTED_DTYPES
+
     spec = parse_kernel_spec(spec)
+    if dtype not in TESTED_DTYPES and any(sel.impl != REFERENCE for sel in spec.ops):
+        raise UserError(f"kernels warmup: the TileLang kernels run in bfloat16 or float16; this config trains in "
+                        f"{str(dtype).removeprefix('torch.')} (set bf16: true or fp16: true)")
     report = apply_kernels(model, spec)
     try:
         _, layers = decoder_layers(model) if spec.ops else ("", nn.ModuleList())
