@@ -448,6 +448,7 @@ def run_stamp() -> dict:
         ).stdout.strip()
     except OSError:
         commit = ""
+    commit = commit or os.environ.get("TILETUNE_COMMIT", "")  # a copy of the tree without .git (a lent GPU)
     on_gpu = torch.cuda.is_available()
     return {
         "device": torch.cuda.get_device_name() if on_gpu else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",

@@ -67,6 +67,8 @@ def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
         result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
         trainer.save_model()
         trainer.save_state()
+        if kernel_report is not None:  # again, now with the fallbacks seen at run time
+            kernel_report.save(output_dir)
         train_metrics = dict(result.metrics)
         train_metrics["peak_memory_gib"] = round(_peak_memory(), 3)
         trainer.log_metrics("train", train_metrics)

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One GPU call: `tiletune verify` of every TileLang kernel on a Llama-3-8B-shaped model (random init,
+# 2 decoder layers), then `tiletune bench --ablation` on the reference workload (Llama-3-8B shape,
+# batch 4 x 2048, bf16, LoRA r8 on q_proj,v_proj, gradient checkpointing on).
+#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh OUT_DIR [bench args...]
+# (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
+set -u
+OUT=${1:?usage: h200_verify_bench.sh OUT_DIR [extra bench args]}
+shift
+CONFIG=examples/bench/llama3_8b_lora.yaml
+python3 -m tiletune verify "$CONFIG" kernels=all --model-preset llama3-8b --layers 2 --seq 2048 --batches 1 \
+    --out "$OUT/verify-llama3-8b" 2>&1 | tail -40
+python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --out "$OUT/bench-llama3-8b-lora-qv" "$@" 2>&1 | tail -20
