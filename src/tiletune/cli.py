@@ -244,7 +244,57 @@ def verify(config, overrides, out_dir, batches, seq, random_tokens, k, floor, sa
         conv = result["convergence"]
         click.echo(f"convergence over {conv['steps']} steps: largest relative loss gap {conv['max_relative_gap']:.2e} "
                    f"(tolerance {conv['tolerance']:.0e}) {'pass' if conv['passed'] else 'FAIL'}")  # fmt: skip
+    for note in result["accumulation"]:
+        click.echo(f"accumulation: {note}")
     for warning in result.get("warnings", []):
         click.echo(f"warning: {warning}")
     click.echo(f"verify: {'PASS' if result['passed'] else 'FAIL'} (report in {options.out_dir})")
     sys.exit(0 if result["passed"] else 1)
+
+
+# ---- export / chat ------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+def export(config: str, overrides: tuple[str, ...]) -> None:
+    """Merge the CONFIG's LoRA adapters into the base model and write it to `export_dir`."""
+    from tiletune.config import load_config
+    from tiletune.export import run_export
+
+    click.echo(f"exported to {run_export(load_config(config, overrides))}")
+
+
+@main.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+@click.option("--kernels", "kernel_spec", help="Kernels to patch in, as in the `kernels:` key (e.g. all, rms_norm).")
+def chat(config: str, overrides: tuple[str, ...], kernel_spec: str | None) -> None:
+    """Chat in the terminal with the CONFIG's model (and adapters) in its chat template."""
+    from tiletune.chat import load_session, run_chat
+    from tiletune.config import load_config
+
+    cfg = load_config(config, overrides + ((f"kernels={kernel_spec}",) if kernel_spec else ()))
+    session, kernel_summary = load_session(cfg)
+    if kernel_summary:
+        click.echo(kernel_summary, err=True)
+    run_chat(session, sys.stdin, lambda text: click.echo(text, nl=False))
+
+
+# ---- llamafactory -------------------------------------------------------------------------------
+
+
+@main.group("llamafactory")
+def llamafactory_group() -> None:
+    """Run LLaMA-Factory itself (when installed) with tiletune's kernels."""
+
+
+@llamafactory_group.command("train")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+def llamafactory_train(config: str, overrides: tuple[str, ...]) -> None:
+    """LLaMA-Factory's training for CONFIG, with the `kernels:` block patched into the model it loads."""
+    from tiletune.llamafactory import run_llamafactory_train
+
+    run_llamafactory_train(config, overrides)

@@ -23,6 +23,17 @@ def rms_norm(x, weight, eps):
 '''
 
 
+@pytest.fixture(autouse=True)
+def registry_restored():
+    """Plugins register implementations process-wide: drop them after each test."""
+    from tiletune.kernels import registry
+
+    registry.load_ops()
+    before = {op: dict(impls) for op, impls in registry._impls.items()}
+    yield
+    registry._impls.update(before)
+
+
 def verify(tmp_path, *args, kernels="kernels=all"):
     base = [str(REPO / "examples" / "demo.yaml"), kernels, f"model_name_or_path={REPO / 'examples' / 'tiny-llama'}",
             f"dataset_dir={REPO / 'examples' / 'data'}", f"output_dir={tmp_path / 'run'}"]  # fmt: skip
@@ -41,6 +52,7 @@ def test_correct_plugin_kernel_passes(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "v" / "verify.json").read_text())
     assert report["passed"] and len(report["tensors"]) > 100
+    assert report["accumulation"] == ["rms_norm: exact_norm computes in unknown, the stock implementation in float32"]
     assert (tmp_path / "v" / "verify.png").stat().st_size > 1000
 
 
@@ -93,3 +105,12 @@ def test_random_init_preset_with_fewer_layers(tmp_path):
     assert result.exit_code == 0, result.output
     names = [t["name"] for t in json.loads((tmp_path / "v" / "verify.json").read_text())["tensors"]]
     assert any("layers.0.mlp.output" in n for n in names) and not any("layers.1." in n for n in names)
+
+
+def test_accumulation_dtype_differences_are_reported():
+    from tiletune.patch import parse_kernel_spec
+    from tiletune.verify.run import accumulation_differences
+
+    notes = accumulation_differences(parse_kernel_spec("all"))
+    assert sorted(n.split(":")[0] for n in notes) == ["rope", "swiglu"]
+    assert "swiglu: tilelang computes in float32, the stock implementation in input dtype" in notes

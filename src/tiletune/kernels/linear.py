@@ -148,9 +148,9 @@ def tilelang_backward(dy: Tensor, x: Tensor, weight: Tensor, weight_grad: bool, 
     return dx.view(x.shape), dw, dy2.sum(0).to(weight.dtype) if bias_grad else None
 
 
-add(Impl("linear", "reference", reference_forward, reference_backward, description="PyTorch: F.linear (cuBLAS on GPU)"))
+add(Impl("linear", "reference", reference_forward, reference_backward, description="PyTorch: F.linear (cuBLAS on GPU)", accumulation="float32"))
 add(Impl("linear", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
-         tilelang_unsupported, "TileLang GEMMs (wgmma on sm_90, MFMA on gfx9); dW only when W requires grad"))
+         tilelang_unsupported, "TileLang GEMMs (wgmma on sm_90, MFMA on gfx9); dW only when W requires grad", accumulation="float32"))
 
 # ---- custom ops ----------------------------------------------------------------------------------
 

@@ -29,7 +29,8 @@ class Impl:
 
     forward/backward take the same arguments as the op's reference (see each op module).
     backward=None means the reference backward is used (same math, so a forward-only plugin
-    still trains). unavailable() says why it cannot run on this machine at all; unsupported(*inputs)
+    still trains). accumulation names the dtype its arithmetic runs in, which `tiletune verify`
+    compares with the stock implementation's. unavailable() says why it cannot run on this machine at all; unsupported(*inputs)
     why it cannot run these particular inputs (dtype, shape, device); None means it can.
     """
 
@@ -40,6 +41,7 @@ class Impl:
     unavailable: Callable[[], str | None] = lambda: None
     unsupported: Callable[..., str | None] = lambda *inputs: None
     description: str = ""
+    accumulation: str = "unknown"  # the dtype its reductions/arithmetic run in ("float32", "input dtype")
 
 
 _impls: dict[str, dict[str, Impl]] = {op: {} for op in OPS}
@@ -56,7 +58,8 @@ def add(impl: Impl) -> Impl:
 
 
 def register(op: str, name: str, *, backward: Callable | None = None,
-             unsupported: Callable[..., str | None] | None = None, description: str = ""):
+             unsupported: Callable[..., str | None] | None = None, description: str = "",
+             accumulation: str = "unknown"):
     """Decorator for plugins: register `forward` as implementation `name` of `op`.
 
     The function takes the op's reference forward arguments and returns the same outputs, e.g.::
@@ -72,7 +75,8 @@ def register(op: str, name: str, *, backward: Callable | None = None,
 
     def decorate(forward: Callable) -> Callable:
         add(Impl(op, name, forward, backward, unsupported=unsupported or (lambda *inputs: None),
-                 description=description or (forward.__doc__ or "").strip().split("\n")[0]))
+                 description=description or (forward.__doc__ or "").strip().split("\n")[0],
+                 accumulation=accumulation))
         return forward
 
     return decorate

@@ -182,9 +182,9 @@ def tilelang_backward(dy: Tensor, x: Tensor, weight: Tensor, eps: float, weight_
     return dx.view(x.shape), partial.sum(0).to(weight.dtype) if weight_grad else None
 
 
-add(Impl("rms_norm", "reference", reference_forward, reference_backward, description="PyTorch, as transformers computes it"))
+add(Impl("rms_norm", "reference", reference_forward, reference_backward, description="PyTorch, as transformers computes it", accumulation="float32"))
 add(Impl("rms_norm", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
-         tilelang_unsupported, "TileLang fused forward; fused backward with a persistent grid for dweight"))
+         tilelang_unsupported, "TileLang fused forward; fused backward with a persistent grid for dweight", accumulation="float32"))
 
 # ---- custom ops ----------------------------------------------------------------------------------
 

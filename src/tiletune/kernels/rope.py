@@ -160,9 +160,9 @@ def tilelang_backward(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor):
     return _tilelang_apply(dq, dk, cos, sin, backward=True)
 
 
-add(Impl("rope", "reference", reference_forward, reference_backward, description="PyTorch, as transformers' apply_rotary_pos_emb"))
+add(Impl("rope", "reference", reference_forward, reference_backward, description="PyTorch, as transformers' apply_rotary_pos_emb", accumulation="input dtype"))
 add(Impl("rope", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
-         tilelang_unsupported, "TileLang, q and k in one launch, fp32 inside"))
+         tilelang_unsupported, "TileLang, q and k in one launch, fp32 inside", accumulation="float32"))
 
 # ---- custom ops ----------------------------------------------------------------------------------
 

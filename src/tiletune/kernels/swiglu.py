@@ -141,9 +141,9 @@ def tilelang_backward(dy: Tensor, gate: Tensor, up: Tensor):
     return dg.view(gate.shape), du.view(up.shape)
 
 
-add(Impl("swiglu", "reference", reference_forward, reference_backward, description="PyTorch: F.silu(gate) * up"))
+add(Impl("swiglu", "reference", reference_forward, reference_backward, description="PyTorch: F.silu(gate) * up", accumulation="input dtype"))
 add(Impl("swiglu", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
-         tilelang_unsupported, "TileLang fused elementwise forward and backward, fp32 inside"))
+         tilelang_unsupported, "TileLang fused elementwise forward and backward, fp32 inside", accumulation="float32"))
 
 # ---- custom ops ----------------------------------------------------------------------------------
 

@@ -163,6 +163,21 @@ def dtype_warnings(captured: dict, dtype: torch.dtype) -> list[str]:
     return [f"fp16: {name} reaches {float(captured[name].abs().max()):.3g}, near float16's range" for name in near]
 
 
+def accumulation_differences(spec) -> list[str]:
+    """Kernels whose arithmetic runs in another dtype than the stock (reference) implementation's."""
+    from tiletune.kernels.registry import REFERENCE, get
+
+    notes = []
+    for selection in spec.ops:
+        chosen, stock = get(selection.op, selection.impl), get(selection.op, REFERENCE)
+        if chosen.accumulation != stock.accumulation:
+            notes.append(
+                f"{selection.op}: {selection.impl} computes in {chosen.accumulation}, the stock implementation in "
+                f"{stock.accumulation}"
+            )
+    return notes
+
+
 # ---- golden files ------------------------------------------------------------------------------
 
 
@@ -282,7 +297,8 @@ def run_verify(cfg: TuneConfig, options: VerifyOptions) -> dict:
     model, batches, device, dtype = prepare(cfg, options)
     model_print = fingerprint(model)
     result = {"environment": {**run_stamp(), "dtype": str(dtype).removeprefix("torch."), "seed": options.seed},
-              "fingerprint": model_print, "kernels": spec.to_dict(), "passed": True}  # fmt: skip
+              "fingerprint": model_print, "kernels": spec.to_dict(), "passed": True,
+              "accumulation": accumulation_differences(spec)}  # fmt: skip
 
     if options.against is not None:
         batches, golden, meta = load_golden(options.against, model_print)
