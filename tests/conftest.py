@@ -69,3 +69,17 @@ def demo_tokenizer(tokenizer_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def demo_adapter(tmp_path_factory) -> Path:
+    """The README demo's LoRA adapter (examples/demo.yaml trained without prediction, about 10 s)."""
+    from tiletune.config import load_config
+    from tiletune.train import run_train
+
+    out = tmp_path_factory.mktemp("demo-adapter")
+    examples = REPO / "examples"
+    overrides = [f"output_dir={out}", f"model_name_or_path={examples / 'tiny-llama'}", f"dataset_dir={examples / 'data'}",
+                 "do_predict=false", "plot_loss=false"]  # fmt: skip
+    run_train(load_config(examples / "demo.yaml", overrides))
+    return out

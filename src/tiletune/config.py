@@ -99,6 +99,10 @@ class TuneConfig:
     skip_special_tokens: bool = True
     # -- schedule key that transformers 5 folded into warmup_steps
     warmup_ratio: float = 0.0
+    # -- export (merge adapters into a standalone model)
+    export_dir: str | None = None
+    export_size: float = 5
+    export_device: Literal["cpu", "auto"] = "cpu"
     # -- tiletune
     kernels: Any = None
     # -- everything handed to transformers' Seq2SeqTrainingArguments
@@ -120,6 +124,11 @@ class TuneConfig:
 
 def load_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> TuneConfig:
     """Read a YAML/JSON config, apply `key=value` overrides, and validate every key and value."""
+    return build_config(read_raw_config(path, overrides), source=str(path))
+
+
+def read_raw_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> dict[str, Any]:
+    """The mapping in a YAML/JSON config file with `key=value` overrides applied, not validated."""
     raw = _read_config_file(Path(path))
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -127,7 +136,7 @@ def load_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> TuneC
         if not sep or not key:
             raise UserError(f"override {item!r} is not key=value; write e.g. learning_rate=1e-4")
         raw[key] = yaml.safe_load(value) if value.strip() else None
-    return build_config(raw, source=str(path))
+    return raw
 
 
 def build_config(raw: dict[str, Any], source: str = "config") -> TuneConfig:
@@ -268,6 +277,8 @@ def _check_values(cfg: TuneConfig, source: str) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise UserError(f"{source}: {key}={value} must be a positive integer")
+    if cfg.export_size <= 0:
+        raise UserError(f"{source}: export_size={cfg.export_size} must be a positive number of GB per shard")
     if cfg.max_samples is not None and cfg.max_samples <= 0:
         raise UserError(f"{source}: max_samples={cfg.max_samples} must be a positive integer or null")
     if cfg.val_size < 0 or (cfg.val_size >= 1 and not float(cfg.val_size).is_integer()):

@@ -67,8 +67,12 @@ def load_tokenizer(cfg: TuneConfig):
     )
 
 
-def load_model(cfg: TuneConfig, tokenizer, trainable: bool):
-    """The causal LM, resized to the tokenizer if needed, set up for `finetuning_type` when `trainable`."""
+def load_model(cfg: TuneConfig, tokenizer, trainable: bool, device_map: str | None = None):
+    """The causal LM, resized to the tokenizer if needed, set up for `finetuning_type` when `trainable`.
+
+    `device_map` ("auto" spreads the weights over the accelerators) is for inference; the Trainer places
+    a trainable model itself.
+    """
     from transformers import AutoModelForCausalLM
 
     dtype = compute_dtype(cfg)
@@ -77,6 +81,7 @@ def load_model(cfg: TuneConfig, tokenizer, trainable: bool):
         dtype=dtype,
         attn_implementation=ATTENTION[cfg.flash_attn],
         low_cpu_mem_usage=cfg.low_cpu_mem_usage,
+        device_map=device_map,
         **_hub_kwargs(cfg),
     )
     embeddings = model.get_input_embeddings().weight.shape[0]
