@@ -41,7 +41,8 @@ def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
     kernel_spec = _kernel_spec(cfg)  # a bad `kernels:` block fails before anything heavy loads
     output_dir = cfg.output_dir
     resume = find_resume_checkpoint(cfg, output_dir) if do_train else None
-    if not dry_run:
+    main_process = int(os.environ.get("RANK", "0")) == 0  # under torchrun, one process writes the outputs
+    if not dry_run and main_process:
         check_output_dir(cfg, output_dir, resuming=resume is not None, training=do_train)
     set_seed(cfg.train_arg("seed", 42))
 
@@ -58,7 +59,7 @@ def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
         return summary
 
     output_dir.mkdir(parents=True, exist_ok=True)
-    if kernel_report is not None:
+    if kernel_report is not None and main_process:
         kernel_report.save(output_dir)
     metrics: dict = {}
     if do_train or do_eval:
@@ -67,14 +68,14 @@ def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
         result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
         trainer.save_model()
         trainer.save_state()
-        if kernel_report is not None:  # again, now with the fallbacks seen at run time
+        if kernel_report is not None and main_process:  # again, with the fallbacks seen at run time
             kernel_report.save(output_dir)
         train_metrics = dict(result.metrics)
         train_metrics["peak_memory_gib"] = round(_peak_memory(), 3)
         trainer.log_metrics("train", train_metrics)
         trainer.save_metrics("train", train_metrics)
         metrics.update(train_metrics)
-        if cfg.plot_loss:
+        if cfg.plot_loss and main_process:
             from tiletune.plots import plot_loss
 
             plot_loss(output_dir)
@@ -83,7 +84,7 @@ def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
         trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)
         metrics.update(eval_metrics)
-    if do_predict and splits.predict is not None:
+    if do_predict and splits.predict is not None and main_process:
         from tiletune.predict import run_predict
 
         if do_train and not cfg.disable_gradient_checkpointing:
@@ -177,6 +178,11 @@ def training_arguments(cfg: TuneConfig, output_dir: Path):
     kwargs["remove_unused_columns"] = False
     kwargs["include_num_input_tokens_seen"] = "non_padding"
     kwargs.setdefault("dataloader_pin_memory", torch.cuda.is_available())
+    kwargs.setdefault("use_cpu", not torch.cuda.is_available())  # also makes torchrun on CPUs use gloo DDP
+    if not cfg.disable_gradient_checkpointing:
+        # Checkpointing is set up on the model, not by the Trainer, which would otherwise let DDP search
+        # for unused parameters: with checkpointed layers that marks gradients ready twice.
+        kwargs.setdefault("ddp_find_unused_parameters", False)
     kwargs.pop("resume_from_checkpoint", None)
     if cfg.warmup_ratio and not kwargs.get("warmup_steps"):
         kwargs["warmup_steps"] = cfg.warmup_ratio  # a float below 1 is a ratio of the total steps
