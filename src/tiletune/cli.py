@@ -43,9 +43,20 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.argument("overrides", nargs=-1)
 @click.option("--dry-run", is_flag=True, help="Validate the config, load the model and tokenize the data; do not train.")
 def train(config: str, overrides: tuple[str, ...], dry_run: bool) -> None:
-    """Fine-tune from a LLaMA-Factory-style CONFIG (YAML/JSON), with key=value OVERRIDES."""
+    """Fine-tune from a LLaMA-Factory-style CONFIG (YAML/JSON), with key=value OVERRIDES.
+
+    FORCE_TORCHRUN=1 (with NPROC_PER_NODE, NNODES, ...) starts it on several processes through torchrun.
+    """
+    import subprocess
+
     from tiletune.config import load_config
+    from tiletune.launch import torchrun_command
     from tiletune.train import run_train
+
+    command = torchrun_command(["train", config, *overrides] + (["--dry-run"] if dry_run else []))
+    if command is not None:
+        load_config(config, overrides)  # a config mistake is reported once, not by every process
+        sys.exit(subprocess.run(command).returncode)
 
     run_train(load_config(config, overrides), dry_run=dry_run)
 
