@@ -1,5 +1,6 @@
 """`tiletune bench` end to end on the CPU (tiny preset): fresh processes, outputs, ratios, FLOP counts."""
 
+import importlib.util
 import json
 
 import pytest
@@ -35,7 +36,10 @@ def test_bench_runs_variants_in_fresh_processes_and_writes_outputs(tmp_path):
 def test_unknown_variant_and_missing_baseline_are_refused(tmp_path):
     config = tmp_path / "b.yaml"
     config.write_text("model_name_or_path: unused\n")
-    for variants, message in [("baseline,flash", "variant 'flash' is unknown"), ("all", "needs the 'baseline'")]:
+    cases = [("baseline,flash", "variant 'flash' is unknown"), ("all", "needs the 'baseline'")]
+    if importlib.util.find_spec("liger_kernel") is None:
+        cases.append(("baseline,liger", "needs Liger-Kernel; pip install liger-kernel"))
+    for variants, message in cases:
         result = CliRunner().invoke(main, ["bench", str(config), "--variants", variants, "--out", str(tmp_path / "o")])
         assert result.exit_code == 2 and message in result.output
 

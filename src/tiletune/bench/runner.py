@@ -14,6 +14,7 @@ import os
 import statistics
 import subprocess
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -25,8 +26,6 @@ from tiletune.errors import UserError
 
 def ablation_variants() -> list[str]:
     """baseline, each kernel op alone, all of them, and Liger-Kernel when it is installed."""
-    from importlib.util import find_spec
-
     from tiletune.kernels.registry import OPS
 
     return ["baseline", *OPS, "all"] + (["liger"] if find_spec("liger_kernel") else [])
@@ -39,6 +38,8 @@ def check_variants(variants: list[str]) -> None:
     unknown = [v for v in variants if v not in known]
     if unknown:
         raise UserError(f"bench variant {unknown[0]!r} is unknown; available: {', '.join(sorted(known))}")
+    if "liger" in variants and not find_spec("liger_kernel"):
+        raise UserError("bench variant 'liger' needs Liger-Kernel; pip install liger-kernel (or drop the variant)")
     if "baseline" not in variants:
         raise UserError("bench needs the 'baseline' variant: every ratio is measured against it")
 
