@@ -76,5 +76,7 @@ def test_llamafactory_trains_with_tiletune_kernels(tmp_path, capfd):
         ["rms_norm", "swiglu", "rope", "linear"], True
     )
     assert report["decoder_layers"]["count"] == 4
+    ran = {item["op"] for item in report["runtime_fallbacks"] if item["calls"] > 0}
+    assert all(op in ran for op, info in report["ops"].items() if info["fallback"])  # patched forwards ran
     assert "kernels (4 decoder layers" in capfd.readouterr().out + result.output
     assert loader.load_model is original  # the wrapper is gone after the run
