@@ -98,19 +98,22 @@ def load_session(cfg: TuneConfig) -> tuple[ChatSession, str | None]:
 
 
 def run_chat(session: ChatSession, lines: Iterable[str], write: Callable[[str], None]) -> None:
-    """The chat loop: a user message per line of `lines`, the streamed answer through `write`."""
+    """The chat loop: a user message per line of `lines`, the streamed answer through `write`; Ctrl-C ends it."""
     write(f"{HELP}\n\nUser: ")
-    for line in lines:
-        message = line.strip()
-        if message.lower() in EXIT_COMMANDS:
-            break
-        if message.lower() == CLEAR_COMMAND:
-            session.history.clear()
-            write("(conversation cleared)\n")
-        elif message:
-            write("Assistant: ")
-            for piece in session.reply(message):
-                write(piece)
-            write("\n")
-        write("\nUser: ")
+    try:
+        for line in lines:
+            message = line.strip()
+            if message.lower() in EXIT_COMMANDS:
+                break
+            if message.lower() == CLEAR_COMMAND:
+                session.history.clear()
+                write("(conversation cleared)\n")
+            elif message:
+                write("Assistant: ")
+                for piece in session.reply(message):
+                    write(piece)
+                write("\n")
+            write("\nUser: ")
+    except KeyboardInterrupt:
+        pass
     write("\n")
