@@ -221,7 +221,7 @@ def kernels_warmup(config: str, overrides: tuple[str, ...]) -> None:
 @click.option("--seq", type=int, help="Tokens per sequence (default: min(cutoff_len, 512)).")
 @click.option("--random-tokens", is_flag=True, help="Random token ids instead of the config's dataset.")
 @click.option("--k", default=2.0, show_default=True, help="Pass when kernel error <= k x stock error.")
-@click.option("--floor", type=float, help="Errors under this always pass (default: half the dtype's epsilon).")
+@click.option("--floor", type=float, help="Errors under this always pass (default: the dtype's epsilon).")
 @click.option("--save-golden", type=click.Path(dir_okay=False), help="Write inputs + stock tensors to this safetensors file.")
 @click.option("--against", type=click.Path(dir_okay=False), help="Compare this machine's run with a golden file.")
 @click.option("--tolerance", type=float, help="Relative error allowed against a golden file / between loss curves.")

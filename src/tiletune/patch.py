@@ -31,9 +31,8 @@ from torch import nn
 
 from tiletune.errors import UserError
 from tiletune.kernels import registry
-from tiletune.kernels.registry import OPS, REFERENCE
+from tiletune.kernels.registry import MODEL_LEVEL_OPS, OPS, REFERENCE
 
-DEFAULT_IMPL = "tilelang"
 _OPTIONS = ("strict", "plugins")
 _OP_KEYS = ("impl", "layers", "modules")
 
@@ -78,7 +77,7 @@ def parse_kernel_spec(value: Any) -> KernelSpec:
     if value is None or value is False or (isinstance(value, str) and value.strip().lower() in ("", "none", "off", "false")):
         return KernelSpec()
     if value is True or (isinstance(value, str) and value.strip().lower() in ("all", "on", "true")):
-        return _parse_mapping({op: DEFAULT_IMPL for op in OPS})
+        return _parse_mapping({op: True for op in OPS})
     if isinstance(value, str):
         return _parse_mapping(_text_to_mapping(value))
     if isinstance(value, dict):
@@ -100,7 +99,7 @@ def _text_to_mapping(text: str) -> dict:
     mapping = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         op, _, impl = item.partition("=")
-        mapping[op.strip()] = impl.strip() or DEFAULT_IMPL
+        mapping[op.strip()] = impl.strip() or True
     return mapping
 
 
@@ -131,7 +130,7 @@ def _parse_op(op: str, value: Any) -> OpSelection | None:
     if value in (None, False, "none", "off"):
         return None
     if value is True:
-        value = DEFAULT_IMPL
+        value = registry.default_impl(op)
     if isinstance(value, str):
         value = {"impl": value}
     if not isinstance(value, dict):
@@ -139,7 +138,9 @@ def _parse_op(op: str, value: Any) -> OpSelection | None:
     unknown = set(value) - set(_OP_KEYS)
     if unknown:
         raise UserError(f"kernels.{op}: unknown key {sorted(unknown)[0]!r}; keys: {', '.join(_OP_KEYS)}")
-    impl = value.get("impl", DEFAULT_IMPL)
+    impl = value.get("impl", registry.default_impl(op))
+    if op in MODEL_LEVEL_OPS and (value.get("layers", "all") != "all" or value.get("modules")):
+        raise UserError(f"kernels.{op}: works on the whole model (lm_head + loss); it takes no layers or modules")
     available = registry.impls(op)
     if impl not in available:
         raise UserError(f"kernels.{op}: unknown implementation {impl!r}; {op} has: {', '.join(sorted(available))}")
@@ -326,7 +327,31 @@ def _rope_forward(cls: type, impl: str, strict: bool) -> Callable:
     return _with_global(cls.forward, "apply_rotary_pos_emb", _rope_function(inner.__globals__["apply_rotary_pos_emb"], impl, strict))
 
 
+def _linear_cross_entropy_forward(impl: str, strict: bool, stock: Callable) -> Callable:
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from tiletune.kernels.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        if labels is None or not torch.is_grad_enabled():  # generation and evaluation want the logits
+            return stock(input_ids=input_ids, labels=labels, **kwargs)
+        num_items = kwargs.pop("num_items_in_batch", None)
+        kwargs.pop("logits_to_keep", None)
+        outputs = self.model(input_ids=input_ids, **kwargs)
+        hidden = outputs.last_hidden_state
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].to(hidden.device)
+        divisor = num_items if num_items is not None else (shifted != IGNORE_INDEX).sum()
+        loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight,
+                                    shifted.reshape(-1), float(divisor), impl, strict)  # fmt: skip
+        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)  # fmt: skip
+
+    return forward
+
+
 def _forward_for(op: str, module: nn.Module, impl: str, strict: bool) -> Callable:
+    if op == "linear_cross_entropy":
+        return _linear_cross_entropy_forward(impl, strict, module.forward)
     if op == "rope":
         return _rope_forward(type(module), impl, strict)
     return {"rms_norm": _rms_norm_forward, "swiglu": _swiglu_forward, "linear": _linear_forward}[op](impl, strict)
@@ -385,7 +410,8 @@ class PatchReport:
         ops = {}
         for sel in self.spec.ops:
             mine = [e for e in self.entries if e.op == sel.op]
-            ops[sel.op] = {"impl": sel.impl, "patched": len(mine), "layers": _ranges(sorted({e.layer for e in mine})),
+            layer_text = "model" if any(e.layer < 0 for e in mine) else _ranges(sorted({e.layer for e in mine}))
+            ops[sel.op] = {"impl": sel.impl, "patched": len(mine), "layers": layer_text,
                            "modules": sorted({e.module for e in mine}), "fallback": self.fallbacks().get(sel.op)}
         runtime = [{"op": op, "impl": impl, "reason": reason, "calls": n}
                    for (op, impl, reason), n in registry.runtime_fallbacks.items()]
@@ -448,7 +474,8 @@ def apply_kernels(model: nn.Module, spec: Any) -> PatchReport:
         return report
     report.layers_path, layers = decoder_layers(model)
     report.num_layers = len(layers)
-    plan = {sel: _select(sel, layers) for sel in spec.ops}  # validate everything before patching anything
+    # validate everything before patching anything
+    plan = {sel: _select_model(model) if sel.op in MODEL_LEVEL_OPS else _select(sel, layers) for sel in spec.ops}
     reasons = {sel: None if sel.impl == REFERENCE else registry.get(sel.op, sel.impl).unavailable() for sel in spec.ops}
     for sel, reason in reasons.items():
         if reason and spec.strict:
@@ -458,6 +485,16 @@ def apply_kernels(model: nn.Module, spec: Any) -> PatchReport:
             report._undo.append(_set_forward(module, _forward_for(sel.op, module, sel.impl, spec.strict)))
             report.entries.append(PatchEntry(sel.op, index, path, sel.impl, reasons[sel]))
     return report
+
+
+def _select_model(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
+    """The causal LM itself (layer -1, path lm_head) for a model-level op; UserError if there is none."""
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not isinstance(getattr(causal, "lm_head", None), nn.Linear) or not hasattr(causal, "model"):
+        raise UserError(f"kernels.linear_cross_entropy: {type(causal).__name__} has no plain lm_head Linear to fuse")
+    if getattr(causal.config, "final_logit_softcapping", None):
+        raise UserError("kernels.linear_cross_entropy: models with final_logit_softcapping are not supported")
+    return [(-1, "lm_head", causal)]
 
 
 def _select(sel: OpSelection, layers: nn.ModuleList) -> list[tuple[int, str, nn.Module]]:

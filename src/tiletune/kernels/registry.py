@@ -13,8 +13,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-OPS = ("rms_norm", "swiglu", "rope", "linear")
+OPS = ("rms_norm", "swiglu", "rope", "linear", "linear_cross_entropy")
+MODEL_LEVEL_OPS = ("linear_cross_entropy",)  # patched on the causal LM itself, not inside decoder layers
 REFERENCE = "reference"
+PREFERRED = ("tilelang", "chunked")  # what `kernels: all` (or an op without `impl`) chooses, first found
 
 log = logging.getLogger("tiletune.kernels")
 
@@ -92,6 +94,11 @@ def impls(op: str) -> dict[str, Impl]:
     """The implementations of `op` by name."""
     load_ops()
     return _impls[op]
+
+
+def default_impl(op: str) -> str:
+    """The implementation `kernels: all` picks for `op`: the first of PREFERRED it has, else the reference."""
+    return next((name for name in PREFERRED if name in impls(op)), REFERENCE)
 
 
 def get(op: str, name: str) -> Impl:

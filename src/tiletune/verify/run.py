@@ -349,4 +349,4 @@ def _module_of(captured_name: str) -> str | None:
 
 
 def _patched_paths(report) -> list[str]:
-    return sorted({f"layers.{e.layer}.{e.module}" for e in report.entries})
+    return sorted({f"layers.{e.layer}.{e.module}" for e in report.entries if e.layer >= 0})  # not model-level ops
