@@ -20,6 +20,7 @@ import torch
 
 from tiletune.config import TuneConfig
 from tiletune.errors import UserError
+from tiletune.patch import apply_kernels, parse_kernel_spec
 from tiletune.verify.capture import run_and_capture, watched_modules
 from tiletune.verify.metrics import DTYPE_TOLERANCE, compare_runs, errors, floor_for
 
@@ -140,8 +141,6 @@ def fingerprint(model) -> str:
 
 def capture_three(model, spec, batches, device, dtype, watch_extra: list[str]):
     """(stock, patched, reference) captures and the PatchReport; the model ends in the reference dtype."""
-    from tiletune.patch import apply_kernels
-
     watch = watched_modules(model, watch_extra)
     stock = run_and_capture(model, batches, watch, dtype, device)
     report = apply_kernels(model, spec)
@@ -256,8 +255,6 @@ def convergence(model, spec, batches, steps: int, lr: float, dtype, device, seed
 
     The trainable weights are restored afterwards, so later checks see the model as it was.
     """
-    from tiletune.patch import apply_kernels
-
     start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
     def restore():
@@ -286,7 +283,6 @@ def convergence(model, spec, batches, steps: int, lr: float, dtype, device, seed
 def run_verify(cfg: TuneConfig, options: VerifyOptions) -> dict:
     """Run the checks the options ask for; write verify.json / verify.png; returns the result (passed or not)."""
     from tiletune.env import run_stamp
-    from tiletune.patch import parse_kernel_spec
     from tiletune.verify.report import heatmap
 
     spec = parse_kernel_spec(cfg.kernels)
@@ -302,8 +298,6 @@ def run_verify(cfg: TuneConfig, options: VerifyOptions) -> dict:
 
     if options.against is not None:
         batches, golden, meta = load_golden(options.against, model_print)
-        from tiletune.patch import apply_kernels
-
         report = apply_kernels(model, spec)
         watch = watched_modules(model, sorted({_module_of(name) for name in golden} - {None}))
         captured = run_and_capture(model, batches, watch, dtype, device)
@@ -313,8 +307,6 @@ def run_verify(cfg: TuneConfig, options: VerifyOptions) -> dict:
         result["passed"] = all(r["passed"] for r in rows)
         report.revert()
     else:
-        from tiletune.patch import apply_kernels
-
         probe = apply_kernels(model, spec)  # which modules the kernels go to: watch those too
         extra = _patched_paths(probe)
         probe.revert()
