@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import functools
 import json
 import types
 import typing
@@ -300,18 +301,21 @@ def _check_values(cfg: TuneConfig, source: str) -> None:
 # ---- key catalogues ----------------------------------------------------------------------------
 
 
+@functools.cache
 def _trainer_types() -> dict[str, Any]:
     from transformers import Seq2SeqTrainingArguments
 
     return typing.get_type_hints(Seq2SeqTrainingArguments)
 
 
+@functools.cache
 def _trainer_defaults() -> dict[str, Any]:
     from transformers import Seq2SeqTrainingArguments
 
     return {f.name: f.default for f in dataclasses.fields(Seq2SeqTrainingArguments)}
 
 
+@functools.cache
 def _unsupported_keys() -> dict[str, Any]:
     """LLaMA-Factory keys tiletune does not implement, with LLaMA-Factory's default for each."""
     text = resources.files("tiletune").joinpath("llamafactory_unsupported_keys.yaml").read_text()

@@ -36,6 +36,13 @@ def compute_dtype(cfg: TuneConfig) -> torch.dtype:
     return torch.float32
 
 
+def autocast(device: torch.device, dtype: torch.dtype):
+    """Mixed precision to `dtype` on `device` for bf16/fp16; no autocast for float32/64 runs."""
+    from contextlib import nullcontext
+
+    return torch.autocast(device.type, dtype=dtype) if dtype in (torch.bfloat16, torch.float16) else nullcontext()
+
+
 def _hub_kwargs(cfg: TuneConfig) -> dict:
     return dict(
         cache_dir=cfg.cache_dir,

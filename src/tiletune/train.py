@@ -30,6 +30,7 @@ def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
     """Run what the config asks for (train / eval / predict); returns the metrics written."""
     from transformers import set_seed
 
+    from tiletune.callbacks import peak_memory_gib
     from tiletune.data.processing import build_splits
     from tiletune.data.templates import get_template
     from tiletune.model import load_model, load_tokenizer, set_checkpointing
@@ -71,7 +72,7 @@ def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
         if kernel_report is not None and main_process:  # again, with the fallbacks seen at run time
             kernel_report.save(output_dir)
         train_metrics = dict(result.metrics)
-        train_metrics["peak_memory_gib"] = round(_peak_memory(), 3)
+        train_metrics["peak_memory_gib"] = round(peak_memory_gib(), 3)
         trainer.log_metrics("train", train_metrics)
         trainer.save_metrics("train", train_metrics)
         metrics.update(train_metrics)
@@ -281,12 +282,6 @@ def _move_into_place(staged: Path, final: Path) -> None:
 
 
 # ---- reporting ---------------------------------------------------------------------------------
-
-
-def _peak_memory() -> float:
-    from tiletune.callbacks import peak_memory_gib
-
-    return peak_memory_gib()
 
 
 def _summary(cfg: TuneConfig, model, splits, template) -> dict:

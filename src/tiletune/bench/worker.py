@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import sys
 import time
-from contextlib import nullcontext
 
 import torch
 
 from tiletune.config import TuneConfig, load_config
-from tiletune.model import compute_dtype, prepare_for_training
+from tiletune.model import autocast, compute_dtype, prepare_for_training
 
 RESULT_PREFIX = "BENCH_RESULT "
 LIGER_APPLY = {"llama": "apply_liger_kernel_to_llama", "qwen3": "apply_liger_kernel_to_qwen3", "qwen2": "apply_liger_kernel_to_qwen2"}
@@ -90,7 +89,6 @@ def run(job: dict) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
     dtype = compute_dtype(cfg)
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
     model.train()
 
     times, losses = [], []
@@ -100,7 +98,7 @@ def run(job: dict) -> dict:
             torch.cuda.reset_peak_memory_stats()
         _sync(device)
         start = time.perf_counter()
-        with autocast:
+        with autocast(device, dtype):
             loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
         optimizer.step()

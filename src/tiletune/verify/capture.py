@@ -8,11 +8,10 @@ float64 run), keyed `<where>.output`, `<where>.input_grad`, `params.<name>.grad`
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 from torch import nn
 
+from tiletune.model import autocast
 from tiletune.patch import decoder_layers
 
 
@@ -62,12 +61,11 @@ def run_and_capture(model: nn.Module, batches: list[dict], watch: dict[str, nn.M
     handles = [module.register_forward_hook(hook_for(name), with_kwargs=True) for name, module in watch.items()]
     embeddings = model.get_input_embeddings()
     handles.append(embeddings.register_forward_hook(lambda module, args, output: output.requires_grad_(True)))
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype in (torch.bfloat16, torch.float16) else nullcontext()
     model.zero_grad(set_to_none=True)
     try:
         for index, batch in enumerate(batches):
             prefix[0] = f"b{index}."
-            with autocast:
+            with autocast(device, dtype):
                 loss = model(input_ids=batch["input_ids"].to(device), labels=batch["labels"].to(device)).loss
             loss.backward()
             captured[f"b{index}.loss"] = _store(loss.reshape(1))

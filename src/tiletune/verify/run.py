@@ -232,16 +232,15 @@ def compare_to_golden(captured: dict, golden: dict, tolerance: float) -> list[di
 
 def loss_curve(model, batches, steps: int, lr: float, dtype, device, seed: int) -> list[float]:
     """Losses of `steps` AdamW steps over `batches` (cycled), from the model's current weights."""
-    from contextlib import nullcontext
+    from tiletune.model import autocast
 
     torch.manual_seed(seed)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr)
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype in (torch.bfloat16, torch.float16) else nullcontext()
     losses = []
     for step in range(steps):
         batch = batches[step % len(batches)]
-        with autocast:
+        with autocast(device, dtype):
             loss = model(input_ids=batch["input_ids"].to(device), labels=batch["labels"].to(device)).loss
         loss.backward()
         optimizer.step()
