@@ -29,6 +29,8 @@ def test_bench_runs_variants_in_fresh_processes_and_writes_outputs(tmp_path):
     assert rows["rms_norm"]["final_loss"] == pytest.approx(rows["baseline"]["final_loss"], rel=1e-4)
     assert (out / "bench.csv").read_text().startswith("variant,step_time_s")
     assert (out / "bench.png").stat().st_size > 1000
+    logged = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert [(r["repeat"], r["variant"]) for r in logged] == [(0, "baseline"), (0, "rms_norm"), (1, "baseline"), (1, "rms_norm")]
     again = CliRunner().invoke(main, args)
     assert again.exit_code == 2 and "already holds bench results" in again.output
 

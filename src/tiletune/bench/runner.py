@@ -61,19 +61,22 @@ def run_bench(config: str, overrides: list[str], variants: list[str], out_dir: P
               batch: int, seq: int, steps: int, warmup: int, repeats: int, seed: int = 0) -> dict:  # fmt: skip
     """Measure every variant `repeats` times, interleaved; write bench.json/csv/png into `out_dir`."""
     check_variants(variants)
-    if out_dir.exists() and any(out_dir.glob("bench.*")):
+    if out_dir.exists() and (any(out_dir.glob("bench.*")) or (out_dir / "runs.jsonl").exists()):
         raise UserError(f"{out_dir} already holds bench results; choose another --out or move them away")
     out_dir.mkdir(parents=True, exist_ok=True)
     common = dict(config=config, overrides=overrides, preset=preset, batch=batch, seq=seq,
                   steps=steps, warmup=warmup, seed=seed)  # fmt: skip
     runs: dict[str, list[dict]] = {v: [] for v in variants}
-    with tqdm(total=repeats * len(variants) + 1, desc="bench", dynamic_ncols=True) as bar:
+    with tqdm(total=repeats * len(variants) + 1, desc="bench", dynamic_ncols=True) as bar, \
+            (out_dir / "runs.jsonl").open("w") as log:  # every process's result as it lands: a cut-off run keeps them
         peak = _spawn({**common, "variant": "matmul_peak"})["matmul_peak_tflops"]
         bar.update(1)
         for repeat in range(repeats):
             for variant in variants:
                 bar.set_postfix(variant=variant, repeat=repeat + 1)
                 runs[variant].append(_spawn({**common, "variant": variant}))
+                log.write(json.dumps({"repeat": repeat, **runs[variant][-1]}) + "\n")
+                log.flush()
                 bar.update(1)
     result = summarise(runs, peak)
     result["setting"] = {**common, "variants": variants, "repeats": repeats}
