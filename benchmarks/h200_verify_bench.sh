@@ -12,14 +12,16 @@ PART=${1:?usage: h200_verify_bench.sh verify|bench OUT_DIR [bench args]}
 OUT=${2:?usage: h200_verify_bench.sh verify|bench OUT_DIR [bench args]}
 shift 2
 CONFIG=examples/bench/llama3_8b_lora.yaml
+GOLDEN=/tmp/llama3-8b-2layers.golden.safetensors  # too large to bring back; its report is kept
 VERIFY=(python3 -m tiletune verify "$CONFIG" kernels=all --model-preset llama3-8b --layers 2 --batches 1)
 case $PART in
 verify)
     "${VERIFY[@]}" --seq 2048 --out "$OUT/verify-llama3-8b" 2>&1 | tail -40
-    "${VERIFY[@]}" --seq 1024 --steps 5 --save-golden "$OUT/llama3-8b-2layers.golden.safetensors" \
+    "${VERIFY[@]}" --seq 1024 --steps 5 --save-golden "$GOLDEN" \
         --out "$OUT/verify-llama3-8b-golden" 2>&1 | tail -12
-    "${VERIFY[@]}" --seq 1024 --against "$OUT/llama3-8b-2layers.golden.safetensors" \
+    "${VERIFY[@]}" --seq 1024 --against "$GOLDEN" \
         --out "$OUT/verify-llama3-8b-against" 2>&1 | tail -8
+    ls -l "$GOLDEN"
     python3 benchmarks/plain_step.py 2>&1 | tail -1
     python3 benchmarks/plain_step.py --reentrant 2>&1 | tail -1 ;;
 bench)
