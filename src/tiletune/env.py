@@ -442,13 +442,16 @@ def run_stamp() -> dict:
     import torch
     import transformers
 
-    try:  # the commit of the tiletune source that ran
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        ).stdout.strip()
-    except OSError:
-        commit = ""
-    commit = commit or os.environ.get("TILETUNE_COMMIT", "")  # a copy of the tree without .git (a lent GPU)
+    # The commit of the tiletune source that ran; TILETUNE_COMMIT names it where the tree is a copy whose
+    # .git is missing or not the one the tree came from (a lent GPU machine).
+    commit = os.environ.get("TILETUNE_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+            ).stdout.strip()
+        except OSError:
+            commit = ""
     on_gpu = torch.cuda.is_available()
     return {
         "device": torch.cuda.get_device_name() if on_gpu else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",

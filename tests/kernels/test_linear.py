@@ -22,6 +22,18 @@ def test_frozen_weight_skips_dweight():
     torch.testing.assert_close(x.grad, torch.ones(4, 5) @ w)
 
 
+@pytest.mark.parametrize("weight_trains", [False, True])
+def test_input_is_saved_only_when_the_weight_trains(weight_trains):
+    x = torch.randn(3, 7, 8, requires_grad=True)
+    w = torch.randn(5, 8, requires_grad=weight_trains)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        y = op.linear(x, w)
+    assert (x.numel() in saved) == weight_trains
+    y.pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, (2 * F.linear(x, w)) @ w)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens,out_f,in_f", [(1, 1024, 4096), (77, 1024, 4096), (5000, 1024, 4096),

@@ -29,10 +29,10 @@ def reference_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def reference_backward(dy: Tensor, x: Tensor, weight: Tensor, weight_grad: bool, bias_grad: bool):
-    """(dx, dweight or None, dbias or None)."""
-    dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-    dx = (dy2 @ weight.to(dy.dtype)).view(x.shape).to(x.dtype)
-    dw = (dy2.t() @ x2.to(dy.dtype)).to(weight.dtype) if weight_grad else None
+    """(dx, dweight or None, dbias or None); x may be empty when the weight needs no gradient."""
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    dx = (dy2 @ weight.to(dy.dtype)).view(*dy.shape[:-1], weight.shape[1]).to(x.dtype)
+    dw = (dy2.t() @ x.reshape(-1, x.shape[-1]).to(dy.dtype)).to(weight.dtype) if weight_grad else None
     db = dy2.sum(0).to(weight.dtype) if bias_grad else None
     return dx, dw, db
 
@@ -137,7 +137,7 @@ def tilelang_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def tilelang_backward(dy: Tensor, x: Tensor, weight: Tensor, weight_grad: bool, bias_grad: bool):
-    """(dx, dweight or None, dbias or None) through the TileLang GEMMs."""
+    """(dx, dweight or None, dbias or None) through the TileLang GEMMs; x may be empty when dW is not needed."""
     out_features, in_features = weight.shape
     dy2, w = dy.reshape(-1, out_features).contiguous(), weight.contiguous()
     dx = _gemm("dgrad", dy2, w, dy2.new_empty(dy2.shape[0], in_features), out_features, in_features)
@@ -145,7 +145,7 @@ def tilelang_backward(dy: Tensor, x: Tensor, weight: Tensor, weight_grad: bool, 
     if weight_grad:
         x2 = x.reshape(-1, in_features).contiguous()
         dw = _gemm("wgrad", dy2, x2, weight.new_empty(weight.shape), out_features, in_features)
-    return dx.view(x.shape), dw, dy2.sum(0).to(weight.dtype) if bias_grad else None
+    return dx.view(*dy.shape[:-1], in_features), dw, dy2.sum(0).to(weight.dtype) if bias_grad else None
 
 
 add(Impl("linear", "reference", reference_forward, reference_backward, description="PyTorch: F.linear (cuBLAS on GPU)", accumulation="float32"))
@@ -175,14 +175,15 @@ def linear_backward_op(dy: Tensor, x: Tensor, weight: Tensor, impl: str, strict:
 
 @linear_backward_op.register_fake
 def _(dy, x, weight, impl, strict, weight_grad, bias_grad):
-    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+    return (x.new_empty(*dy.shape[:-1], weight.shape[1]),
             weight.new_empty(weight.shape if weight_grad else (0,)),
             weight.new_empty((weight.shape[0],) if bias_grad else (0,)))
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, _, ctx.impl, ctx.strict = inputs
-    ctx.save_for_backward(x, weight)
+    # x is needed only for dW: a frozen weight (LoRA's base layer) keeps no activation alive
+    ctx.save_for_backward(x if ctx.needs_input_grad[1] else x.new_empty(0), weight)
 
 
 def _backward(ctx, dy):
