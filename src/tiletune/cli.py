@@ -120,7 +120,8 @@ def env(ctx: click.Context, as_json: bool, strict: bool) -> None:
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1)
 @click.option("--variants", default="baseline,all", show_default=True,
-              help="Comma-separated: baseline, all, an op name (rms_norm, swiglu, rope, linear), liger.")
+              help="Comma-separated: baseline, all, an op name (rms_norm, swiglu, ...), liger; each may add "
+                   "config overrides as NAME:key=value[:key=value], e.g. all:gradient_checkpointing=auto.")
 @click.option("--ablation", is_flag=True, help="baseline, each op alone, all, and liger when installed.")
 @click.option("--model-preset", help="Random-init model of a known shape: llama3-8b, llama3-1b, qwen3-4b, tiny.")
 @click.option("--batch", type=int, help="Sequences per step (default: the config's per_device_train_batch_size).")
@@ -128,8 +129,9 @@ def env(ctx: click.Context, as_json: bool, strict: bool) -> None:
 @click.option("--steps", default=10, show_default=True, help="Timed steps per run.")
 @click.option("--warmup", default=3, show_default=True, help="Untimed steps first.")
 @click.option("--repeats", default=2, show_default=True, help="Fresh-process runs per variant, interleaved.")
+@click.option("--profile", is_flag=True, help="Profile one extra step per variant (GPU): profile.md, device time by kernel category.")
 @click.option("--out", "out_dir", default="bench", show_default=True, type=click.Path(file_okay=False))
-def bench(config, overrides, variants, ablation, model_preset, batch, seq, steps, warmup, repeats, out_dir) -> None:
+def bench(config, overrides, variants, ablation, model_preset, batch, seq, steps, warmup, repeats, profile, out_dir) -> None:
     """Step time, tokens/s, memory and FLOP utilisation of kernel variants of the CONFIG's training step."""
     from pathlib import Path
 
@@ -141,6 +143,7 @@ def bench(config, overrides, variants, ablation, model_preset, batch, seq, steps
     result = run_bench(
         str(Path(config).resolve()), list(overrides), chosen, Path(out_dir), model_preset,
         batch or cfg.train_arg("per_device_train_batch_size"), seq or cfg.cutoff_len, steps, warmup, repeats,
+        profile=profile,
     )  # fmt: skip
     click.echo(table(result))
 

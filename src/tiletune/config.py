@@ -46,6 +46,10 @@ class TuneConfig:
     flash_attn: Literal["auto", "disabled", "sdpa", "fa2", "fa3"] = "auto"
     low_cpu_mem_usage: bool = True
     disable_gradient_checkpointing: bool = False
+    # tiletune's own (it shadows the Trainer field): null follows disable_gradient_checkpointing; "auto"
+    # recomputes only as much as gradient_checkpointing_budget (GiB; null: 90% of the GPU) needs
+    gradient_checkpointing: bool | Literal["auto"] | None = None
+    gradient_checkpointing_budget: float | None = None
     use_reentrant_gc: bool = True
     infer_dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
     print_param_status: bool = False
@@ -114,6 +118,15 @@ class TuneConfig:
         if key in self.training:
             return self.training[key]
         return _trainer_defaults().get(key, default)
+
+    @property
+    def checkpointing(self) -> Literal["on", "off", "auto"]:
+        """Activation checkpointing of the decoder layers: every layer, none, or planned on a memory budget."""
+        if self.gradient_checkpointing == "auto":
+            return "auto"
+        if self.gradient_checkpointing is None:
+            return "off" if self.disable_gradient_checkpointing else "on"
+        return "on" if self.gradient_checkpointing else "off"
 
     @property
     def output_dir(self) -> Path:
@@ -288,6 +301,14 @@ def _check_values(cfg: TuneConfig, source: str) -> None:
         raise UserError(f"{source}: lora_dropout={cfg.lora_dropout} must be in [0, 1)")
     if not 0 <= cfg.warmup_ratio < 1:
         raise UserError(f"{source}: warmup_ratio={cfg.warmup_ratio} must be in [0, 1)")
+    if cfg.gradient_checkpointing not in (None, False) and cfg.disable_gradient_checkpointing:
+        raise UserError(f"{source}: gradient_checkpointing={cfg.gradient_checkpointing!r} contradicts "
+                        "disable_gradient_checkpointing=true; keep one of them")  # fmt: skip
+    budget = cfg.gradient_checkpointing_budget
+    if budget is not None and (budget <= 0 or budget != budget or budget == float("inf")):
+        raise UserError(f"{source}: gradient_checkpointing_budget={budget} must be a positive number of GiB (or null for 90% of the GPU)")
+    if budget is not None and cfg.checkpointing != "auto":
+        raise UserError(f"{source}: gradient_checkpointing_budget is read only with gradient_checkpointing=auto; set that too")
     if cfg.train_arg("bf16") and cfg.train_arg("fp16"):
         raise UserError(f"{source}: bf16 and fp16 are both true; choose one")
     if cfg.train_arg("do_train") and not cfg.dataset:

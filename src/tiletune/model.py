@@ -106,7 +106,7 @@ def load_model(cfg: TuneConfig, tokenizer, trainable: bool, device_map: str | No
 def prepare_for_training(cfg: TuneConfig, model):
     """Gradient checkpointing, then LoRA / freeze / full as `finetuning_type` says, trainable weights in float32."""
     model.config.use_cache = False
-    if not cfg.disable_gradient_checkpointing and getattr(model, "supports_gradient_checkpointing", False):
+    if cfg.checkpointing != "off" and getattr(model, "supports_gradient_checkpointing", False):
         set_checkpointing(model, enabled=True, use_reentrant=cfg.use_reentrant_gc)
         model.enable_input_require_grads()
     if cfg.finetuning_type == "lora":

@@ -53,6 +53,7 @@ def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
     splits = build_splits(cfg, tokenizer, template)
     model = load_model(cfg, tokenizer, trainable=do_train)
     kernel_report = _apply_kernels(model, kernel_spec)
+    recompute_plan = _plan_recomputation(cfg, model) if do_train and not dry_run else None
     summary = _summary(cfg, model, splits, template)
     log.info("%s", json.dumps(summary))
     if dry_run:
@@ -62,6 +63,8 @@ def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
     output_dir.mkdir(parents=True, exist_ok=True)
     if kernel_report is not None and main_process:
         kernel_report.save(output_dir)
+    if recompute_plan is not None and main_process:
+        (output_dir / "recompute.json").write_text(json.dumps(recompute_plan.to_dict(), indent=2) + "\n")
     metrics: dict = {}
     if do_train or do_eval:
         trainer = _make_trainer(cfg, model, tokenizer, splits, output_dir)
@@ -88,7 +91,7 @@ def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
     if do_predict and splits.predict is not None and main_process:
         from tiletune.predict import run_predict
 
-        if do_train and not cfg.disable_gradient_checkpointing:
+        if do_train and cfg.checkpointing != "off":
             set_checkpointing(model, enabled=False)
         predict_metrics = run_predict(cfg, model, tokenizer, template, splits.predict, output_dir)
         _merge_all_results(output_dir, predict_metrics)
@@ -104,6 +107,24 @@ def _kernel_spec(cfg: TuneConfig):
 
     spec = parse_kernel_spec(cfg.kernels)
     return spec if spec.ops else None
+
+
+def _plan_recomputation(cfg: TuneConfig, model):
+    """With `gradient_checkpointing: auto`, choose each layer's recomputation for the longest batch."""
+    if cfg.checkpointing != "auto":
+        return None
+    from tiletune.model import compute_dtype
+    from tiletune.recompute import plan_recomputation
+
+    if cfg.train_arg("deepspeed") or cfg.train_arg("fsdp"):
+        raise UserError("gradient_checkpointing=auto plans for one device holding the whole model; with deepspeed "
+                        "or fsdp set gradient_checkpointing=true")  # fmt: skip
+    if torch.cuda.is_available():  # the probe measures on the device the Trainer will train on
+        model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+    batch = cfg.train_arg("per_device_train_batch_size", 8)
+    plan = plan_recomputation(model, batch, cfg.cutoff_len, compute_dtype(cfg), cfg.gradient_checkpointing_budget, cfg.use_reentrant_gc)
+    print(plan.summary())
+    return plan
 
 
 def _apply_kernels(model, spec):
@@ -180,7 +201,7 @@ def training_arguments(cfg: TuneConfig, output_dir: Path):
     kwargs["include_num_input_tokens_seen"] = "non_padding"
     kwargs.setdefault("dataloader_pin_memory", torch.cuda.is_available())
     kwargs.setdefault("use_cpu", not torch.cuda.is_available())  # also makes torchrun on CPUs use gloo DDP
-    if not cfg.disable_gradient_checkpointing:
+    if cfg.checkpointing != "off":
         # Checkpointing is set up on the model, not by the Trainer, which would otherwise let DDP search
         # for unused parameters: with checkpointed layers that marks gradients ready twice.
         kwargs.setdefault("ddp_find_unused_parameters", False)

@@ -49,7 +49,7 @@ def test_unknown_variant_and_missing_baseline_are_refused(tmp_path):
 def test_step_flops_of_llama3_8b_lora_matches_the_6nt_rule():
     config = preset_config("llama3-8b")
     tokens = 4 * 2048
-    flops = step_flops(config, trainable_linear=0, tokens=tokens, seq=2048, checkpointing=True)
+    flops = step_flops(config, trainable_linear=0, tokens=tokens, seq=2048, recomputed=1.0)
     linear_params = 32 * (4096 * (2 * 4096 + 2 * 1024) + 3 * 4096 * 14336) + 4096 * 128256
     attention = 4 * 32 * 2 * 2048 * 4096 * tokens  # fwd + 2x bwd + recompute
     assert flops == pytest.approx(6 * linear_params * tokens - 2 * 4096 * 128256 * tokens + attention)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from tiletune.bench.worker import RESULT_PREFIX
+from tiletune.bench.worker import RESULT_PREFIX, split_variant
 from tiletune.env import run_stamp
 from tiletune.errors import UserError
 
@@ -35,10 +35,12 @@ def check_variants(variants: list[str]) -> None:
     from tiletune.kernels.registry import OPS
 
     known = {"baseline", "all", "liger", *OPS}
-    unknown = [v for v in variants if v not in known]
+    names = [split_variant(v)[0] for v in variants]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise UserError(f"bench variant {unknown[0]!r} is unknown; available: {', '.join(sorted(known))}")
-    if "liger" in variants and not find_spec("liger_kernel"):
+        raise UserError(f"bench variant {unknown[0]!r} is unknown; available: {', '.join(sorted(known))}, "
+                        "each optionally with :key=value config overrides (e.g. all:gradient_checkpointing=auto)")  # fmt: skip
+    if "liger" in names and not find_spec("liger_kernel"):
         raise UserError("bench variant 'liger' needs Liger-Kernel; pip install liger-kernel (or drop the variant)")
     if "baseline" not in variants:
         raise UserError("bench needs the 'baseline' variant: every ratio is measured against it")
@@ -58,8 +60,9 @@ def _spawn(job: dict) -> dict:
 
 
 def run_bench(config: str, overrides: list[str], variants: list[str], out_dir: Path, preset: str | None,
-              batch: int, seq: int, steps: int, warmup: int, repeats: int, seed: int = 0) -> dict:  # fmt: skip
-    """Measure every variant `repeats` times, interleaved; write bench.json/csv/png into `out_dir`."""
+              batch: int, seq: int, steps: int, warmup: int, repeats: int, seed: int = 0,
+              profile: bool = False) -> dict:  # fmt: skip
+    """Measure every variant `repeats` times, interleaved; write bench.json/csv/png (and profile.md) into `out_dir`."""
     check_variants(variants)
     if out_dir.exists() and (any(out_dir.glob("bench.*")) or (out_dir / "runs.jsonl").exists()):
         raise UserError(f"{out_dir} already holds bench results; choose another --out or move them away")
@@ -74,7 +77,7 @@ def run_bench(config: str, overrides: list[str], variants: list[str], out_dir: P
         for repeat in range(repeats):
             for variant in variants:
                 bar.set_postfix(variant=variant, repeat=repeat + 1)
-                runs[variant].append(_spawn({**common, "variant": variant}))
+                runs[variant].append(_spawn({**common, "variant": variant, "profile": profile and repeat == 0}))
                 log.write(json.dumps({"repeat": repeat, **runs[variant][-1]}) + "\n")
                 log.flush()
                 bar.update(1)
@@ -107,6 +110,8 @@ def summarise(runs: dict[str, list[dict]], matmul_peak_tflops: float) -> dict:
             "utilisation": achieved / matmul_peak_tflops if matmul_peak_tflops else None,
             "final_loss": statistics.mean(r["losses"][-1] for r in results),
             "patched": first.get("patched"),
+            "recompute": first.get("recompute"),
+            "profile": first.get("profile"),
         })  # fmt: skip
     baseline = next(r for r in rows if r["variant"] == "baseline")
     for row in rows:
@@ -157,6 +162,11 @@ def write_outputs(result: dict, out_dir: Path) -> None:
         writer.writerows(result["variants"])
     (out_dir / "bench.md").write_text(table(result) + "\n")
     plot(result, out_dir / "bench.png")
+    profiles = {row["variant"]: row["profile"] for row in result["variants"] if row.get("profile")}
+    if profiles:
+        from tiletune.bench.profile import profile_table
+
+        (out_dir / "profile.md").write_text(profile_table(profiles) + "\n")
 
 
 def plot(result: dict, path: Path) -> None:

@@ -21,8 +21,14 @@ RESULT_PREFIX = "BENCH_RESULT "
 LIGER_APPLY = {"llama": "apply_liger_kernel_to_llama", "qwen3": "apply_liger_kernel_to_qwen3", "qwen2": "apply_liger_kernel_to_qwen2"}
 
 
+def split_variant(variant: str) -> tuple[str, list[str]]:
+    """`NAME[:key=value...]` -> (NAME, overrides): a variant may change config keys, e.g. `all:gradient_checkpointing=auto`."""
+    name, *overrides = variant.split(":")
+    return name, overrides
+
+
 def variant_kernels(variant: str):
-    """The `kernels:` spec a variant stands for (None for the stock model and for Liger)."""
+    """The `kernels:` spec a variant name stands for (None for the stock model and for Liger)."""
     if variant in ("baseline", "liger"):
         return None
     if variant == "all":
@@ -57,11 +63,12 @@ def build_model(cfg: TuneConfig, preset: str | None, variant: str, device: torch
     return model, report
 
 
-def step_flops(model_config, trainable_linear: int, tokens: int, seq: int, checkpointing: bool) -> float:
+def step_flops(model_config, trainable_linear: int, tokens: int, seq: int, recomputed: float) -> float:
     """Floating-point operations of one training step, counted from the model's shape.
 
     Matmuls: 2 per weight per token forward, the same again for the input gradient, 2 per trainable
-    weight per token for weight gradients, and the decoder's forward once more under checkpointing.
+    weight per token for weight gradients, and the decoder's forward once more for the `recomputed`
+    share of layers (1 under checkpointing; selective layers recompute no matmul and count 0).
     Causal attention: 2·S·d per token per layer forward (QKᵀ and AV, half the square), 2x that backward.
     """
     c = model_config
@@ -72,17 +79,23 @@ def step_flops(model_config, trainable_linear: int, tokens: int, seq: int, check
     attention = c.num_hidden_layers * 2 * seq * q_dim  # forward, per token
     forward = 2 * (decoder + head) + attention
     backward = 2 * (decoder + head) + 2 * attention + 2 * trainable_linear
-    recompute = 2 * decoder + attention if checkpointing else 0
+    recompute = recomputed * (2 * decoder + attention)
     return float(tokens) * (forward + backward + recompute)
 
 
 def run(job: dict) -> dict:
     """Time `job['steps']` training steps of one variant after `job['warmup']`; returns the measurements."""
-    cfg = load_config(job["config"], job.get("overrides", []))
+    name, variant_overrides = split_variant(job["variant"])
+    cfg = load_config(job["config"], [*job.get("overrides", []), *variant_overrides])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(job["seed"])
-    model, report = build_model(cfg, job.get("preset"), job["variant"], device)
+    model, report = build_model(cfg, job.get("preset"), name, device)
     batch, seq = job["batch"], job["seq"]
+    plan = None
+    if cfg.checkpointing == "auto":
+        from tiletune.recompute import plan_recomputation
+
+        plan = plan_recomputation(model, batch, seq, compute_dtype(cfg), cfg.gradient_checkpointing_budget, cfg.use_reentrant_gc)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(job["seed"])
     input_ids = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
@@ -91,6 +104,14 @@ def run(job: dict) -> dict:
     dtype = compute_dtype(cfg)
     model.train()
 
+    def train_step() -> torch.Tensor:
+        with autocast(device, dtype):
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
     times, losses = [], []
     for step in range(job["warmup"] + job["steps"]):
         if step == job["warmup"] and device.type == "cuda":
@@ -98,16 +119,13 @@ def run(job: dict) -> dict:
             torch.cuda.reset_peak_memory_stats()
         _sync(device)
         start = time.perf_counter()
-        with autocast(device, dtype):
-            loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = train_step()
         _sync(device)
         elapsed = time.perf_counter() - start
         losses.append(loss.item())
         if step >= job["warmup"]:
             times.append(elapsed)
+    peak_allocated, peak_reserved = _peak_memory(device)
 
     trainable_linear = sum(
         m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.requires_grad
@@ -118,17 +136,32 @@ def run(job: dict) -> dict:
         "step_times": times,
         "losses": losses,
         "tokens_per_step": batch * seq,
-        "flops_per_step": step_flops(base_config, trainable_linear, batch * seq, seq, not cfg.disable_gradient_checkpointing),
+        "flops_per_step": step_flops(base_config, trainable_linear, batch * seq, seq, _recomputed_share(cfg, plan)),
         "patched": report.to_dict() if report is not None else None,
+        "recompute": plan.to_dict() if plan is not None else None,
+        "peak_allocated_gib": peak_allocated,
+        "peak_reserved_gib": peak_reserved,
     }
-    if device.type == "cuda":
-        result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
-    else:
-        from tiletune.callbacks import peak_memory_gib
+    if job.get("profile") and device.type == "cuda":  # one more step, after the timed ones and the memory reading
+        from tiletune.bench.profile import profile_step
 
-        result["peak_allocated_gib"] = result["peak_reserved_gib"] = peak_memory_gib()
+        result["profile"] = profile_step(train_step)
     return result
+
+
+def _peak_memory(device: torch.device) -> tuple[float, float]:
+    """(allocated, reserved) peak GiB since the end of the warm-up (the process's peak RSS on the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
+    from tiletune.callbacks import peak_memory_gib
+
+    return peak_memory_gib(), peak_memory_gib()
+
+
+def _recomputed_share(cfg: TuneConfig, plan) -> float:
+    if plan is not None:
+        return plan.counts["recompute"] / len(plan.treatments)
+    return 0.0 if cfg.checkpointing == "off" else 1.0
 
 
 def _sync(device: torch.device) -> None:

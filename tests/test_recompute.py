@@ -1,0 +1,135 @@
+"""`gradient_checkpointing: auto`: the plan within a budget, the treatments' numerics, config and bench wiring."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tiletune.cli import main
+from tiletune.config import build_config
+from tiletune.errors import UserError
+from tiletune.model import prepare_for_training
+from tiletune.patch import decoder_layers
+from tiletune.recompute import apply_treatments, choose_treatments, plan_recomputation
+
+
+def test_choose_spares_the_last_layers_and_prefers_the_cheaper_treatment():
+    assert choose_treatments(4, keep_bytes=10, selective_bytes=6, free_bytes=0) == ["recompute"] * 4
+    assert choose_treatments(4, 10, 6, 13) == ["recompute", "recompute", "selective", "selective"]
+    # 2 selective cost 12; the 1 left cannot upgrade one (needs 4); with 16, one layer is kept whole
+    assert choose_treatments(4, 10, 6, 16) == ["recompute", "recompute", "selective", "keep"]
+    assert choose_treatments(4, 10, 6, 10**9) == ["keep"] * 4
+    assert choose_treatments(3, keep_bytes=5, selective_bytes=5, free_bytes=11) == ["recompute", "keep", "keep"]
+    assert choose_treatments(3, 5, 5, -7) == ["recompute"] * 3
+
+
+def _model(layers=4):
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    cfg = build_config({"model_name_or_path": "x", "finetuning_type": "lora", "lora_target": "q_proj,v_proj",
+                        "gradient_checkpointing": "auto", "use_reentrant_gc": False})  # fmt: skip
+    return prepare_for_training(cfg, model)
+
+
+def _loss_and_grads(model, tokens):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_every_treatment_gives_the_same_loss_and_gradients():
+    model = _model()
+    model.train()
+    _, layers = decoder_layers(model)
+    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    apply_treatments(layers, ["keep"] * 4, use_reentrant=False)
+    reference_loss, reference_grads = _loss_and_grads(model, tokens)
+    for treatments in (["recompute"] * 4, ["selective"] * 4, ["recompute", "selective", "keep", "selective"]):
+        apply_treatments(layers, treatments, use_reentrant=False)
+        loss, grads = _loss_and_grads(model, tokens)
+        torch.testing.assert_close(loss, reference_loss, rtol=0, atol=0)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference_grads[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_selective_recompute_reruns_elementwise_ops_but_not_matmuls(monkeypatch):
+    """Counted where the kernels run (a cached op is still dispatched, so a profiler would count it too)."""
+    from tiletune.kernels import registry
+    from tiletune.patch import apply_kernels
+
+    model = _model(layers=1)
+    model.train()
+    _, layers = decoder_layers(model)
+    apply_kernels(model, {"linear": "reference", "rms_norm": "reference"})  # through tiletune's custom ops
+    calls = {"linear": 0, "rms_norm": 0}
+    for op in calls:
+        impl = registry.get(op, "reference")
+
+        def counted(*args, _op=op, _forward=impl.forward):
+            calls[_op] += 1
+            return _forward(*args)
+
+        monkeypatch.setitem(registry._impls[op], "reference", dataclasses.replace(impl, forward=counted))
+    tokens = torch.randint(0, 96, (2, 24))
+    counts = {}
+    for treatment in ("keep", "selective", "recompute"):
+        apply_treatments(layers, [treatment], use_reentrant=False)
+        calls.update(linear=0, rms_norm=0)
+        _loss_and_grads(model, tokens)
+        counts[treatment] = dict(calls)
+    assert counts["selective"]["linear"] == counts["keep"]["linear"] < counts["recompute"]["linear"]
+    assert counts["keep"]["rms_norm"] < counts["selective"]["rms_norm"] == counts["recompute"]["rms_norm"]
+
+
+def test_plan_on_cpu_measures_saved_activations_and_fits_the_budget():
+    model = _model()
+    plan = plan_recomputation(model, batch=2, seq=32, dtype=torch.float32, budget_gib=None, use_reentrant=False)
+    assert plan.treatments == ["keep"] * 4 and plan.keep_bytes > 0  # no budget on the CPU: recompute nothing
+    layer_bytes, base = plan.keep_bytes, plan.base_bytes
+    budget = (base + 2.5 * layer_bytes) / 0.95 / 2**30  # room for two layers and a half after the margin
+    plan = plan_recomputation(model, batch=2, seq=32, dtype=torch.float32, budget_gib=budget, use_reentrant=False)
+    assert plan.treatments == ["recompute", "recompute", "keep", "keep"]
+    assert [layer.gradient_checkpointing for layer in decoder_layers(model)[1]] == [True, True, False, False]
+    assert all(p.grad is None for p in model.parameters())  # the probe leaves no gradients behind
+    with pytest.raises(UserError, match="below the .* GiB this step needs"):
+        plan_recomputation(model, batch=2, seq=32, dtype=torch.float32, budget_gib=base / 2 / 2**30, use_reentrant=False)
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"gradient_checkpointing": "auto", "disable_gradient_checkpointing": True}, "contradicts"),
+    ({"gradient_checkpointing": "auto", "gradient_checkpointing_budget": -3}, "positive number of GiB"),
+    ({"gradient_checkpointing_budget": 20}, "only with gradient_checkpointing=auto"),
+    ({"gradient_checkpointing": "sometimes"}, "allowed: bool or one of 'auto' or null"),
+])  # fmt: skip
+def test_config_refuses_contradictions(raw, message):
+    with pytest.raises(UserError, match=message):
+        build_config({"model_name_or_path": "x", **raw})
+
+
+def test_checkpointing_follows_llamafactory_keys_unless_set():
+    def mode(**raw):
+        return build_config({"model_name_or_path": "x", **raw}).checkpointing
+
+    assert mode() == "on" and mode(disable_gradient_checkpointing=True) == "off"
+    assert mode(gradient_checkpointing=False) == "off" and mode(gradient_checkpointing="auto") == "auto"
+
+
+def test_bench_variant_with_overrides_records_the_plan(tmp_path):
+    config = tmp_path / "b.yaml"
+    config.write_text("model_name_or_path: unused\nfinetuning_type: lora\nlora_target: q_proj,v_proj\n")
+    out = tmp_path / "bench"
+    args = ["bench", str(config), "--model-preset", "tiny", "--variants", "baseline,all:gradient_checkpointing=auto",
+            "--batch", "2", "--seq", "32", "--steps", "2", "--warmup", "1", "--repeats", "1", "--out", str(out)]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    rows = {r["variant"]: r for r in json.loads((out / "bench.json").read_text())["variants"]}
+    assert rows["all:gradient_checkpointing=auto"]["tflops_per_step"] < rows["baseline"]["tflops_per_step"]
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    plan = next(r["recompute"] for r in runs if r["variant"].startswith("all"))
+    assert plan["treatments"] == ["keep", "keep"] and runs[0]["recompute"] is None
