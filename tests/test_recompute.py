@@ -124,12 +124,14 @@ def test_bench_variant_with_overrides_records_the_plan(tmp_path):
     config = tmp_path / "b.yaml"
     config.write_text("model_name_or_path: unused\nfinetuning_type: lora\nlora_target: q_proj,v_proj\n")
     out = tmp_path / "bench"
-    args = ["bench", str(config), "--model-preset", "tiny", "--variants", "baseline,all:gradient_checkpointing=auto",
+    args = ["bench", str(config), "--model-preset", "tiny", "--variants", "baseline,rms_norm+swiglu:gradient_checkpointing=auto",
             "--batch", "2", "--seq", "32", "--steps", "2", "--warmup", "1", "--repeats", "1", "--out", str(out)]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     rows = {r["variant"]: r for r in json.loads((out / "bench.json").read_text())["variants"]}
-    assert rows["all:gradient_checkpointing=auto"]["tflops_per_step"] < rows["baseline"]["tflops_per_step"]
+    auto = rows["rms_norm+swiglu:gradient_checkpointing=auto"]
+    assert auto["tflops_per_step"] < rows["baseline"]["tflops_per_step"]
+    assert set(auto["patched"]["ops"]) == {"rms_norm", "swiglu"}
     runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
-    plan = next(r["recompute"] for r in runs if r["variant"].startswith("all"))
+    plan = next(r["recompute"] for r in runs if r["variant"].startswith("rms_norm"))
     assert plan["treatments"] == ["keep", "keep"] and runs[0]["recompute"] is None

@@ -38,7 +38,8 @@ def test_bench_runs_variants_in_fresh_processes_and_writes_outputs(tmp_path):
 def test_unknown_variant_and_missing_baseline_are_refused(tmp_path):
     config = tmp_path / "b.yaml"
     config.write_text("model_name_or_path: unused\n")
-    cases = [("baseline,flash", "variant 'flash' is unknown"), ("all", "needs the 'baseline'")]
+    cases = [("baseline,flash", "variant 'flash' is unknown"), ("all", "needs the 'baseline'"),
+             ("baseline,rms_norm+flash:bf16=true", "variant 'flash' is unknown")]
     if importlib.util.find_spec("liger_kernel") is None:
         cases.append(("baseline,liger", "needs Liger-Kernel; pip install liger-kernel"))
     for variants, message in cases:

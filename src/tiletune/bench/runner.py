@@ -36,10 +36,10 @@ def check_variants(variants: list[str]) -> None:
 
     known = {"baseline", "all", "liger", *OPS}
     names = [split_variant(v)[0] for v in variants]
-    unknown = [n for n in names if n not in known]
+    unknown = [part for n in names if n not in known for part in n.split("+") if part not in OPS]
     if unknown:
-        raise UserError(f"bench variant {unknown[0]!r} is unknown; available: {', '.join(sorted(known))}, "
-                        "each optionally with :key=value config overrides (e.g. all:gradient_checkpointing=auto)")  # fmt: skip
+        raise UserError(f"bench variant {unknown[0]!r} is unknown; available: {', '.join(sorted(known))}, ops joined "
+                        "by + (rms_norm+rope), each optionally with :key=value config overrides (all:gradient_checkpointing=auto)")  # fmt: skip
     if "liger" in names and not find_spec("liger_kernel"):
         raise UserError("bench variant 'liger' needs Liger-Kernel; pip install liger-kernel (or drop the variant)")
     if "baseline" not in variants:

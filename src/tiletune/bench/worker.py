@@ -33,7 +33,7 @@ def variant_kernels(variant: str):
         return None
     if variant == "all":
         return "all"
-    return {variant: True}  # the op alone, in its default implementation
+    return {op: True for op in variant.split("+")}  # the op alone (or ops joined by +), default implementations
 
 
 def build_model(cfg: TuneConfig, preset: str | None, variant: str, device: torch.device):
