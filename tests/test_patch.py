@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tiletune.errors import UserError
 from tiletune.kernels import registry
+from tiletune.kernels.gate import errors
 from tiletune.patch import apply_kernels, parse_kernel_spec, parse_layers, revert_kernels
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -83,7 +84,7 @@ def test_apply_all_patches_every_op_and_keeps_parameters():
         before = model(tokens()).logits
     report = apply_kernels(model, "all")
     counts = {op: info["patched"] for op, info in report.to_dict()["ops"].items()}
-    assert counts == {"rms_norm": 4, "swiglu": 2, "rope": 2, "linear": 14, "linear_cross_entropy": 1}
+    assert counts == {"rms_norm": 4, "swiglu": 2, "rope": 2, "linear": 14, "lora_linear": 0, "linear_cross_entropy": 1}
     assert [(n, id(p)) for n, p in model.named_parameters()] == params
     with torch.no_grad():
         torch.testing.assert_close(model(tokens()).logits, before, rtol=1e-5, atol=1e-5)
@@ -184,6 +185,86 @@ def test_peft_lora_gets_kernel_on_base_layer():
     assert [id(p) for p in model.parameters()] == params
 
 
+def lora_llama(dropout: float = 0.0):
+    """tiny_llama with LoRA r4 on q_proj and v_proj, A and B drawn non-zero so the adapters count."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                              lora_dropout=dropout))
+    torch.manual_seed(3)
+    for p in model.parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
+def _loss_and_lora_grads(model, autocast: bool):
+    model.zero_grad()
+    ids = tokens()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_lora_linear_gives_stock_peft_outputs_and_gradients(autocast):
+    model = lora_llama()
+    stock_loss, stock_grads = _loss_and_lora_grads(model, autocast)
+    report = apply_kernels(model, "lora_linear")
+    assert sorted((e.layer, e.module) for e in report.entries) == [(i, f"self_attn.{m}_proj") for i in (0, 1) for m in "qv"]
+    assert report.fallbacks() in ({}, {"lora_linear": registry.get("lora_linear", "tilelang").unavailable()})
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert "forward" in q.__dict__ and "forward" not in q.base_layer.__dict__
+    loss, grads = _loss_and_lora_grads(model, autocast)
+    torch.testing.assert_close(loss, stock_loss, rtol=1e-6, atol=1e-6)  # bf16 too: the reference rounds where peft does
+    assert len(grads) == len(stock_grads) == 8
+    for g, s in zip(grads, stock_grads):
+        assert g.dtype == torch.float32
+        if autocast:  # bf16 products summed in another order than autograd's: judged by relative L2 error
+            assert errors(g, s).rel_l2 < 1e-2
+        else:
+            torch.testing.assert_close(g, s, rtol=1e-5, atol=1e-6)
+
+
+def test_lora_linear_really_runs_the_op(monkeypatch):
+    model = lora_llama()
+    calls = []
+    impl = registry.get("lora_linear", "reference")
+    monkeypatch.setitem(registry._impls["lora_linear"], "reference",
+                        impl.__class__(**{**impl.__dict__, "forward": lambda *a: calls.append(1) or impl.forward(*a)}))
+    apply_kernels(model, {"lora_linear": "reference"})
+    with torch.no_grad():
+        model(tokens())
+        assert len(calls) == 4
+        with model.disable_adapter():  # adapters disabled at run time: peft's own forward
+            model(tokens())
+    assert len(calls) == 4
+
+
+def test_lora_dropout_keeps_the_stock_forward_and_says_why():
+    model = lora_llama(dropout=0.05).eval()  # eval: dropout is off, so stock and patched must agree exactly
+    with torch.no_grad():
+        stock = model(tokens()).logits
+    report = apply_kernels(model, "lora_linear")
+    assert report.fallbacks() == {"lora_linear": "lora_dropout=0.05: stock peft forward kept"}
+    assert "lora_dropout=0.05: stock peft forward kept" in report.summary()
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens()).logits, stock, rtol=0, atol=0)
+
+
+def test_linear_and_lora_linear_patch_disjoint_modules():
+    model = lora_llama()
+    report = apply_kernels(model, {"linear": "reference", "lora_linear": "reference"})
+    by_op = {op: {(e.layer, e.module) for e in report.entries if e.op == op} for op in ("linear", "lora_linear")}
+    assert by_op["lora_linear"] == {(i, f"self_attn.{m}_proj") for i in (0, 1) for m in "qv"}
+    assert len(by_op["linear"]) == 10 and not by_op["linear"] & by_op["lora_linear"]
+    patched = [m for m in model.modules() if "forward" in m.__dict__]
+    assert len(patched) == 14 and not any(hasattr(m, "lora_A") and "forward" in m.base_layer.__dict__ for m in patched)
+    # lora_linear on layer 1 only: layer 0's LoRA wrappers keep linear on their base layers
+    report = apply_kernels(model, {"linear": "reference", "lora_linear": {"impl": "reference", "layers": "1"}})
+    assert sum(e.op == "linear" for e in report.entries) == 12
+
+
 # ---- training-level checks ------------------------------------------------------------------------
 
 
@@ -273,6 +354,40 @@ def test_patched_model_on_gpu_trains_like_stock():
     assert abs(loss_tl - loss_stock) / loss_stock < 1e-2
     assert torch.isfinite(grad_tl).all()
     assert torch.nn.functional.cosine_similarity(grad_tl, grad_stock, dim=0) > 0.999
+
+
+@pytest.mark.gpu
+def test_lora_linear_on_gpu_trains_like_stock_peft():
+    """bf16 base, float32 adapters under bf16 autocast, as training runs it; the TileLang path strict."""
+    results = {}
+    for kernels in ("none", {"lora_linear": "tilelang", "strict": True}):
+        model = lora_llama()
+        model.base_model.model.to("cuda", torch.bfloat16)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+        report = apply_kernels(model, kernels)
+        ids = tokens(batch=3, seq=77).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+        results[len(report.entries)] = (loss.item(), grads)
+    (loss_stock, grad_stock), (loss_tl, grad_tl) = results[0], results[4]
+    assert abs(loss_tl - loss_stock) / loss_stock < 1e-2
+    assert grad_tl.dtype == torch.float32 and torch.isfinite(grad_tl).all()
+    assert torch.nn.functional.cosine_similarity(grad_tl, grad_stock, dim=0) > 0.999
+
+
+@pytest.mark.gpu
+def test_warmup_compiles_lora_linear_for_a_lora_model():
+    from tiletune.patch import warmup_kernels
+
+    peft = pytest.importorskip("peft")
+    with torch.device("meta"):
+        model = peft.get_peft_model(LlamaForCausalLM(tiny_llama().config), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    done = warmup_kernels(model, {"linear": "tilelang", "lora_linear": "tilelang"}, torch.bfloat16)
+    assert sorted(line.split()[0] for line in done) == ["linear"] * 4 + ["lora_linear"] * 2
 
 
 def test_apply_kernels_is_exported_lazily():

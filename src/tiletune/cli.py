@@ -199,6 +199,7 @@ def kernels_warmup(config: str, overrides: tuple[str, ...]) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tiletune.config import load_config
+    from tiletune.model import prepare_for_training
     from tiletune.patch import warmup_kernels
 
     cfg = load_config(config, overrides)
@@ -206,6 +207,8 @@ def kernels_warmup(config: str, overrides: tuple[str, ...]) -> None:
     model_config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
+    if cfg.finetuning_type == "lora" and not cfg.adapter_name_or_path:
+        model = prepare_for_training(cfg, model)  # the LoRA wrappers lora_linear patches, at the config's rank
     done = warmup_kernels(model, cfg.kernels, dtype)
     for line in done:
         click.echo(f"compiled {line}")

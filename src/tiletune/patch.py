@@ -8,8 +8,10 @@
 
 Patching replaces forwards (instance attributes) or, for rope, the attention forward's reference to
 `apply_rotary_pos_emb`; Parameters are never touched, so optimizers, PEFT, ZeRO-3 hooks and FSDP see the
-same objects. PEFT-wrapped Linear layers get the kernel on their base layer. Kernels know nothing of
-models: this module maps model structure to the ops in tiletune.kernels.
+same objects. PEFT-wrapped Linear layers get `linear` on their base layer, or `lora_linear` on the whole
+wrapper (base GEMM and adapter in one op); when both ops are selected, `lora_linear` takes the LoRA wrappers
+it selects and `linear` the other Linears. Kernels know nothing of models: this module maps model
+structure to the ops in tiletune.kernels.
 """
 
 from __future__ import annotations
@@ -232,8 +234,16 @@ def _linear_candidates(layer: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         # other Linears inside a wrapper are the adapter's own (lora_A, lora_B): left alone
 
 
+def _lora_linear_candidates(layer: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for path, module in layer.named_modules():
+        if (isinstance(getattr(module, "base_layer", None), nn.Linear) and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+                and isinstance(getattr(module, "lora_B", None), nn.ModuleDict)):
+            yield path, module
+
+
 CANDIDATES: dict[str, Callable[[nn.Module], Iterator[tuple[str, nn.Module]]]] = {
     "rms_norm": _rms_norm_candidates, "swiglu": _swiglu_candidates, "rope": _rope_candidates, "linear": _linear_candidates,
+    "lora_linear": _lora_linear_candidates,
 }
 
 # ---- patched forwards -----------------------------------------------------------------------------
@@ -255,16 +265,55 @@ def _swiglu_forward(impl: str, strict: bool):
     return forward
 
 
+def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """x, weight and bias cast to the autocast dtype as F.linear would (custom ops are not autocast)."""
+    if not torch.is_autocast_enabled(x.device.type):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(x.device.type)
+    return x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
+
+
 def _linear_forward(impl: str, strict: bool):
     from tiletune.kernels.linear import linear
 
     def forward(self, x):
-        weight, bias = self.weight, self.bias
-        if torch.is_autocast_enabled(x.device.type):  # custom ops are not autocast: cast as F.linear would
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = bias.to(dtype) if bias is not None else None
-        return linear(x, weight, bias, impl, strict)
+        return linear(*_autocast(x, self.weight, self.bias), impl, strict)
+    return forward
+
+
+def _lora_unfit(module: nn.Module) -> str | None:
+    """Why lora_linear cannot stand in for this peft LoRA Linear's forward right now, or None."""
+    adapters = [name for name in module.active_adapters if name in module.lora_A]
+    base = module.base_layer
+    if len(adapters) != 1:
+        reason = f"{len(adapters)} active adapters"
+    elif module.disable_adapters:
+        reason = "adapters disabled"
+    elif module.merged:
+        reason = "adapter merged into the base weight"
+    elif getattr(module, "fan_in_fan_out", False):
+        reason = "fan_in_fan_out"
+    elif module.use_dora.get(adapters[0]) or adapters[0] in getattr(module, "lora_variant", {}):
+        reason = "DoRA or another LoRA variant"
+    elif not isinstance(module.lora_dropout[adapters[0]], nn.Identity):
+        reason = f"lora_dropout={module.lora_dropout[adapters[0]].p}"
+    elif base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
+        reason = "the base layer trains"
+    else:
+        return None
+    return f"{reason}: stock peft forward kept"
+
+
+def _lora_linear_forward(impl: str, strict: bool, stock: Callable) -> Callable:
+    from tiletune.kernels.lora_linear import lora_linear
+
+    def forward(self, x, *args, **kwargs):
+        if args or kwargs or _lora_unfit(self):
+            return stock(x, *args, **kwargs)
+        name = next(a for a in self.active_adapters if a in self.lora_A)
+        x, weight, bias = _autocast(x, self.base_layer.weight, self.base_layer.bias)
+        return lora_linear(x, weight, bias, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name],
+                           impl, strict)
     return forward
 
 
@@ -349,9 +398,16 @@ def _linear_cross_entropy_forward(impl: str, strict: bool, stock: Callable) -> C
     return forward
 
 
+def _forward_attr(module: nn.Module) -> str:
+    """The attribute holding the module's own forward: accelerate's hooks keep it in `_old_forward`."""
+    return "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
+
+
 def _forward_for(op: str, module: nn.Module, impl: str, strict: bool) -> Callable:
     if op == "linear_cross_entropy":
         return _linear_cross_entropy_forward(impl, strict, module.forward)
+    if op == "lora_linear":
+        return _lora_linear_forward(impl, strict, getattr(module, _forward_attr(module)))
     if op == "rope":
         return _rope_forward(type(module), impl, strict)
     return {"rms_norm": _rms_norm_forward, "swiglu": _swiglu_forward, "linear": _linear_forward}[op](impl, strict)
@@ -359,7 +415,7 @@ def _forward_for(op: str, module: nn.Module, impl: str, strict: bool) -> Callabl
 
 def _set_forward(module: nn.Module, forward: Callable) -> Callable[[], None]:
     """Bind `forward` as the module's forward; return the undo. Keeps accelerate's hooks in front."""
-    attr = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
+    attr = _forward_attr(module)
     had_own = attr in module.__dict__
     previous = module.__dict__.get(attr)
     setattr(module, attr, types.MethodType(forward, module))
@@ -383,7 +439,7 @@ class PatchEntry:
     layer: int
     module: str  # path inside the decoder layer
     impl: str
-    fallback: str | None = None  # why the reference runs instead of impl on this machine
+    fallback: str | None = None  # why the reference (or, for lora_linear, peft's forward) runs instead of impl
 
 
 @dataclass
@@ -476,6 +532,9 @@ def apply_kernels(model: nn.Module, spec: Any) -> PatchReport:
     report.num_layers = len(layers)
     # validate everything before patching anything
     plan = {sel: _select_model(model) if sel.op in MODEL_LEVEL_OPS else _select(sel, layers) for sel in spec.ops}
+    fused = {id(module.base_layer) for sel, chosen in plan.items() if sel.op == "lora_linear" for _, _, module in chosen}
+    plan = {sel: [c for c in chosen if id(c[2]) not in fused] if sel.op == "linear" else chosen  # lora_linear has them
+            for sel, chosen in plan.items()}
     reasons = {sel: None if sel.impl == REFERENCE else registry.get(sel.op, sel.impl).unavailable() for sel in spec.ops}
     for sel, reason in reasons.items():
         if reason and spec.strict:
@@ -483,7 +542,8 @@ def apply_kernels(model: nn.Module, spec: Any) -> PatchReport:
     for sel, chosen in plan.items():
         for index, path, module in chosen:
             report._undo.append(_set_forward(module, _forward_for(sel.op, module, sel.impl, spec.strict)))
-            report.entries.append(PatchEntry(sel.op, index, path, sel.impl, reasons[sel]))
+            fallback = (_lora_unfit(module) if sel.op == "lora_linear" else None) or reasons[sel]
+            report.entries.append(PatchEntry(sel.op, index, path, sel.impl, fallback))
     return report
 
 
@@ -539,12 +599,16 @@ def _static_shapes(op: str, module: nn.Module) -> tuple:
     if op == "rope":
         head_dim = module.head_dim
         return (module.q_proj.out_features // head_dim, module.k_proj.out_features // head_dim, head_dim)
+    if op == "lora_linear":
+        rank = module.lora_A[next(a for a in module.active_adapters if a in module.lora_A)].out_features
+        return (module.base_layer.out_features, module.base_layer.in_features, rank)
+    module = getattr(module, "base_layer", module)  # linear on a PEFT wrapper runs on its base layer
     return (module.out_features, module.in_features)
 
 
 def _run_once(op: str, shapes: tuple, impl: str, dtype: torch.dtype) -> None:
     """Forward + backward of `op` on one token with these static shapes, strict: compiles its kernels."""
-    from tiletune.kernels import linear, rms_norm, rope, swiglu
+    from tiletune.kernels import linear, lora_linear, rms_norm, rope, swiglu
 
     def rand(*shape):
         return torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
@@ -557,6 +621,10 @@ def _run_once(op: str, shapes: tuple, impl: str, dtype: torch.dtype) -> None:
         heads_q, heads_k, d = shapes
         cos, sin = torch.randn(2, 1, 1, d, device="cuda", dtype=dtype)
         out = sum(t.sum() for t in rope.rope(rand(1, heads_q, 1, d), rand(1, heads_k, 1, d), cos, sin, impl, True))
+    elif op == "lora_linear":
+        out_f, in_f, rank = shapes
+        out = lora_linear.lora_linear(rand(1, in_f), rand(out_f, in_f).detach(), None, rand(rank, in_f), rand(out_f, rank),
+                                      2.0, impl, True)
     else:
         out = linear.linear(rand(1, shapes[1]), rand(*shapes), None, impl, True)
     out.float().sum().backward()
@@ -579,9 +647,7 @@ def warmup_kernels(model: nn.Module, spec: Any, dtype: torch.dtype) -> list[str]
         _, layers = decoder_layers(model) if spec.ops else ("", nn.ModuleList())
         wanted = {}
         for e in report.entries:
-            module = layers[e.layer].get_submodule(e.module)
-            module = getattr(module, "base_layer", module)
-            wanted.setdefault((e.op, e.impl, _static_shapes(e.op, module)), None)
+            wanted.setdefault((e.op, e.impl, _static_shapes(e.op, layers[e.layer].get_submodule(e.module))), None)
     finally:
         report.revert()
     done = []

@@ -9,7 +9,7 @@ from tiletune.kernels import _tilelang
 pytest.importorskip("tilelang", reason="TileLang is not installed (pip install tilelang) or cannot be imported")
 
 KERNELS = ["rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope_fwd", "rope_bwd",
-           "linear_fwd", "linear_dgrad", "linear_wgrad"]
+           "linear_fwd", "linear_dgrad", "linear_wgrad", "lora_linear_fwd", "lora_linear_dgrad"]
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +32,23 @@ def test_every_kernel_lowers_for_every_target(lowered, target):
         assert "__global__" in (folder / f"{name}{suffix}").read_text()
 
 
-def test_sm90_gemms_use_wgmma_and_gfx942_mfma(lowered):
-    for kind in ("fwd", "dgrad", "wgrad"):
-        assert "wgmma" in (lowered / "cuda-sm_90" / f"linear_{kind}.cu").read_text()
-        assert "mfma" in (lowered / "hip-gfx942" / f"linear_{kind}.hip").read_text().lower()
+@pytest.mark.parametrize("name", ["linear_fwd", "linear_dgrad", "linear_wgrad", "lora_linear_fwd", "lora_linear_dgrad"])
+def test_sm90_gemms_use_wgmma_and_gfx942_mfma(lowered, name):
+    assert "wgmma" in (lowered / "cuda-sm_90" / f"{name}.cu").read_text()
+    assert "mfma" in (lowered / "hip-gfx942" / f"{name}.hip").read_text().lower()
+
+
+def test_lora_epilogue_adds_the_low_rank_operands_to_the_gemm(lowered):
+    """The lora kernels take the low-rank operands L and R; the plain linear kernels are unchanged by them."""
+    for target, suffix in (("cuda-sm_90", ".cu"), ("hip-gfx942", ".hip")):
+        for kind in ("fwd", "dgrad"):
+            lora = (lowered / target / f"lora_linear_{kind}{suffix}").read_text()
+            plain = (lowered / target / f"linear_{kind}{suffix}").read_text()
+            assert "__restrict__ L" in lora and "__restrict__ R" in lora
+            assert "__restrict__ L" not in plain
+    # one more wgmma block than the plain forward: the rank-16 epilogue into the same accumulator
+    fwd = (lowered / "cuda-sm_90" / "lora_linear_fwd.cu").read_text()
+    assert fwd.count("wgmma_ss<") == (lowered / "cuda-sm_90" / "linear_fwd.cu").read_text().count("wgmma_ss<") + 1
 
 
 def test_unknown_target_is_a_user_error(tmp_path):
@@ -46,5 +59,5 @@ def test_unknown_target_is_a_user_error(tmp_path):
 def test_kernels_list_says_what_runs_here():
     result = CliRunner().invoke(main, ["kernels"])
     assert result.exit_code == 0
-    for text in ("rms_norm", "swiglu", "rope", "linear", "reference", "tilelang", "kernel cache", "target here"):
+    for text in ("rms_norm", "swiglu", "rope", "linear", "lora_linear", "reference", "tilelang", "kernel cache", "target here"):
         assert text in result.output

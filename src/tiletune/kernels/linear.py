@@ -1,7 +1,7 @@
 """Linear: ``y = x Wᵀ (+ b)``; backward dX = dY W always, dW = dYᵀ X only when W requires grad.
 
 Reference (PyTorch) forward and backward, TileLang GEMM kernels (one factory, three uses: forward,
-grad-input, grad-weight), and the custom ops ``tiletune::linear`` / ``tiletune::linear_backward``.
+grad-input, grad-weight; `lora_linear` adds a low-rank epilogue to the first two), and the custom ops ``tiletune::linear`` / ``tiletune::linear_backward``.
 The token dimension is dynamic (it is the reduction dimension of dW); in/out features, dtype and tile
 configuration are static. Tile configurations come from `TUNED` (per-shape autotuning on the GPU,
 see benchmarks/kernels.py --tune), else a per-architecture default.
@@ -50,12 +50,15 @@ CANDIDATES = [(128, 256, 64, 3, 256), (128, 128, 64, 4, 256), (256, 128, 64, 3, 
 TUNED: dict[tuple[str, str, int, int, str], tuple[int, int, int, int, int]] = {}
 
 
-def gemm_kernel(kind: str, out_features: int, in_features: int, dtype: str, config):
+def gemm_kernel(kind: str, out_features: int, in_features: int, dtype: str, config, rank: int = 0):
     """PrimFunc for one of the three GEMMs of a linear layer, m (tokens) dynamic.
 
     fwd:   Y (m, out) = X (m, in) · W (out, in)ᵀ
     dgrad: dX (m, in) = dY (m, out) · W (out, in)
     wgrad: dW (out, in) = dY (m, out)ᵀ · X (m, in)   (reduction over the tokens)
+
+    rank > 0 (a multiple of 16) adds a low-rank epilogue to the same fp32 accumulator, C += L · R,
+    L (rows of C, rank) and R laid out as B is: (cols, rank) where B is transposed, else (rank, cols).
     """
     import tilelang.language as T
 
@@ -67,9 +70,10 @@ def gemm_kernel(kind: str, out_features: int, in_features: int, dtype: str, conf
         "wgrad": ((m, out_features), (m, in_features), (out_features, in_features), m, True, False),
     }[kind]
     rows, cols = c_shape
+    l_shape, r_shape = (rows, rank), (cols, rank) if trans_b else (rank, cols)
 
-    @T.prim_func
-    def gemm(A: T.Tensor(a_shape, dtype), B: T.Tensor(b_shape, dtype), C: T.Tensor(c_shape, dtype)):
+    @T.macro
+    def tile(A, B, C, L, R):
         with T.Kernel(T.ceildiv(cols, bn), T.ceildiv(rows, bm), threads=threads) as (bx, by):
             a = T.alloc_shared((bk, bm) if trans_a else (bm, bk), dtype)
             b = T.alloc_shared((bn, bk) if trans_b else (bk, bn), dtype)
@@ -87,8 +91,29 @@ def gemm_kernel(kind: str, out_features: int, in_features: int, dtype: str, conf
                 else:
                     T.copy(B[ko * bk, bx * bn], b)
                 T.gemm(a, b, acc, transpose_A=trans_a, transpose_B=trans_b)
+            if rank:
+                low = T.alloc_shared((bm, rank), dtype)
+                high = T.alloc_shared((bn, rank) if trans_b else (rank, bn), dtype)
+                T.copy(L[by * bm, 0], low)
+                if trans_b:
+                    T.copy(R[bx * bn, 0], high)
+                else:
+                    T.copy(R[0, bx * bn], high)
+                T.gemm(low, high, acc, transpose_B=trans_b)
             T.copy(acc, c)
             T.copy(c, C[by * bm, bx * bn])
+
+    if rank:
+        @T.prim_func
+        def gemm(A: T.Tensor(a_shape, dtype), B: T.Tensor(b_shape, dtype), L: T.Tensor(l_shape, dtype),
+                 R: T.Tensor(r_shape, dtype), C: T.Tensor(c_shape, dtype)):
+            tile(A, B, C, L, R)
+
+        return gemm.with_attr("global_symbol", f"lora_linear_{kind}")
+
+    @T.prim_func
+    def gemm(A: T.Tensor(a_shape, dtype), B: T.Tensor(b_shape, dtype), C: T.Tensor(c_shape, dtype)):
+        tile(A, B, C, None, None)
 
     return gemm.with_attr("global_symbol", f"linear_{kind}")
 
@@ -114,13 +139,16 @@ def tilelang_unsupported(x: Tensor, weight: Tensor, bias: Tensor | None) -> str 
     return reason
 
 
-def _gemm(kind: str, a: Tensor, b: Tensor, out: Tensor, out_features: int, in_features: int) -> Tensor:
+def run_gemm(kind: str, a: Tensor, b: Tensor, out: Tensor, out_features: int, in_features: int,
+             low_rank: tuple[Tensor, Tensor] | tuple[()] = ()) -> Tensor:
+    """Run the `kind` GEMM of a and b into `out` (plus low_rank = (L, R) as gemm_kernel's epilogue)."""
     dtype, arch = _tilelang.DTYPES[a.dtype], _tilelang.device_arch(a.device)
     config = config_for(arch, kind, out_features, in_features, dtype)
-    kernel = _tilelang.compiled(("linear", kind, out_features, in_features, dtype, config),
-                                lambda: gemm_kernel(kind, out_features, in_features, dtype, config))
+    rank = low_rank[0].shape[1] if low_rank else 0
+    kernel = _tilelang.compiled(("linear", kind, out_features, in_features, dtype, config, rank),
+                                lambda: gemm_kernel(kind, out_features, in_features, dtype, config, rank))
     if a.shape[0]:
-        kernel(a, b, out)
+        kernel(a, b, *low_rank, out)
     else:
         out.zero_()
     return out
@@ -130,7 +158,7 @@ def tilelang_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """x Wᵀ (+ b) through the TileLang GEMM (bias added by PyTorch)."""
     out_features, in_features = weight.shape
     x2 = x.reshape(-1, in_features).contiguous()
-    y = _gemm("fwd", x2, weight.contiguous(), x2.new_empty(x2.shape[0], out_features), out_features, in_features)
+    y = run_gemm("fwd", x2, weight.contiguous(), x2.new_empty(x2.shape[0], out_features), out_features, in_features)
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], out_features)
@@ -140,11 +168,11 @@ def tilelang_backward(dy: Tensor, x: Tensor, weight: Tensor, weight_grad: bool, 
     """(dx, dweight or None, dbias or None) through the TileLang GEMMs; x may be empty when dW is not needed."""
     out_features, in_features = weight.shape
     dy2, w = dy.reshape(-1, out_features).contiguous(), weight.contiguous()
-    dx = _gemm("dgrad", dy2, w, dy2.new_empty(dy2.shape[0], in_features), out_features, in_features)
+    dx = run_gemm("dgrad", dy2, w, dy2.new_empty(dy2.shape[0], in_features), out_features, in_features)
     dw = None
     if weight_grad:
         x2 = x.reshape(-1, in_features).contiguous()
-        dw = _gemm("wgrad", dy2, x2, weight.new_empty(weight.shape), out_features, in_features)
+        dw = run_gemm("wgrad", dy2, x2, weight.new_empty(weight.shape), out_features, in_features)
     return dx.view(*dy.shape[:-1], in_features), dw, dy2.sum(0).to(weight.dtype) if bias_grad else None
 
 

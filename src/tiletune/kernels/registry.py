@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-OPS = ("rms_norm", "swiglu", "rope", "linear", "linear_cross_entropy")
+OPS = ("rms_norm", "swiglu", "rope", "linear", "lora_linear", "linear_cross_entropy")
 MODEL_LEVEL_OPS = ("linear_cross_entropy",)  # patched on the causal LM itself, not inside decoder layers
 REFERENCE = "reference"
 PREFERRED = ("tilelang", "chunked")  # what `kernels: all` (or an op without `impl`) chooses, first found
