@@ -5,11 +5,14 @@
 #           convergence check, and an independent plain timing of the stock step (non-re-entrant and re-entrant)
 #   bench:  `tiletune bench` with the extra arguments (e.g. --ablation --steps 5 --warmup 2 --repeats 2,
 #           lora_target=all)
-#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|bench OUT_DIR [bench args...]
+#   speed:  the training-step variants against stock and Liger, profiled, for LoRA on q_proj,v_proj and on
+#           all linear layers: the fastest kernel set, with and without `gradient_checkpointing: auto` within
+#           BUDGET_GIB (default 28.9, the stock step's peak) and without a budget
+#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|bench|speed OUT_DIR [bench args...]
 # (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
 set -u
-PART=${1:?usage: h200_verify_bench.sh verify|bench OUT_DIR [bench args]}
-OUT=${2:?usage: h200_verify_bench.sh verify|bench OUT_DIR [bench args]}
+PART=${1:?usage: h200_verify_bench.sh verify|bench|speed OUT_DIR [bench args]}
+OUT=${2:?usage: h200_verify_bench.sh verify|bench|speed OUT_DIR [bench args]}
 shift 2
 CONFIG=examples/bench/llama3_8b_lora.yaml
 GOLDEN=/tmp/llama3-8b-2layers.golden.safetensors  # too large to bring back; its report is kept
@@ -26,5 +29,14 @@ verify)
     python3 benchmarks/plain_step.py --reentrant 2>&1 | tail -1 ;;
 bench)
     python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --out "$OUT/bench" "$@" 2>&1 | tail -20 ;;
-*) echo "unknown part $PART (verify or bench)"; exit 2 ;;
+speed)
+    FAST=rms_norm+rope+swiglu+linear_cross_entropy+lora_linear
+    AUTO=gradient_checkpointing=auto
+    BUDGET=gradient_checkpointing_budget=${BUDGET_GIB:-28.9}
+    BENCH=(python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --profile --steps 5 --warmup 2)
+    "${BENCH[@]}" --variants "baseline,all,$FAST,$FAST:$AUTO:$BUDGET,$FAST:$AUTO,liger" --repeats 2 \
+        --out "$OUT/speed-lora-qv" 2>&1 | tail -12
+    "${BENCH[@]}" lora_target=all --variants "baseline,all,$FAST,$FAST:$AUTO:$BUDGET,liger" --repeats 1 \
+        --out "$OUT/speed-lora-all" 2>&1 | tail -10 ;;
+*) echo "unknown part $PART (verify, bench or speed)"; exit 2 ;;
 esac
