@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # GPU calls for the reference workload (Llama-3-8B shape, random init, batch 4 x 2048, bf16, LoRA r8,
-# gradient checkpointing on). Two parts, each sized for one 10-minute device call:
-#   verify: `tiletune verify` of every kernel on 2 decoder layers, golden save + compare, a 5-step
-#           convergence check, and an independent plain timing of the stock step (non-re-entrant and re-entrant)
+# gradient checkpointing on). Parts, each sized for one 10-minute device call:
+#   verify: `tiletune verify` of every kernel on 2 decoder layers and an independent plain timing of the
+#           stock step (non-re-entrant and re-entrant)
+#   golden: golden save with a 3-step convergence check, then the kernel-patched model against that file
 #   bench:  `tiletune bench` with the extra arguments (e.g. --ablation --steps 5 --warmup 2 --repeats 2,
 #           lora_target=all)
 #   speed:  the training-step variants against stock and Liger, profiled, for LoRA on q_proj,v_proj and on
 #           all linear layers: the fastest kernel set, with and without `gradient_checkpointing: auto` within
 #           BUDGET_GIB (default 28.9, the stock step's peak) and without a budget
-#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|bench|speed OUT_DIR [bench args...]
+#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|bench|speed OUT_DIR [bench args...]
 # (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
 set -u
-PART=${1:?usage: h200_verify_bench.sh verify|bench|speed OUT_DIR [bench args]}
-OUT=${2:?usage: h200_verify_bench.sh verify|bench|speed OUT_DIR [bench args]}
+PART=${1:?usage: h200_verify_bench.sh verify|golden|bench|speed OUT_DIR [bench args]}
+OUT=${2:?usage: h200_verify_bench.sh verify|golden|bench|speed OUT_DIR [bench args]}
 shift 2
 CONFIG=examples/bench/llama3_8b_lora.yaml
 GOLDEN=/tmp/llama3-8b-2layers.golden.safetensors  # too large to bring back; its report is kept
@@ -20,13 +21,14 @@ VERIFY=(python3 -m tiletune verify "$CONFIG" kernels=all --model-preset llama3-8
 case $PART in
 verify)
     "${VERIFY[@]}" --seq 2048 --out "$OUT/verify-llama3-8b" 2>&1 | tail -40
-    "${VERIFY[@]}" --seq 1024 --steps 5 --save-golden "$GOLDEN" \
-        --out "$OUT/verify-llama3-8b-golden" 2>&1 | tail -12
-    "${VERIFY[@]}" --seq 1024 --against "$GOLDEN" \
-        --out "$OUT/verify-llama3-8b-against" 2>&1 | tail -8
-    ls -l "$GOLDEN"
     python3 benchmarks/plain_step.py 2>&1 | tail -1
     python3 benchmarks/plain_step.py --reentrant 2>&1 | tail -1 ;;
+golden)
+    "${VERIFY[@]}" --seq 1024 --steps 3 --save-golden "$GOLDEN" \
+        --out "$OUT/verify-llama3-8b-golden" 2>&1 | tail -12
+    "${VERIFY[@]}" --seq 1024 --against "$GOLDEN" \
+        --out "$OUT/verify-llama3-8b-against" 2>&1 | tail -30
+    ls -l "$GOLDEN" ;;
 bench)
     python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --out "$OUT/bench" "$@" 2>&1 | tail -20 ;;
 speed)
@@ -38,5 +40,5 @@ speed)
         --out "$OUT/speed-lora-qv" 2>&1 | tail -12
     "${BENCH[@]}" lora_target=all --variants "baseline,all,$FAST,$FAST:$AUTO:$BUDGET,liger" --repeats 1 \
         --out "$OUT/speed-lora-all" 2>&1 | tail -10 ;;
-*) echo "unknown part $PART (verify, bench or speed)"; exit 2 ;;
+*) echo "unknown part $PART (verify, golden, bench or speed)"; exit 2 ;;
 esac

@@ -3,6 +3,7 @@
 import json
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -324,6 +325,20 @@ def test_warmup_without_gpu_says_why():
         pytest.skip("TileLang can run here")
     with pytest.raises(UserError, match="cannot run here"):
         warmup_kernels(tiny_llama(), {"rms_norm": "tilelang"}, torch.bfloat16)
+
+
+def test_warmup_plans_one_compile_per_kernel_shape_and_none_for_the_loss(monkeypatch):
+    """What warmup compiles, with the compile itself recorded: no GPU needed to check the plan."""
+    import tiletune.patch as patch
+
+    compiled = []
+    monkeypatch.setattr(patch, "_run_once", lambda op, shapes, impl, dtype: compiled.append((op, shapes)))
+    monkeypatch.setattr(registry, "get", lambda op, impl: SimpleNamespace(unavailable=lambda: None))  # as on a GPU
+    with torch.device("meta"):
+        model = LlamaForCausalLM(tiny_llama().config)
+    done = patch.warmup_kernels(model, "all", torch.bfloat16)
+    assert len(done) == len(compiled) == len(set(compiled))  # one compile per (op, static shapes)
+    assert sorted({op for op, _ in compiled}) == ["linear", "rms_norm", "rope", "swiglu"]  # the loss is PyTorch
 
 
 # ---- on the GPU -----------------------------------------------------------------------------------

@@ -80,6 +80,27 @@ def test_golden_file_round_trip_and_refusal(tmp_path):
     assert other.exit_code == 2 and "made from a different model or config" in other.output
 
 
+def test_a_wrong_kernel_fails_against_a_golden_file(tmp_path, monkeypatch):
+    golden = tmp_path / "golden.safetensors"
+    assert verify(tmp_path, "--out", str(tmp_path / "a"), "--save-golden", str(golden)).exit_code == 0
+    wrong = plugin(tmp_path, monkeypatch, "golden_bad_norm", 1.01)
+    result = verify(tmp_path, "--out", str(tmp_path / "b"), "--against", str(golden), kernels=wrong)
+    assert result.exit_code == 1, result.output
+    rows = json.loads((tmp_path / "b" / "verify.json").read_text())["golden"]["tensors"]
+    assert not rows[0]["passed"] and rows[0]["rel_l2"] > rows[0]["tolerance"]
+
+
+def test_golden_tolerance_follows_the_stock_runs_own_error():
+    import torch
+
+    from tiletune.verify.run import golden_tolerances
+
+    meta = {"stock_error": {"noisy": 0.03, "exact": 0.0}}
+    allowed = golden_tolerances(["noisy", "exact", "older file"], meta, torch.bfloat16, k=2, fixed=None)
+    assert allowed == {"noisy": pytest.approx(0.09), "exact": 2e-2, "older file": 2e-2}
+    assert golden_tolerances(["noisy"], meta, torch.bfloat16, k=2, fixed=0.5) == {"noisy": 0.5}
+
+
 def test_verify_without_kernels_is_refused(tmp_path):
     result = verify(tmp_path, "--out", str(tmp_path / "v"), kernels="kernels=none")
     assert result.exit_code == 2 and "set a kernels: block" in result.output

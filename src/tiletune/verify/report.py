@@ -28,13 +28,13 @@ def verdict_table(tensors: list[dict], limit: int = 25) -> str:
 
 def golden_table(rows: list[dict], limit: int = 25) -> str:
     """The `limit` worst tensors against a golden file."""
-    lines = [f"{'tensor':58s} {'rel err':>10s} {'max abs':>10s} {'cosine':>9s}  verdict"]
+    lines = [f"{'tensor':58s} {'rel err':>10s} {'allowed':>10s} {'max abs':>10s} {'cosine':>9s}  verdict"]
     for row in rows[:limit]:
         if row.get("missing"):
-            lines.append(f"{row['name'][-58:]:58s} {'missing in this run':>31s}  FAIL")
+            lines.append(f"{row['name'][-58:]:58s} {'missing in this run':>42s}  FAIL")
             continue
-        lines.append(f"{row['name'][-58:]:58s} {row['rel_l2']:10.2e} {row['max_abs']:10.2e} {row['cosine']:9.6f}  "
-                     f"{'pass' if row['passed'] else 'FAIL'}")  # fmt: skip
+        lines.append(f"{row['name'][-58:]:58s} {row['rel_l2']:10.2e} {row['tolerance']:10.2e} {row['max_abs']:10.2e} "
+                     f"{row['cosine']:9.6f}  {'pass' if row['passed'] else 'FAIL'}")  # fmt: skip
     failed = sum(not row["passed"] for row in rows)
     lines.append(f"{len(rows) - failed}/{len(rows)} tensors match the golden file" + (f"; {failed} FAIL" if failed else ""))
     return "\n".join(lines)
