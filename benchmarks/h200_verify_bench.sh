@@ -6,9 +6,11 @@
 #   golden: golden save with a 3-step convergence check, then the kernel-patched model against that file
 #   bench:  `tiletune bench` with the extra arguments (e.g. --ablation --steps 5 --warmup 2 --repeats 2,
 #           lora_target=all)
-#   speed:  the training-step variants against stock and Liger, profiled, for LoRA on q_proj,v_proj and on
-#           all linear layers: the fastest kernel set, with and without `gradient_checkpointing: auto` within
-#           BUDGET_GIB (default 28.9, the stock step's peak) and without a budget
+#   speed:  `tiletune bench --ablation --profile` plus the fastest kernel set, with and without
+#           `gradient_checkpointing: auto` within BUDGET_GIB (default 28.9, the stock step's peak) and without
+#           a budget; LoRA on q_proj,v_proj, or on all linear layers with
+#           `SPEED_NAME=lora-all PLAIN_TARGET=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj ... speed OUT
+#           lora_target=all`; then the plain script's stock step (REPEATS=1 by default: ~9 min per call)
 #   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|bench|speed OUT_DIR [bench args...]
 # (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
 set -u
@@ -32,13 +34,15 @@ golden)
 bench)
     python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --out "$OUT/bench" "$@" 2>&1 | tail -20 ;;
 speed)
+    # the whole ablation (each op alone, all, Liger) plus the fastest set with and without
+    # `gradient_checkpointing: auto`, in one run; extra args are config overrides (lora_target=all)
     FAST=rms_norm+rope+swiglu+linear_cross_entropy+lora_linear
     AUTO=gradient_checkpointing=auto
     BUDGET=gradient_checkpointing_budget=${BUDGET_GIB:-28.9}
-    BENCH=(python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --profile --steps 5 --warmup 2)
-    "${BENCH[@]}" --variants "baseline,all,$FAST,$FAST:$AUTO:$BUDGET,$FAST:$AUTO,liger" --repeats 2 \
-        --out "$OUT/speed-lora-qv" 2>&1 | tail -12
-    "${BENCH[@]}" lora_target=all --variants "baseline,all,$FAST,$FAST:$AUTO:$BUDGET,liger" --repeats 1 \
-        --out "$OUT/speed-lora-all" 2>&1 | tail -10 ;;
+    python3 -m tiletune bench "$CONFIG" "$@" --model-preset llama3-8b --profile --steps 5 --warmup 2 \
+        --repeats "${REPEATS:-1}" --ablation --variants "baseline,$FAST,$FAST:$AUTO:$BUDGET,$FAST:$AUTO" \
+        --out "$OUT/speed-${SPEED_NAME:-lora-qv}" 2>&1 | tail -20
+    # the independent timing of the stock step in the same call (re-entrant, as the bench baseline)
+    python3 benchmarks/plain_step.py --reentrant --lora-target "${PLAIN_TARGET:-q_proj,v_proj}" 2>&1 | tail -1 ;;
 *) echo "unknown part $PART (verify, golden, bench or speed)"; exit 2 ;;
 esac

@@ -122,7 +122,8 @@ def env(ctx: click.Context, as_json: bool, strict: bool) -> None:
 @click.option("--variants", default="baseline,all", show_default=True,
               help="Comma-separated: baseline, all, an op name (rms_norm, swiglu, ...), liger; each may add "
                    "config overrides as NAME:key=value[:key=value], e.g. all:gradient_checkpointing=auto.")
-@click.option("--ablation", is_flag=True, help="baseline, each op alone, all, and liger when installed.")
+@click.option("--ablation", is_flag=True, help="baseline, each op alone, all, and liger when installed; "
+              "--variants adds more to the same run.")
 @click.option("--model-preset", help="Random-init model of a known shape: llama3-8b, llama3-1b, qwen3-4b, tiny.")
 @click.option("--batch", type=int, help="Sequences per step (default: the config's per_device_train_batch_size).")
 @click.option("--seq", type=int, help="Tokens per sequence (default: the config's cutoff_len).")
@@ -139,7 +140,8 @@ def bench(config, overrides, variants, ablation, model_preset, batch, seq, steps
     from tiletune.config import load_config
 
     cfg = load_config(config, overrides)
-    chosen = ablation_variants() if ablation else [v.strip() for v in variants.split(",") if v.strip()]
+    given = [v.strip() for v in variants.split(",") if v.strip()]
+    chosen = list(dict.fromkeys(ablation_variants() + given)) if ablation else given
     result = run_bench(
         str(Path(config).resolve()), list(overrides), chosen, Path(out_dir), model_preset,
         batch or cfg.train_arg("per_device_train_batch_size"), seq or cfg.cutoff_len, steps, warmup, repeats,

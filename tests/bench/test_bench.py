@@ -47,6 +47,20 @@ def test_unknown_variant_and_missing_baseline_are_refused(tmp_path):
         assert result.exit_code == 2 and message in result.output
 
 
+def test_ablation_takes_extra_variants_into_the_same_run(tmp_path, monkeypatch):
+    import tiletune.bench.runner as runner
+
+    asked = {}
+    monkeypatch.setattr(runner, "run_bench", lambda config, overrides, variants, *args, **kwargs: asked.update(v=variants))
+    monkeypatch.setattr(runner, "table", lambda result: "")
+    config = tmp_path / "b.yaml"
+    config.write_text("model_name_or_path: unused\n")
+    extra = "all:gradient_checkpointing=auto"
+    result = CliRunner().invoke(main, ["bench", str(config), "--ablation", "--variants", f"baseline,{extra}"])
+    assert result.exit_code == 0, result.output
+    assert asked["v"] == [*runner.ablation_variants(), extra]
+
+
 def test_step_flops_of_llama3_8b_lora_matches_the_6nt_rule():
     config = preset_config("llama3-8b")
     tokens = 4 * 2048
