@@ -270,14 +270,15 @@ def test_linear_and_lora_linear_patch_disjoint_modules():
 # ---- training-level checks ------------------------------------------------------------------------
 
 
-def test_torch_compile_aot_eager_on_patched_model():
-    model = tiny_llama()
+@pytest.mark.parametrize("attn,kernels", [("eager", "all"), ("sdpa", "all,attention")])
+def test_torch_compile_aot_eager_on_patched_model(attn, kernels):
+    model = tiny_llama(attn=attn)
     ids = tokens()
     expected_loss = model(ids, labels=ids).loss
     expected_loss.backward()
     expected_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    apply_kernels(model, "all")
+    apply_kernels(model, kernels)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=False)
     loss = compiled(ids, labels=ids).loss
     loss.backward()

@@ -416,6 +416,8 @@ def _attention_unfit(module: nn.Module) -> str | None:
 def _attention_call_unfit(module: nn.Module, query, key, value, mask, args: tuple, kwargs: dict) -> str | None:
     """Why this call is not plain causal self-attention tiletune's op computes, or None."""
     variant = next((text for name, text in _ATTENTION_VARIANTS.items() if kwargs.get(name) is not None), None)
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal  # None: the module decides, as in SDPA
     if args:
         reason = "positional arguments after the mask"
     elif mask is not None:
@@ -424,7 +426,7 @@ def _attention_call_unfit(module: nn.Module, query, key, value, mask, args: tupl
         reason = variant
     elif kwargs.get("dropout", 0.0):
         reason = f"attention dropout {kwargs['dropout']} in training"
-    elif not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+    elif not causal:
         reason = "not causal"
     elif query.shape[2] != key.shape[2]:
         reason = f"{query.shape[2]} queries against {key.shape[2]} keys (KV cache)"
