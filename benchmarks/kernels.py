@@ -1,14 +1,16 @@
-"""Time tiletune's TileLang kernels (forward + backward) against eager PyTorch, Liger-Kernel and cuBLAS.
+"""Time tiletune's TileLang kernels (forward + backward) against eager PyTorch, Liger-Kernel, cuBLAS and SDPA.
 
 Llama-3-8B shapes: 8192 tokens (batch 4 x 2048), hidden 4096, intermediate 14336, 32 q / 8 kv heads of
 128, bf16. Each variant is timed two ways: `gpu` replays the forward + backward captured in a CUDA
 graph (triton.testing.do_bench_cudagraph), i.e. device time, what a training step pays when the CPU
 runs ahead of the GPU; `launch` calls it eagerly between CUDA events (triton.testing.do_bench), so
-Python dispatch shows when it exceeds the device time. Variants are interleaved (A B C A B C ...) over
+Python dispatch shows when it exceeds the device time. Attention: causal, batch 4 x 2048, 32 q / 8 kv
+heads of 128, TileLang against torch SDPA with the flash and with the cuDNN backend (`kernels: all` will
+include attention only if it beats both). Variants are interleaved (A B C A B C ...) over
 --rounds rounds; the table shows the median over rounds with min and max. Ratios are baseline time /
 variant time from the same run (> 1 is faster).
 
-    python benchmarks/kernels.py [--tune] [--rounds 5] [--out benchmarks/results]
+    python benchmarks/kernels.py [--tune] [--rounds 5] [--out benchmarks/results] [--only attention]
 
 --tune autotunes the linear GEMM tile configuration per shape first (linear.CANDIDATES) and prints
 the entries for linear.TUNED. Writes kernels_<gpu>.json and .csv (GPU, date, git commit, medians,
@@ -136,6 +138,36 @@ def linear_cases():
         }
 
 
+def attention_cases():
+    """(case, {variant: callable}) for causal GQA attention forward and forward + backward, Llama-3-8B shape."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tiletune.kernels import attention
+
+    b, s = 4, TOKENS // 4
+    scale = HEAD_DIM**-0.5
+    # (batch, seq, heads, d) tensors seen through transformers' (1, 2) transpose, as the projections make them
+    q, k, v = (torch.randn(b, s, h, HEAD_DIM, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+               for h in (HEADS, KV_HEADS, KV_HEADS))
+    dout = torch.randn_like(q)
+
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return run
+
+    variants = {"flash": sdpa(SDPBackend.FLASH_ATTENTION), "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+                "tilelang": lambda: attention.attention(q, k, v, scale, "tilelang", True)}
+    try:  # flash is the baseline: if it cannot run, the case fails loudly; cuDNN may be missing from a build
+        variants["cudnn"]()
+    except RuntimeError as err:
+        print(f"attention: SDPA's cuDNN backend cannot run here, left out: {str(err).splitlines()[0]}", flush=True)
+        del variants["cudnn"]
+    yield "attention fwd", {name: forward_only(fn) for name, fn in variants.items()}
+    yield "attention fwd+bwd", {name: fwd_bwd(fn, (q, k, v), dout) for name, fn in variants.items()}
+
+
 def tune_linear():
     """Pick the fastest candidate tile configuration per (kind, shape); install and print them."""
     from tiletune.kernels import _tilelang, linear
@@ -168,21 +200,24 @@ def git_commit() -> str:
         return os.environ.get("TILETUNE_COMMIT", "unknown")
 
 
+GROUPS = {"elementwise": elementwise_cases, "linear": linear_cases, "attention": attention_cases}
+BASELINES = ("eager", "cublas", "flash")  # the baseline of a case: the first of these among its variants
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tune", action="store_true", help="autotune linear tile configs per shape first")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--only", choices=["elementwise", "linear"], help="run one group")
+    parser.add_argument("--only", choices=list(GROUPS), help="run one group")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a GPU")
     if args.tune:
         print("tuned linear configs (paste into linear.TUNED):")
         tune_linear()
-    groups = {"elementwise": elementwise_cases, "linear": linear_cases}
     rows = []
-    for group, cases in groups.items():
+    for group, cases in GROUPS.items():
         if args.only and args.only != group:
             continue
         for case, variants in cases():
@@ -193,7 +228,7 @@ def main() -> None:
                 for v, fn in variants.items():
                     times[(v, "gpu")].append(bench_graph(fn))
                     times[(v, "launch")].append(bench(fn))
-            base = "eager" if "eager" in variants else "cublas"
+            base = next(b for b in BASELINES if b in variants)
             for v in variants:
                 row = {"case": case, "variant": v}
                 for how in ("gpu", "launch"):
@@ -201,6 +236,7 @@ def main() -> None:
                     med = statistics.median(ts)
                     row.update({f"{how}_median_ms": med, f"{how}_min_ms": min(ts), f"{how}_max_ms": max(ts),
                                 f"{how}_vs_{base}": statistics.median(times[(base, how)]) / med,
+                                f"{how}_vs_cudnn": statistics.median(times[("cudnn", how)]) / med if "cudnn" in variants else None,
                                 f"{how}_vs_liger": statistics.median(times[("liger", how)]) / med if "liger" in variants else None})
                 rows.append(row)
             print(f"done {case}", flush=True)
@@ -224,13 +260,14 @@ def main() -> None:
         writer.writerows(rows)
     print(f"\n{meta['gpu']}  {meta['date']}  commit {meta['commit'][:10]}  (median of {args.rounds} rounds, ms; "
           "ratio = baseline / variant)")
-    print(f"{'case':30s} {'variant':9s} {'gpu':>7s} {'min':>7s} {'max':>7s} {'vs base':>7s} {'vs liger':>8s}"
-          f" | {'launch':>7s} {'vs base':>7s} {'vs liger':>8s}")
+    print(f"{'case':30s} {'variant':9s} {'gpu':>7s} {'min':>7s} {'max':>7s} {'vs base':>7s} {'vs other':>8s}"
+          f" | {'launch':>7s} {'vs base':>7s} {'vs other':>8s}")
+    print("(base: eager, cuBLAS or SDPA flash; other: Liger, or SDPA cuDNN for attention)")
     for r in rows:
         cells = []
         for how in ("gpu", "launch"):
-            base = r.get(f"{how}_vs_eager") or r.get(f"{how}_vs_cublas")
-            liger = r[f"{how}_vs_liger"]
+            base = next(r[f"{how}_vs_{b}"] for b in BASELINES if r.get(f"{how}_vs_{b}"))
+            liger = r[f"{how}_vs_liger"] or r.get(f"{how}_vs_cudnn")
             cells.append((r[f"{how}_median_ms"], r[f"{how}_min_ms"], r[f"{how}_max_ms"], base,
                           f"{liger:8.2f}" if liger else " " * 8))
         g, la = cells

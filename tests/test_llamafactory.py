@@ -14,8 +14,10 @@ from click.testing import CliRunner
 
 from tiletune.cli import main
 from tiletune.errors import UserError
-from tiletune.kernels.registry import OPS
+from tiletune.kernels.registry import OPS, OPT_IN
 from tiletune.llamafactory import split_config
+
+ALL = [op for op in OPS if op not in OPT_IN]  # what `kernels: all` selects
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 CONFIG = {
@@ -47,7 +49,7 @@ def test_kernels_are_split_off_and_the_rest_passes_unchanged(tmp_path):
     args, spec = split_config(str(write_config(tmp_path, quantization_bit=None)), ["learning_rate=1.0e-4"])
     assert "kernels" not in args and args["learning_rate"] == 1e-4 and args["quantization_bit"] is None
     assert {key: args[key] for key in CONFIG if key != "kernels"} == {k: v for k, v in CONFIG.items() if k != "kernels"}
-    assert sorted(sel.op for sel in spec.ops) == sorted(OPS)
+    assert sorted(sel.op for sel in spec.ops) == sorted(ALL)
     assert split_config(str(write_config(tmp_path, kernels=None)))[1] is None
 
 
@@ -74,7 +76,7 @@ def test_llamafactory_trains_with_tiletune_kernels(tmp_path, capfd):
     assert (out / "adapter_model.safetensors").is_file() and (out / "trainer_log.jsonl").is_file()
     report = json.loads((out / "kernels.json").read_text())
     # lora_target all: every projection is a LoRA layer, so lora_linear takes them all and linear none
-    assert {op: info["patched"] > 0 for op, info in report["ops"].items()} == dict.fromkeys(OPS, True) | {"linear": False}
+    assert {op: info["patched"] > 0 for op, info in report["ops"].items()} == dict.fromkeys(ALL, True) | {"linear": False}
     assert report["decoder_layers"]["count"] == 4
     ran = {item["op"] for item in report["runtime_fallbacks"] if item["calls"] > 0}
     assert all(op in ran for op, info in report["ops"].items() if info["fallback"])  # patched forwards ran

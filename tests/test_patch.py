@@ -18,11 +18,11 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
                   "original_max_position_embeddings": 64}
 
 
-def tiny_llama(layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
+def tiny_llama(layers: int = 2, seed: int = 0, attn: str = "eager", head_dim: int = 16) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         rope_scaling=LLAMA3_SCALING, attn_implementation="eager")
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=256,
+                         rope_scaling=LLAMA3_SCALING, attn_implementation=attn)
     model = LlamaForCausalLM(config).eval()
     for p in model.parameters():  # RMSNorm weights start at 1: make them count
         torch.nn.init.normal_(p, std=0.2)
@@ -38,7 +38,8 @@ def tokens(seed: int = 1, batch: int = 2, seq: int = 11) -> torch.Tensor:
 
 def test_parse_all_none_and_per_op():
     assert parse_kernel_spec("none").ops == () and parse_kernel_spec(None).ops == ()
-    assert {s.op: s.impl for s in parse_kernel_spec("all").ops} == {op: registry.default_impl(op) for op in registry.OPS}
+    assert {s.op: s.impl for s in parse_kernel_spec("all").ops} == {op: registry.default_impl(op) for op in registry.OPS
+                                                                    if op not in registry.OPT_IN}
     assert registry.default_impl("rms_norm") == "tilelang" and registry.default_impl("linear_cross_entropy") == "chunked"
     spec = parse_kernel_spec({"rms_norm": "tilelang", "linear": {"impl": "reference", "layers": "0-2,5",
                                                                  "modules": "mlp.*"}, "strict": True})
@@ -269,14 +270,15 @@ def test_linear_and_lora_linear_patch_disjoint_modules():
 # ---- training-level checks ------------------------------------------------------------------------
 
 
-def test_torch_compile_aot_eager_on_patched_model():
-    model = tiny_llama()
+@pytest.mark.parametrize("attn,kernels", [("eager", "all"), ("sdpa", "all,attention")])
+def test_torch_compile_aot_eager_on_patched_model(attn, kernels):
+    model = tiny_llama(attn=attn)
     ids = tokens()
     expected_loss = model(ids, labels=ids).loss
     expected_loss.backward()
     expected_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    apply_kernels(model, "all")
+    apply_kernels(model, kernels)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=False)
     loss = compiled(ids, labels=ids).loss
     loss.backward()
@@ -285,9 +287,9 @@ def test_torch_compile_aot_eager_on_patched_model():
         torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
 
 
-def _train_lora(kernels, steps: int = 4) -> tuple[list[float], list[torch.Tensor], int]:
+def _train_lora(kernels, steps: int = 4, attn: str = "eager") -> tuple[list[float], list[torch.Tensor], int]:
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    model = peft.get_peft_model(tiny_llama(attn=attn), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
@@ -318,6 +320,138 @@ def test_lora_with_gradient_checkpointing_trains_identically_all_vs_none():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+# ---- attention ------------------------------------------------------------------------------------
+
+
+def test_all_leaves_attention_out_until_named():
+    assert "attention" not in {s.op for s in parse_kernel_spec("all").ops}
+    assert "attention" not in {s.op for s in parse_kernel_spec({"all": "reference"}).ops}
+    for spec in ("all,attention", {"all": True, "attention": "tilelang"}, "attention"):
+        assert {s.op: s.impl for s in parse_kernel_spec(spec).ops}["attention"] == "tilelang"
+    with pytest.raises(UserError, match="unknown implementation 'flash'; attention has: reference, tilelang"):
+        parse_kernel_spec({"attention": "flash"})
+
+
+def _count_reference_calls(monkeypatch, op: str) -> list:
+    calls = []
+    impl = registry.get(op, "reference")
+    monkeypatch.setitem(registry._impls[op], "reference",
+                        impl.__class__(**{**impl.__dict__, "forward": lambda *a: calls.append(1) or impl.forward(*a)}))
+    return calls
+
+
+def _loss_and_grads(model, ids, **kwargs):
+    model.zero_grad()
+    loss = model(ids, labels=ids, **kwargs).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_attention_gives_stock_loss_and_gradients_and_reverts(monkeypatch, dtype):
+    model = tiny_llama(attn="sdpa").to(dtype).train()
+    ids = tokens()
+    stock_loss, stock_grads = _loss_and_grads(model, ids)
+    calls = _count_reference_calls(monkeypatch, "attention")
+    report = apply_kernels(model, {"attention": "reference", "rope": "reference"})  # rope patches the same forward
+    assert sorted((e.op, e.layer, e.module) for e in report.entries) == [
+        (op, i, "self_attn") for op in ("attention", "rope") for i in (0, 1)]
+    assert report.fallbacks() == {}
+    loss, grads = _loss_and_grads(model, ids)
+    assert len(calls) == 2  # the op ran in both layers, not the stock SDPA
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(loss, stock_loss, **tol)
+    for g, s in zip(grads, stock_grads, strict=True):
+        torch.testing.assert_close(g, s, **tol)
+    report.revert()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    torch.testing.assert_close(_loss_and_grads(model, ids)[0], stock_loss, rtol=0, atol=0)
+    assert len(calls) == 2
+
+
+def test_attention_selects_layers_and_composes_with_rope_either_way(monkeypatch):
+    model = tiny_llama(layers=3, attn="sdpa")
+    calls = {op: _count_reference_calls(monkeypatch, op) for op in ("attention", "rope")}
+    report = apply_kernels(model, {"attention": {"impl": "reference", "layers": "1"}, "rope": "reference"})
+    assert [(e.layer, e.module) for e in report.entries if e.op == "attention"] == [(1, "self_attn")]
+    with torch.no_grad():
+        model(tokens())
+    assert (len(calls["attention"]), len(calls["rope"])) == (1, 3)
+    apply_kernels(model, {"rope": "reference", "attention": "reference"})  # the other order
+    with torch.no_grad():
+        model(tokens())
+    assert (len(calls["attention"]), len(calls["rope"])) == (4, 6)
+    revert_kernels(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_attention_with_a_padding_mask_runs_stock_attention_and_says_why(monkeypatch):
+    model = tiny_llama(attn="sdpa").eval()
+    ids = tokens()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    with torch.no_grad():
+        stock = model(ids, attention_mask=mask).logits
+    calls = _count_reference_calls(monkeypatch, "attention")
+    report = apply_kernels(model, {"attention": "reference"})
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits, stock, rtol=0, atol=0)
+    assert calls == []
+    runtime = {item["reason"]: item["calls"] for item in report.to_dict()["runtime_fallbacks"] if item["op"] == "attention"}
+    assert runtime.get("an attention mask (padding, packed sequences, or the eager implementation's explicit causal "
+                       "mask): stock attention") == 2
+    assert "fell back at run time on 2 calls: an attention mask" in report.summary()
+
+
+@pytest.mark.parametrize("make,reason", [
+    (lambda: tiny_llama(attn="eager"), "attn_implementation eager builds an explicit mask"),
+    (lambda: _qwen2(sliding_window=4), "sliding window 4: stock attention kept"),
+])
+def test_attention_unfit_models_keep_stock_attention_and_say_why(make, reason):
+    model = make()
+    ids = tokens()
+    with torch.no_grad():
+        stock = model(ids).logits
+    report = apply_kernels(model, "attention")
+    assert reason in report.fallbacks()["attention"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, stock, rtol=0, atol=0)
+
+
+def _qwen2(sliding_window: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, use_sliding_window=True, sliding_window=sliding_window, max_window_layers=0,
+                         attn_implementation="sdpa")
+    return Qwen2ForCausalLM(config).eval()
+
+
+def test_attention_dropout_in_training_runs_stock_attention():
+    model = tiny_llama(attn="sdpa")
+    model.config.attention_dropout = 0.0
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    report = apply_kernels(model.eval(), {"attention": "reference"})
+    with torch.no_grad():
+        model(tokens())  # eval: dropout is off, the op runs
+    model.train()
+    model(tokens())
+    reasons = {item["reason"] for item in report.to_dict()["runtime_fallbacks"] if item["op"] == "attention"}
+    assert "attention dropout 0.1 in training: stock attention" in reasons
+
+
+def test_lora_with_gradient_checkpointing_trains_identically_with_attention(monkeypatch):
+    calls = _count_reference_calls(monkeypatch, "attention")
+    losses_none, params_none, _ = _train_lora("none", attn="sdpa")
+    losses_attn, params_attn, patched = _train_lora({"attention": "reference", "lora_linear": "reference"}, attn="sdpa")
+    assert patched == 6 and len(calls) >= 4 * 2 * 2  # steps x layers x (forward + checkpoint recompute)
+    torch.testing.assert_close(torch.tensor(losses_attn), torch.tensor(losses_none), rtol=1e-5, atol=1e-6)
+    for a, b in zip(params_attn, params_none, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_warmup_without_gpu_says_why():
     from tiletune.patch import warmup_kernels
 
@@ -339,6 +473,9 @@ def test_warmup_plans_one_compile_per_kernel_shape_and_none_for_the_loss(monkeyp
     done = patch.warmup_kernels(model, "all", torch.bfloat16)
     assert len(done) == len(compiled) == len(set(compiled))  # one compile per (op, static shapes)
     assert sorted({op for op, _ in compiled}) == ["linear", "rms_norm", "rope", "swiglu"]  # the loss is PyTorch
+    compiled.clear()
+    patch.warmup_kernels(model, "attention", torch.bfloat16)
+    assert compiled == [("attention", (4, 2, 16, 0.25))]  # heads q/kv, head_dim, scale: the static parameters
 
 
 # ---- on the GPU -----------------------------------------------------------------------------------
@@ -366,6 +503,24 @@ def test_patched_model_on_gpu_trains_like_stock():
         loss.backward()
         results[str(len(report.entries))] = (loss.item(), torch.cat([p.grad.float().flatten() for p in model.parameters()]))
     (loss_stock, grad_stock), (loss_tl, grad_tl) = results["0"], results["22"]
+    assert abs(loss_tl - loss_stock) / loss_stock < 1e-2
+    assert torch.isfinite(grad_tl).all()
+    assert torch.nn.functional.cosine_similarity(grad_tl, grad_stock, dim=0) > 0.999
+
+
+@pytest.mark.gpu
+def test_attention_on_gpu_trains_like_stock_sdpa():
+    """A training step with TileLang attention (strict) against stock SDPA, bf16, head_dim 64, 77 tokens."""
+    results, before = {}, dict(registry.runtime_fallbacks)
+    for kernels in ("none", {"attention": "tilelang", "strict": True}):
+        model = tiny_llama(attn="sdpa", head_dim=64).to("cuda", torch.bfloat16).train()
+        report = apply_kernels(model, kernels)
+        ids = tokens(batch=3, seq=77).cuda()
+        loss, grads = _loss_and_grads(model, ids)
+        results[len(report.entries)] = (loss.item(), torch.cat([g.float().flatten() for g in grads]))
+    assert {k: n for k, n in registry.runtime_fallbacks.items() if k[0] == "attention"} == {
+        k: n for k, n in before.items() if k[0] == "attention"}  # every call ran the kernels (strict: no reference)
+    (loss_stock, grad_stock), (loss_tl, grad_tl) = results[0], results[2]
     assert abs(loss_tl - loss_stock) / loss_stock < 1e-2
     assert torch.isfinite(grad_tl).all()
     assert torch.nn.functional.cosine_similarity(grad_tl, grad_stock, dim=0) > 0.999

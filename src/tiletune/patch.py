@@ -6,8 +6,9 @@
     print(report.summary()); report.save(output_dir)   # kernels.json
     report.revert()
 
-Patching replaces forwards (instance attributes) or, for rope, the attention forward's reference to
-`apply_rotary_pos_emb`; Parameters are never touched, so optimizers, PEFT, ZeRO-3 hooks and FSDP see the
+Patching replaces forwards (instance attributes) or, for rope and attention, the attention forward's
+references to `apply_rotary_pos_emb` and `ALL_ATTENTION_FUNCTIONS` (in a copy of the forward bound to the
+patched module only; the two compose); Parameters are never touched, so optimizers, PEFT, ZeRO-3 hooks and FSDP see the
 same objects. PEFT-wrapped Linear layers get `linear` on their base layer, or `lora_linear` on the whole
 wrapper (base GEMM and adapter in one op); when both ops are selected, `lora_linear` takes the LoRA wrappers
 it selects and `linear` the other Linears. Kernels know nothing of models: this module maps model
@@ -33,7 +34,7 @@ from torch import nn
 
 from tiletune.errors import UserError
 from tiletune.kernels import registry
-from tiletune.kernels.registry import MODEL_LEVEL_OPS, OPS, REFERENCE
+from tiletune.kernels.registry import MODEL_LEVEL_OPS, OPS, OPT_IN, REFERENCE
 
 _OPTIONS = ("strict", "plugins")
 _OP_KEYS = ("impl", "layers", "modules")
@@ -72,6 +73,7 @@ def parse_kernel_spec(value: Any) -> KernelSpec:
 
     Accepts `all`, `none`, a comma list (`rms_norm,swiglu` or `rms_norm=tilelang,linear=reference`),
     YAML/JSON text, or a mapping of op -> impl | {impl, layers, modules} plus `strict` and `plugins`.
+    `all` leaves out the OPT_IN ops (attention); name them to add them (`all,attention`).
     Raises UserError naming the bad op, implementation, layer selector or key, with what exists.
     """
     if isinstance(value, KernelSpec):
@@ -79,7 +81,7 @@ def parse_kernel_spec(value: Any) -> KernelSpec:
     if value is None or value is False or (isinstance(value, str) and value.strip().lower() in ("", "none", "off", "false")):
         return KernelSpec()
     if value is True or (isinstance(value, str) and value.strip().lower() in ("all", "on", "true")):
-        return _parse_mapping({op: True for op in OPS})
+        return _parse_mapping({"all": True})
     if isinstance(value, str):
         return _parse_mapping(_text_to_mapping(value))
     if isinstance(value, dict):
@@ -117,7 +119,7 @@ def _parse_mapping(mapping: dict) -> KernelSpec:
         except ImportError as err:
             raise UserError(f"kernels.plugins: cannot import {module!r}: {err}") from None
     default = mapping.get("all")
-    ops = {op: default for op in OPS} if default not in (None, False, "none") else {}
+    ops = {op: default for op in OPS if op not in OPT_IN} if default not in (None, False, "none") else {}
     for key, value in mapping.items():
         if key in _OPTIONS or key == "all":
             continue
@@ -215,10 +217,13 @@ def _swiglu_candidates(layer: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield path, module
 
 
-def _rope_candidates(layer: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    for path, module in layer.named_modules():
-        if hasattr(module, "q_proj") and "apply_rotary_pos_emb" in _innermost(type(module).forward).__code__.co_names:
-            yield path, module
+def _attention_modules_using(name: str) -> Callable[[nn.Module], Iterator[tuple[str, nn.Module]]]:
+    """Candidates: attention modules (with a q_proj) whose forward refers to the global `name`."""
+    def candidates(layer: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+        for path, module in layer.named_modules():
+            if hasattr(module, "q_proj") and name in _innermost(type(module).forward).__code__.co_names:
+                yield path, module
+    return candidates
 
 
 def _linear_candidates(layer: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -242,8 +247,9 @@ def _lora_linear_candidates(layer: nn.Module) -> Iterator[tuple[str, nn.Module]]
 
 
 CANDIDATES: dict[str, Callable[[nn.Module], Iterator[tuple[str, nn.Module]]]] = {
-    "rms_norm": _rms_norm_candidates, "swiglu": _swiglu_candidates, "rope": _rope_candidates, "linear": _linear_candidates,
-    "lora_linear": _lora_linear_candidates,
+    "rms_norm": _rms_norm_candidates, "swiglu": _swiglu_candidates, "rope": _attention_modules_using("apply_rotary_pos_emb"),
+    "linear": _linear_candidates, "lora_linear": _lora_linear_candidates,
+    "attention": _attention_modules_using("ALL_ATTENTION_FUNCTIONS"),
 }
 
 # ---- patched forwards -----------------------------------------------------------------------------
@@ -265,12 +271,13 @@ def _swiglu_forward(impl: str, strict: bool):
     return forward
 
 
-def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """x, weight and bias cast to the autocast dtype as F.linear would (custom ops are not autocast)."""
-    if not torch.is_autocast_enabled(x.device.type):
-        return x, weight, bias
-    dtype = torch.get_autocast_dtype(x.device.type)
-    return x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
+def _autocast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The tensors cast to the autocast dtype as F.linear or SDPA would (custom ops are not autocast); None stays."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t is not None else None for t in tensors)
 
 
 def _linear_forward(impl: str, strict: bool):
@@ -370,10 +377,113 @@ def _scoped_globals(base: dict, name: str, value: Any) -> dict:
     return scoped.__dict__
 
 
+def _current_forward(module: nn.Module) -> Callable:
+    """The function behind the module's forward now: an earlier rope/attention patch's copy, else the class's."""
+    bound = module.__dict__.get(_forward_attr(module))
+    if isinstance(bound, types.MethodType) and bound.__self__ is module:
+        return bound.__func__
+    return type(module).forward
+
+
 @functools.cache
-def _rope_forward(cls: type, impl: str, strict: bool) -> Callable:
-    inner = _innermost(cls.forward)
-    return _with_global(cls.forward, "apply_rotary_pos_emb", _rope_function(inner.__globals__["apply_rotary_pos_emb"], impl, strict))
+def _rope_forward(func: Callable, impl: str, strict: bool) -> Callable:
+    stock = _innermost(func).__globals__["apply_rotary_pos_emb"]
+    return _with_global(func, "apply_rotary_pos_emb", _rope_function(stock, impl, strict))
+
+
+# Keyword arguments of transformers' attention functions that change what is computed; the others
+# (position_ids, output_attentions, ...) do not, and SDPA ignores them as well.
+_ATTENTION_VARIANTS = {"sliding_window": "sliding window", "softcap": "logit softcapping", "s_aux": "attention sinks",
+                       "sinks": "attention sinks", "position_bias": "a position bias", "cu_seq_lens_q": "packed sequences"}
+
+
+def _attention_unfit(module: nn.Module) -> str | None:
+    """Why tiletune's attention cannot stand in for this module's attention (known when patching), or None."""
+    implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if implementation == "eager":
+        reason = "attn_implementation eager builds an explicit mask for every call (use sdpa, the default)"
+    elif getattr(module, "sliding_window", None):
+        reason = f"sliding window {module.sliding_window}"
+    elif getattr(module, "attn_logit_softcapping", None):
+        reason = "logit softcapping"
+    elif not getattr(module, "is_causal", True):
+        reason = "not causal"
+    else:
+        return None
+    return f"{reason}: stock attention kept"
+
+
+def _attention_call_unfit(module: nn.Module, query, key, value, mask, args: tuple, kwargs: dict) -> str | None:
+    """Why this call is not plain causal self-attention tiletune's op computes, or None."""
+    variant = next((text for name, text in _ATTENTION_VARIANTS.items() if kwargs.get(name) is not None), None)
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal  # None: the module decides, as in SDPA
+    if args:
+        reason = "positional arguments after the mask"
+    elif mask is not None:
+        reason = "an attention mask (padding, packed sequences, or the eager implementation's explicit causal mask)"
+    elif variant:
+        reason = variant
+    elif kwargs.get("dropout", 0.0):
+        reason = f"attention dropout {kwargs['dropout']} in training"
+    elif not causal:
+        reason = "not causal"
+    elif query.shape[2] != key.shape[2]:
+        reason = f"{query.shape[2]} queries against {key.shape[2]} keys (KV cache)"
+    elif query.shape[-1] != value.shape[-1] or query.shape[1] % key.shape[1]:
+        reason = f"heads {query.shape[1]}/{key.shape[1]} or head_dim q {query.shape[-1]}, v {value.shape[-1]} do not fit GQA"
+    else:
+        return None
+    return f"{reason}: stock attention"
+
+
+class _AttentionFunctions:
+    """Stands in for transformers' ALL_ATTENTION_FUNCTIONS inside a patched attention forward.
+
+    Each lookup returns the function transformers would use (SDPA, flash, ...), wrapped so that plain
+    causal self-attention runs tiletune's attention op and every other call the stock function.
+    """
+
+    def __init__(self, stock: Any, impl: str, strict: bool):
+        self._stock, self._impl, self._strict = stock, impl, strict
+        self._wrapped: dict[Callable, Callable] = {}
+
+    def get_interface(self, name: str, default: Callable) -> Callable:
+        return self._wrap(self._stock.get_interface(name, default))
+
+    def __getitem__(self, name: str) -> Callable:
+        return self._wrap(self._stock[name])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stock, name)
+
+    def _wrap(self, stock: Callable) -> Callable:
+        if stock not in self._wrapped:
+            self._wrapped[stock] = _attention_function(stock, self._impl, self._strict)
+        return self._wrapped[stock]
+
+
+def _attention_function(stock: Callable, impl: str, strict: bool) -> Callable:
+    """A drop-in for one of transformers' attention functions that runs tiletune's attention op when it can."""
+    from tiletune.kernels.attention import attention
+
+    @functools.wraps(stock)
+    def attention_function(module, query, key, value, attention_mask, *args, **kwargs):
+        reason = _attention_call_unfit(module, query, key, value, attention_mask, args, kwargs)
+        if reason:
+            registry.note_fallback("attention", impl, reason)
+            return stock(module, query, key, value, attention_mask, *args, **kwargs)
+        scaling = kwargs.get("scaling")
+        query, key, value = _autocast(query, key, value)
+        out = attention(query, key, value, query.shape[-1] ** -0.5 if scaling is None else scaling, impl, strict)
+        return out.transpose(1, 2), None  # (batch, seq, heads, head_dim), no attention weights, as SDPA
+    return attention_function
+
+
+@functools.cache
+def _attention_forward(func: Callable, impl: str, strict: bool) -> Callable:
+    stock = _innermost(func).__globals__["ALL_ATTENTION_FUNCTIONS"]
+    return _with_global(func, "ALL_ATTENTION_FUNCTIONS", _AttentionFunctions(stock, impl, strict))
 
 
 def _linear_cross_entropy_forward(impl: str, strict: bool, stock: Callable) -> Callable:
@@ -409,7 +519,9 @@ def _forward_for(op: str, module: nn.Module, impl: str, strict: bool) -> Callabl
     if op == "lora_linear":
         return _lora_linear_forward(impl, strict, getattr(module, _forward_attr(module)))
     if op == "rope":
-        return _rope_forward(type(module), impl, strict)
+        return _rope_forward(_current_forward(module), impl, strict)
+    if op == "attention":
+        return _attention_forward(_current_forward(module), impl, strict)
     return {"rms_norm": _rms_norm_forward, "swiglu": _swiglu_forward, "linear": _linear_forward}[op](impl, strict)
 
 
@@ -439,7 +551,7 @@ class PatchEntry:
     layer: int
     module: str  # path inside the decoder layer
     impl: str
-    fallback: str | None = None  # why the reference (or, for lora_linear, peft's forward) runs instead of impl
+    fallback: str | None = None  # why the reference (or, for lora_linear/attention, the stock forward) runs instead
 
 
 @dataclass
@@ -542,7 +654,8 @@ def apply_kernels(model: nn.Module, spec: Any) -> PatchReport:
     for sel, chosen in plan.items():
         for index, path, module in chosen:
             report._undo.append(_set_forward(module, _forward_for(sel.op, module, sel.impl, spec.strict)))
-            fallback = (_lora_unfit(module) if sel.op == "lora_linear" else None) or reasons[sel]
+            unfit = {"lora_linear": _lora_unfit, "attention": _attention_unfit}.get(sel.op)
+            fallback = (unfit(module) if unfit else None) or reasons[sel]
             report.entries.append(PatchEntry(sel.op, index, path, sel.impl, fallback))
     return report
 
@@ -596,9 +709,10 @@ def _static_shapes(op: str, module: nn.Module) -> tuple:
         return (module.weight.shape[-1], _eps(module))
     if op == "swiglu":
         return (module.gate_proj.out_features,)
-    if op == "rope":
+    if op in ("rope", "attention"):
         head_dim = module.head_dim
-        return (module.q_proj.out_features // head_dim, module.k_proj.out_features // head_dim, head_dim)
+        heads = (module.q_proj.out_features // head_dim, module.k_proj.out_features // head_dim, head_dim)
+        return heads + ((module.scaling,) if op == "attention" else ())
     if op == "lora_linear":
         rank = module.lora_A[next(a for a in module.active_adapters if a in module.lora_A)].out_features
         return (module.base_layer.out_features, module.base_layer.in_features, rank)
@@ -608,7 +722,7 @@ def _static_shapes(op: str, module: nn.Module) -> tuple:
 
 def _run_once(op: str, shapes: tuple, impl: str, dtype: torch.dtype) -> None:
     """Forward + backward of `op` on one token with these static shapes, strict: compiles its kernels."""
-    from tiletune.kernels import linear, lora_linear, rms_norm, rope, swiglu
+    from tiletune.kernels import attention, linear, lora_linear, rms_norm, rope, swiglu
 
     def rand(*shape):
         return torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
@@ -621,6 +735,9 @@ def _run_once(op: str, shapes: tuple, impl: str, dtype: torch.dtype) -> None:
         heads_q, heads_k, d = shapes
         cos, sin = torch.randn(2, 1, 1, d, device="cuda", dtype=dtype)
         out = sum(t.sum() for t in rope.rope(rand(1, heads_q, 1, d), rand(1, heads_k, 1, d), cos, sin, impl, True))
+    elif op == "attention":
+        heads_q, heads_kv, d, scale = shapes
+        out = attention.attention(rand(1, heads_q, 1, d), rand(1, heads_kv, 1, d), rand(1, heads_kv, 1, d), scale, impl, True)
     elif op == "lora_linear":
         out_f, in_f, rank = shapes
         out = lora_linear.lora_linear(rand(1, in_f), rand(out_f, in_f).detach(), None, rand(rank, in_f), rand(out_f, rank),

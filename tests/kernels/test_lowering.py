@@ -9,7 +9,8 @@ from tiletune.kernels import _tilelang
 pytest.importorskip("tilelang", reason="TileLang is not installed (pip install tilelang) or cannot be imported")
 
 KERNELS = ["rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope_fwd", "rope_bwd",
-           "linear_fwd", "linear_dgrad", "linear_wgrad", "lora_linear_fwd", "lora_linear_dgrad"]
+           "linear_fwd", "linear_dgrad", "linear_wgrad", "lora_linear_fwd", "lora_linear_dgrad",
+           "attention_fwd", "attention_bwd_preprocess", "attention_bwd"]
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +50,20 @@ def test_lora_epilogue_adds_the_low_rank_operands_to_the_gemm(lowered):
     # one more wgmma block than the plain forward: the rank-16 epilogue into the same accumulator
     fwd = (lowered / "cuda-sm_90" / "lora_linear_fwd.cu").read_text()
     assert fwd.count("wgmma_ss<") == (lowered / "cuda-sm_90" / "linear_fwd.cu").read_text().count("wgmma_ss<") + 1
+
+
+@pytest.mark.parametrize("target,suffix,matrix", [("cuda-sm_90", ".cu", "wgmma"), ("cuda-sm_80", ".cu", "mma_sync"),
+                                                  ("hip-gfx942", ".hip", "mfma"), ("hip-gfx90a", ".hip", "mfma"),
+                                                  ("hip-gfx1100", ".hip", "wmma")])
+def test_attention_kernels_use_the_matrix_units_and_a_dynamic_sequence(lowered, target, suffix, matrix):
+    """Both attention GEMM kernels on the matrix units; seq a kernel argument; dQ added atomically."""
+    fwd = (lowered / target / f"attention_fwd{suffix}").read_text()
+    bwd = (lowered / target / f"attention_bwd{suffix}").read_text()
+    for source in (fwd, bwd):
+        assert matrix in source.lower() and "int seq" in source and "int batch" in source
+    assert "exp2" in fwd and "atomicadd" in bwd.lower().replace("_", "")
+    if suffix == ".hip":  # loads past the sequence end are zero-filled, which the kernels rely on
+        assert "< seq)" in fwd and "make_uint4(" in fwd
 
 
 def test_unknown_target_is_a_user_error(tmp_path):

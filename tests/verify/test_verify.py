@@ -128,6 +128,24 @@ def test_random_init_preset_with_fewer_layers(tmp_path):
     assert any("layers.0.mlp.output" in n for n in names) and not any("layers.1." in n for n in names)
 
 
+def test_verify_with_attention_selected(tmp_path):
+    """attention (opt-in) under verify: its modules are captured and gated; off the GPU the reference runs."""
+    config = REPO / "examples" / "bench" / "llama3_8b_lora.yaml"
+    args = ["verify", str(config), "kernels={attention: tilelang}", "bf16=false", f"output_dir={tmp_path}",
+            "--model-preset", "tiny", "--layers", "1", "--seq", "32", "--out", str(tmp_path / "v")]  # fmt: skip
+    from tiletune.kernels import registry
+
+    stock_calls = {key: n for key, n in registry.runtime_fallbacks.items() if key[2].endswith("stock attention")}
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "verify: PASS" in result.output
+    assert stock_calls == {key: n for key, n in registry.runtime_fallbacks.items() if key[2].endswith("stock attention")}
+    saved = json.loads((tmp_path / "v" / "verify.json").read_text())
+    assert saved["patch"]["ops"]["attention"]["patched"] == 1
+    names = [t["name"] for t in saved["tensors"]]
+    assert "b0.layers.0.self_attn.output" in names and "b0.layers.0.self_attn.input_grad" in names
+
+
 def test_accumulation_dtype_differences_are_reported():
     from tiletune.patch import parse_kernel_spec
     from tiletune.verify.run import accumulation_differences

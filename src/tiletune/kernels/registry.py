@@ -13,10 +13,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-OPS = ("rms_norm", "swiglu", "rope", "linear", "lora_linear", "linear_cross_entropy")
+OPS = ("rms_norm", "swiglu", "rope", "linear", "lora_linear", "linear_cross_entropy", "attention")
 MODEL_LEVEL_OPS = ("linear_cross_entropy",)  # patched on the causal LM itself, not inside decoder layers
 REFERENCE = "reference"
 PREFERRED = ("tilelang", "chunked")  # what `kernels: all` (or an op without `impl`) chooses, first found
+# Ops `kernels: all` leaves out: selected only by name, until a GPU benchmark shows them faster than
+# PyTorch's own (attention: SDPA's flash and cuDNN backends).
+OPT_IN = ("attention",)
 
 log = logging.getLogger("tiletune.kernels")
 
@@ -119,11 +122,17 @@ def select(op: str, name: str, strict: bool, *inputs) -> Impl:
         return impl
     if strict:
         raise KernelUnavailable(f"{op}: implementation {name!r} cannot run here ({reason}) and strict is set")
+    note_fallback(op, name, reason)
+    return _impls[op][REFERENCE]
+
+
+def note_fallback(op: str, name: str, reason: str) -> None:
+    """Count a call of `op` that did not run implementation `name` (the reference or a stock forward ran
+    instead), and log `reason` the first time."""
     key = (op, name, reason)
     if key not in runtime_fallbacks:
-        log.warning("tiletune: %s falls back from %s to the reference: %s", op, name, reason)
+        log.warning("tiletune: %s falls back from %s: %s", op, name, reason)
     runtime_fallbacks[key] = runtime_fallbacks.get(key, 0) + 1
-    return _impls[op][REFERENCE]
 
 
 def backward_of(impl: Impl) -> Callable:
