@@ -4,6 +4,8 @@
 #   verify: `tiletune verify` of every kernel on 2 decoder layers and an independent plain timing of the
 #           stock step (non-re-entrant and re-entrant)
 #   golden: golden save with a 3-step convergence check, then the kernel-patched model against that file
+#   attention: the GPU tests of the attention op and the kernel warm-up, then TileLang attention
+#           against SDPA's flash and cuDNN backends (benchmarks/kernels.py --only attention)
 #   bench:  `tiletune bench` with the extra arguments (e.g. --ablation --steps 5 --warmup 2 --repeats 2,
 #           lora_target=all)
 #   speed:  `tiletune bench --ablation --profile` plus the fastest kernel set, with and without
@@ -11,11 +13,11 @@
 #           a budget; LoRA on q_proj,v_proj, or on all linear layers with
 #           `SPEED_NAME=lora-all PLAIN_TARGET=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj ... speed OUT
 #           lora_target=all`; then the plain script's stock step (REPEATS=1 by default: ~9 min per call)
-#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|bench|speed OUT_DIR [bench args...]
+#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|bench|speed OUT_DIR [bench args...]
 # (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
 set -u
-PART=${1:?usage: h200_verify_bench.sh verify|golden|bench|speed OUT_DIR [bench args]}
-OUT=${2:?usage: h200_verify_bench.sh verify|golden|bench|speed OUT_DIR [bench args]}
+PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|bench|speed OUT_DIR [bench args]}
+OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|bench|speed OUT_DIR [bench args]}
 shift 2
 CONFIG=examples/bench/llama3_8b_lora.yaml
 GOLDEN=/tmp/llama3-8b-2layers.golden.safetensors  # too large to bring back; its report is kept
@@ -31,6 +33,9 @@ golden)
     "${VERIFY[@]}" --seq 1024 --against "$GOLDEN" \
         --out "$OUT/verify-llama3-8b-against" 2>&1 | tail -30
     ls -l "$GOLDEN" ;;
+attention)
+    python3 -m pytest -q -m gpu tests/kernels/test_attention.py tests/test_patch.py 2>&1 | tee "$OUT/gpu_tests_attention.txt" | tail -15
+    python3 benchmarks/kernels.py --only attention --out "$OUT" 2>&1 | tail -15 ;;
 bench)
     python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --out "$OUT/bench" "$@" 2>&1 | tail -20 ;;
 speed)
@@ -44,5 +49,5 @@ speed)
         --out "$OUT/speed-${SPEED_NAME:-lora-qv}" 2>&1 | tail -20
     # the independent timing of the stock step in the same call (re-entrant, as the bench baseline)
     python3 benchmarks/plain_step.py --reentrant --lora-target "${PLAIN_TARGET:-q_proj,v_proj}" 2>&1 | tail -1 ;;
-*) echo "unknown part $PART (verify, golden, bench or speed)"; exit 2 ;;
+*) echo "unknown part $PART (verify, golden, attention, bench or speed)"; exit 2 ;;
 esac
