@@ -525,6 +525,10 @@ def _forward_for(op: str, module: nn.Module, impl: str, strict: bool) -> Callabl
     return {"rms_norm": _rms_norm_forward, "swiglu": _swiglu_forward, "linear": _linear_forward}[op](impl, strict)
 
 
+# Ops whose patched forward keeps the stock one for some modules: why, known when patching (or None)
+PATCH_TIME_UNFIT: dict[str, Callable[[nn.Module], str | None]] = {"lora_linear": _lora_unfit, "attention": _attention_unfit}
+
+
 def _set_forward(module: nn.Module, forward: Callable) -> Callable[[], None]:
     """Bind `forward` as the module's forward; return the undo. Keeps accelerate's hooks in front."""
     attr = _forward_attr(module)
@@ -654,7 +658,7 @@ def apply_kernels(model: nn.Module, spec: Any) -> PatchReport:
     for sel, chosen in plan.items():
         for index, path, module in chosen:
             report._undo.append(_set_forward(module, _forward_for(sel.op, module, sel.impl, spec.strict)))
-            unfit = {"lora_linear": _lora_unfit, "attention": _attention_unfit}.get(sel.op)
+            unfit = PATCH_TIME_UNFIT.get(sel.op)
             fallback = (unfit(module) if unfit else None) or reasons[sel]
             report.entries.append(PatchEntry(sel.op, index, path, sel.impl, fallback))
     return report
