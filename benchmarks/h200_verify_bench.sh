@@ -12,7 +12,8 @@
 #           `gradient_checkpointing: auto` within BUDGET_GIB (default 28.9, the stock step's peak) and without
 #           a budget; LoRA on q_proj,v_proj, or on all linear layers with
 #           `SPEED_NAME=lora-all PLAIN_TARGET=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj ... speed OUT
-#           lora_target=all`; then the plain script's stock step (REPEATS=1 by default: ~9 min per call)
+#           lora_target=all`; then the plain script's stock step (REPEATS=1 by default: ~9 min per call;
+#           ABLATION=0 runs baseline, all, Liger and the fastest set only, without each op alone: ~4 min)
 #   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|bench|speed OUT_DIR [bench args...]
 # (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
 set -u
@@ -44,9 +45,11 @@ speed)
     FAST=rms_norm+rope+swiglu+linear_cross_entropy+lora_linear
     AUTO=gradient_checkpointing=auto
     BUDGET=gradient_checkpointing_budget=${BUDGET_GIB:-28.9}
+    EXTRA="$FAST,$FAST:$AUTO:$BUDGET,$FAST:$AUTO"
+    if [ "${ABLATION:-1}" = 1 ]; then SET=(--ablation --variants "baseline,$EXTRA")
+    else SET=(--variants "baseline,all,liger,$EXTRA"); fi
     python3 -m tiletune bench "$CONFIG" "$@" --model-preset llama3-8b --profile --steps 5 --warmup 2 \
-        --repeats "${REPEATS:-1}" --ablation --variants "baseline,$FAST,$FAST:$AUTO:$BUDGET,$FAST:$AUTO" \
-        --out "$OUT/speed-${SPEED_NAME:-lora-qv}" 2>&1 | tail -20
+        --repeats "${REPEATS:-1}" "${SET[@]}" --out "$OUT/speed-${SPEED_NAME:-lora-qv}" 2>&1 | tail -20
     # the independent timing of the stock step in the same call (re-entrant, as the bench baseline)
     python3 benchmarks/plain_step.py --reentrant --lora-target "${PLAIN_TARGET:-q_proj,v_proj}" 2>&1 | tail -1 ;;
 *) echo "unknown part $PART (verify, golden, attention, bench or speed)"; exit 2 ;;

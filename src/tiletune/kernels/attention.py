@@ -210,6 +210,8 @@ def backward_kernel(heads_q: int, heads_kv: int, head_dim: int, scale: float, dt
     deterministic. dQ gets contributions from every key block, so it is added with float32 atomics
     into a buffer padded to whole query blocks (no atomic can land outside it); the caller casts it.
     Rows past the sequence end load as zeros (Q, dO, LSE, Delta), which makes their dK, dV, dQ terms zero.
+    LSE and Delta rows load without TMA: a TMA descriptor needs 16-byte row strides, and a float32 row
+    of `seq` values has one only when seq % 4 == 0 (seen failing on the H200 for seq 77, 130, 513).
     """
     import tilelang.language as T
 
@@ -258,7 +260,7 @@ def backward_kernel(heads_q: int, heads_kv: int, head_dim: int, scale: float, dt
                 T.copy(Q[bz, qb * bm:(qb + 1) * bm, head, :], q)
                 T.clear(probs_t)
                 T.gemm(k, q, probs_t, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                T.copy(LSE[bz, head, qb * bm:(qb + 1) * bm], lse)
+                T.copy(LSE[bz, head, qb * bm:(qb + 1) * bm], lse, disable_tma=True)
                 for i, j in T.Parallel(bn, bm):
                     probs_t[i, j] = T.if_then_else(bx * bn + i <= qb * bm + j,
                                                    T.exp2(probs_t[i, j] * log2_scale - lse[j] * LOG2E), 0)
@@ -267,7 +269,7 @@ def backward_kernel(heads_q: int, heads_kv: int, head_dim: int, scale: float, dt
                 T.gemm(v, do, dprobs_t, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.copy(probs_t, probs_t_cast)
                 T.gemm(probs_t_cast, do, dv, policy=T.GemmWarpPolicy.FullRow)
-                T.copy(Delta[bz, head, qb * bm:(qb + 1) * bm], delta)
+                T.copy(Delta[bz, head, qb * bm:(qb + 1) * bm], delta, disable_tma=True)
                 for i, j in T.Parallel(bn, bm):
                     dprobs_t[i, j] = probs_t[i, j] * (dprobs_t[i, j] - delta[j]) * scale  # now dSᵀ
                 T.copy(dprobs_t, dscores_t_shared)
