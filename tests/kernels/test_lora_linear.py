@@ -71,20 +71,18 @@ def test_frozen_base_gets_no_gradient_and_xa_is_not_an_output():
     assert w.grad is None and all(t.grad is not None for t in (x, a, bb))
 
 
-def _gemm_in_torch(kind, a, b, out, out_features, in_features, low_rank=()):
-    """What linear.gemm_kernel computes, in PyTorch: the stand-in for the TileLang GEMM on the CPU."""
-    product = {"fwd": lambda: a @ b.t(), "dgrad": lambda: a @ b, "wgrad": lambda: a.t() @ b}[kind]()
+def _checked_torch_gemm(kind, a, b, out, out_features, in_features, low_rank=()):
+    """linear.torch_gemm, after checking the low-rank operands are laid out as the kernel needs them."""
     if low_rank:
         low, high = low_rank
         assert low.shape[1] % 16 == 0 and low.is_contiguous() and high.is_contiguous()
-        product = product + low @ (high.t() if kind == "fwd" else high)
-    return out.copy_(product)
+    return linear.torch_gemm(kind, a, b, out, out_features, in_features, low_rank)
 
 
 @pytest.mark.parametrize("lead,rank", [((77,), 8), ((2, 5), 3), ((1,), 16)])
 def test_tilelang_glue_with_a_torch_gemm_matches_the_reference(monkeypatch, lead, rank):
     """Padding, transposes and the torch matmuls around the GEMM, checked without a GPU."""
-    monkeypatch.setattr(linear, "run_gemm", _gemm_in_torch)
+    monkeypatch.setattr(linear, "run_gemm", _checked_torch_gemm)
     x, w, b, a, bb = inputs(lead, 48, 40, rank, dtype=torch.float64, adapter_dtype=torch.float32)
     y, xa = op.tilelang_forward(x, w, b, a, bb, 2.0)
     y_ref, xa_ref = op.reference_forward(x, w, b, a, bb, 2.0)
@@ -95,6 +93,32 @@ def test_tilelang_glue_with_a_torch_gemm_matches_the_reference(monkeypatch, lead
                                op.reference_backward(dy, x, xa_ref, w, a, bb, 2.0)):
         assert got.dtype == want.dtype, name
         torch.testing.assert_close(got, want, msg=name)
+
+
+def lora_update_share(forward, tokens: int, out_f: int, in_f: int, device: str = "cpu", rank: int = 8) -> float:
+    """How much of a first-step-sized LoRA update reaches the bf16 output: the regression coefficient of
+    y(B) - y(B = 0) on the exact low-rank term (1: all of it, on average; 0: lost to rounding).
+
+    B = ±1e-4 is AdamW's first step (lr 1e-4) from peft's B = 0; the term is then ~1e-3 of the output,
+    below half a bf16 step of most outputs, so a second rounding after the base product drops it.
+    """
+    g = torch.Generator(device).manual_seed(0)
+    x = torch.randn(tokens, in_f, generator=g, device=device).bfloat16()
+    w = (torch.randn(out_f, in_f, generator=g, device=device) * 0.02).bfloat16()
+    a = torch.randn(rank, in_f, generator=g, device=device) / in_f**0.5
+    b = 1e-4 * torch.randn(out_f, rank, generator=g, device=device).sign()
+    moved, start = (forward(x, w, None, a, bb, 2.0).double() for bb in (b, torch.zeros_like(b)))
+    exact = (x @ a.bfloat16().t()).double() @ (2.0 * b).bfloat16().double().t()
+    return (((moved - start) * exact).sum() / (exact * exact).sum()).item()
+
+
+def test_one_rounding_keeps_a_small_lora_update_that_peft_rounding_drops(monkeypatch):
+    """Why lora_linear trains faster than stock peft from B = 0 in bf16 (the kernel adds the LoRA term in its
+    float32 accumulator and rounds once); peft's rounding, the reference, keeps a fraction."""
+    monkeypatch.setattr(linear, "run_gemm", _checked_torch_gemm)
+    kernel = lora_update_share(lambda *inputs: op.tilelang_forward(*inputs)[0], 1024, 1024, 4096)
+    peft = lora_update_share(lambda *inputs: op.reference_forward(*inputs)[0], 1024, 1024, 4096)
+    assert abs(kernel - 1) < 0.02 and peft < 0.5, (kernel, peft)
 
 
 @pytest.fixture
@@ -159,3 +183,13 @@ def test_tilelang_float32_adapters_bias_and_3d_input():
     assert [t.dtype for t in got] == [torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]
     for name, g, r, t in zip(("y", "dx", "dA", "dB"), got, want, bar):
         assert gate(g, t, r).passed, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("module", ["q_proj", "v_proj"])
+def test_tilelang_keeps_a_small_lora_update(module):
+    """The kernel's epilogue carries a first-step-sized LoRA update into the bf16 output unbiased (8192 tokens)."""
+    out_f, in_f = LLAMA3_8B[module]
+    share = lora_update_share(lambda *inputs: op.lora_linear(*inputs, impl="tilelang", strict=True), 8192, out_f, in_f,
+                              device="cuda")
+    assert abs(share - 1) < 0.02, share

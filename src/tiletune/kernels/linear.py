@@ -154,6 +154,21 @@ def run_gemm(kind: str, a: Tensor, b: Tensor, out: Tensor, out_features: int, in
     return out
 
 
+def torch_gemm(kind: str, a: Tensor, b: Tensor, out: Tensor, out_features: int, in_features: int,
+               low_rank: tuple[Tensor, Tensor] | tuple[()] = ()) -> Tensor:
+    """run_gemm's arithmetic in PyTorch, for machines without the kernel: products and sums in float32
+    (float64 for float64 inputs) whatever autocast says, the low-rank epilogue in the same accumulator,
+    one rounding into `out`."""
+    acc = torch.promote_types(a.dtype, torch.float32)
+    a, b = a.to(acc), b.to(acc)
+    with torch.autocast(a.device.type, enabled=False):
+        product = {"fwd": lambda: a @ b.t(), "dgrad": lambda: a @ b, "wgrad": lambda: a.t() @ b}[kind]()
+        if low_rank:
+            low, high = (t.to(acc) for t in low_rank)
+            product += low @ (high.t() if kind == "fwd" else high)
+    return out.copy_(product)
+
+
 def tilelang_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """x Wᵀ (+ b) through the TileLang GEMM (bias added by PyTorch)."""
     out_features, in_features = weight.shape
