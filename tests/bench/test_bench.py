@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from tiletune.bench.presets import preset_config
-from tiletune.bench.runner import summarise
+from tiletune.bench.runner import short_label, summarise
 from tiletune.bench.worker import step_flops
 from tiletune.cli import main
 
@@ -80,3 +80,9 @@ def test_summarise_reports_ratios_against_the_baseline():
     rows = {r["variant"]: r for r in result["variants"]}
     assert rows["all"]["time_ratio"] == pytest.approx(1.1 / 2.1) and rows["all"]["memory_ratio"] == 0.5
     assert rows["all"]["utilisation"] == pytest.approx(1e12 / 1.1 / 1e12 / 10.0)
+
+
+def test_plot_labels_abbreviate_config_overrides_and_keep_the_ops():
+    assert short_label("baseline") == "baseline"
+    assert (short_label("rms_norm+lora_linear:gradient_checkpointing=auto:gradient_checkpointing_budget=28.9")
+            == "rms_norm+lora_linear : gc auto : budget 28.9")

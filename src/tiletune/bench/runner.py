@@ -169,26 +169,42 @@ def write_outputs(result: dict, out_dir: Path) -> None:
         (out_dir / "profile.md").write_text(profile_table(profiles) + "\n")
 
 
+def short_label(variant: str) -> str:
+    """A variant's name for a plot axis: its config overrides abbreviated (`gradient_checkpointing=auto` -> `gc auto`)."""
+    name, *overrides = variant.split(":")
+    words = [o.replace("gradient_checkpointing_budget=", "budget ").replace("gradient_checkpointing=", "gc ")
+             for o in overrides]
+    return " : ".join([name, *words])
+
+
 def plot(result: dict, path: Path) -> None:
-    """Bars of median step time (with min-max whiskers) and peak memory per variant."""
+    """Horizontal bars of median step time (min-max whiskers) and peak memory per variant, each
+    labelled with its ratio to the baseline (the first variant) and a line at the baseline's value."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = result["variants"]
-    names = [r["variant"] for r in rows]
-    fig, (time_ax, mem_ax) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
+    labels = [short_label(r["variant"]) for r in rows]
     medians = [r["step_time_s"] for r in rows]
     spread = [[m - r["step_time_min_s"] for m, r in zip(medians, rows)], [r["step_time_max_s"] - m for m, r in zip(medians, rows)]]
-    time_ax.bar(names, medians, yerr=spread, capsize=3, color="#4c72b0")
-    time_ax.set_ylabel("step time (s), median, min-max")
-    mem_ax.bar(names, [r["peak_allocated_gib"] for r in rows], color="#dd8452")
-    mem_ax.set_ylabel("peak memory allocated (GiB)")
-    for ax in (time_ax, mem_ax):
-        ax.tick_params(axis="x", rotation=30)
-        ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"tiletune bench on {result['environment']['device']}")
+    memory = [r["peak_allocated_gib"] for r in rows]
+    fig, (time_ax, mem_ax) = plt.subplots(1, 2, figsize=(13, 1.2 + 0.38 * len(rows)), dpi=110, sharey=True)
+    time_ax.barh(labels, medians, xerr=spread, capsize=3, color="#4c72b0")
+    mem_ax.barh(labels, memory, color="#dd8452")
+    slowest = [r["step_time_max_s"] for r in rows]
+    for ax, values, ends, unit in ((time_ax, medians, slowest, "step time (s), median, min-max"),
+                                   (mem_ax, memory, memory, "peak memory allocated (GiB)")):
+        ax.axvline(values[0], color="grey", linestyle="--", linewidth=1)
+        for y, (value, end) in enumerate(zip(values, ends)):
+            ax.text(end, y, f" {value / values[0]:.2f}x" if values[0] else "", va="center", fontsize=8)
+        ax.set_xlabel(unit)
+        ax.set_xlim(0, max(values) * 1.15 or 1)
+        ax.grid(axis="x", alpha=0.3)
+    time_ax.invert_yaxis()  # first variant on top
+    env = result["environment"]
+    fig.suptitle(f"tiletune bench on {env['device']}, commit {env.get('commit', '?')} (ratios: x the first variant)")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
