@@ -6,6 +6,9 @@
 #   golden: golden save with a 3-step convergence check, then the kernel-patched model against that file
 #   attention: the GPU tests of the attention op and the kernel warm-up, then TileLang attention
 #           against SDPA's flash and cuDNN backends (benchmarks/kernels.py --only attention)
+#   lora:   the GPU tests of lora_linear, benchmarks/lora_dynamics.py at the reference shape (2 layers:
+#           float32 vs stock bf16 vs the kernel's arithmetic vs the kernel) and `tiletune verify` of every
+#           kernel with LoRA on all 7 linear layers
 #   bench:  `tiletune bench` with the extra arguments (e.g. --ablation --steps 5 --warmup 2 --repeats 2,
 #           lora_target=all)
 #   speed:  `tiletune bench --ablation --profile` plus the fastest kernel set, with and without
@@ -14,11 +17,11 @@
 #           `SPEED_NAME=lora-all PLAIN_TARGET=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj ... speed OUT
 #           lora_target=all`; then the plain script's stock step (REPEATS=1 by default: ~9 min per call;
 #           ABLATION=0 runs baseline, all, Liger and the fastest set only, without each op alone: ~4 min)
-#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|bench|speed OUT_DIR [bench args...]
+#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed OUT_DIR [bench args...]
 # (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
 set -u
-PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|bench|speed OUT_DIR [bench args]}
-OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|bench|speed OUT_DIR [bench args]}
+PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed OUT_DIR [bench args]}
+OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed OUT_DIR [bench args]}
 shift 2
 CONFIG=examples/bench/llama3_8b_lora.yaml
 GOLDEN=/tmp/llama3-8b-2layers.golden.safetensors  # too large to bring back; its report is kept
@@ -37,6 +40,10 @@ golden)
 attention)
     python3 -m pytest -q -m gpu tests/kernels/test_attention.py tests/test_patch.py 2>&1 | tee "$OUT/gpu_tests_attention.txt" | tail -15
     python3 benchmarks/kernels.py --only attention --out "$OUT" 2>&1 | tail -15 ;;
+lora)
+    python3 -m pytest -q -m gpu tests/kernels/test_lora_linear.py 2>&1 | tee "$OUT/gpu_tests_lora_linear.txt" | tail -5
+    python3 benchmarks/lora_dynamics.py --vocab 128256 --batch 4 --seq 2048 2>&1 | grep -v -i warn | tee "$OUT/lora_dynamics.md"
+    "${VERIFY[@]}" lora_target=all --seq 1024 --out "$OUT/verify-llama3-8b-lora-all" 2>&1 | tail -30 ;;
 bench)
     python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --out "$OUT/bench" "$@" 2>&1 | tail -20 ;;
 speed)
@@ -52,5 +59,5 @@ speed)
         --repeats "${REPEATS:-1}" "${SET[@]}" --out "$OUT/speed-${SPEED_NAME:-lora-qv}" 2>&1 | tail -20
     # the independent timing of the stock step in the same call (re-entrant, as the bench baseline)
     python3 benchmarks/plain_step.py --reentrant --lora-target "${PLAIN_TARGET:-q_proj,v_proj}" 2>&1 | tail -1 ;;
-*) echo "unknown part $PART (verify, golden, attention, bench or speed)"; exit 2 ;;
+*) echo "unknown part $PART (verify, golden, attention, lora, bench or speed)"; exit 2 ;;
 esac
