@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 
 import torch
+from transformers import AutoModelForCausalLM
 
-import tiletune.bench.presets as presets
-from tiletune.bench.worker import build_model
+from tiletune.bench.presets import preset_config
 from tiletune.config import load_config
 from tiletune.env import run_stamp
 from tiletune.kernels import linear, lora_linear, registry
-from tiletune.model import autocast
+from tiletune.model import autocast, compute_dtype, prepare_for_training
 from tiletune.patch import apply_kernels, parse_kernel_spec
 
 CONFIG = "examples/bench/llama3_8b_lora.yaml"
@@ -52,14 +52,12 @@ def register_emulation() -> str:
 
 def losses(args, impl: str | None, truth: bool, device: torch.device) -> list[float]:
     """Loss of each of args.steps AdamW steps; `truth` computes in float32 without autocast."""
-    shape = presets.preset_config(args.preset)
+    cfg = load_config(CONFIG)
+    shape = preset_config(args.preset)
     shape.num_hidden_layers, shape.vocab_size = args.layers, args.vocab
     torch.manual_seed(0)
-    original, presets.preset_config = presets.preset_config, lambda name: shape
-    try:
-        model, _ = build_model(load_config(CONFIG), args.preset, "baseline", device)
-    finally:
-        presets.preset_config = original
+    with device:  # as `tiletune bench` builds a preset
+        model = prepare_for_training(cfg, AutoModelForCausalLM.from_config(shape, dtype=compute_dtype(cfg)))
     if truth:
         model.float()
     if impl is not None:
