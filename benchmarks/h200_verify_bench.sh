@@ -17,11 +17,14 @@
 #           `SPEED_NAME=lora-all PLAIN_TARGET=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj ... speed OUT
 #           lora_target=all`; then the plain script's stock step (REPEATS=1 by default: ~9 min per call;
 #           ABLATION=0 runs baseline, all, Liger and the fastest set only, without each op alone: ~4 min)
-#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed OUT_DIR [bench args...]
+#   offload: the GPU tests of the activation offload, then `tiletune bench` of the fastest set under
+#           `gradient_checkpointing: auto` with and without `gradient_checkpointing_offload` at the stock peak
+#           (28.9 GiB) and at the lean budgets LEAN_GIB (default "17.5 18.5"), against stock and Liger
+#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload OUT_DIR [bench args...]
 # (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
 set -u
-PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed OUT_DIR [bench args]}
-OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed OUT_DIR [bench args]}
+PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload OUT_DIR [bench args]}
+OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload OUT_DIR [bench args]}
 shift 2
 CONFIG=examples/bench/llama3_8b_lora.yaml
 GOLDEN=/tmp/llama3-8b-2layers.golden.safetensors  # too large to bring back; its report is kept
@@ -59,5 +62,14 @@ speed)
         --repeats "${REPEATS:-1}" "${SET[@]}" --out "$OUT/speed-${SPEED_NAME:-lora-qv}" 2>&1 | tail -20
     # the independent timing of the stock step in the same call (re-entrant, as the bench baseline)
     python3 benchmarks/plain_step.py --reentrant --lora-target "${PLAIN_TARGET:-q_proj,v_proj}" 2>&1 | tail -1 ;;
-*) echo "unknown part $PART (verify, golden, attention, lora, bench or speed)"; exit 2 ;;
+offload)
+    python3 -m pytest -q -m gpu tests/test_offload.py 2>&1 | tee "$OUT/gpu_tests_offload.txt" | tail -5
+    FAST=rms_norm+rope+swiglu+linear_cross_entropy+lora_linear
+    AUTO=gradient_checkpointing=auto
+    OFF=gradient_checkpointing_offload=true
+    SET="baseline,liger,$FAST:$AUTO:gradient_checkpointing_budget=28.9,$FAST:$AUTO:$OFF:gradient_checkpointing_budget=28.9"
+    for GIB in ${LEAN_GIB:-17.5 18.5}; do SET="$SET,$FAST:$AUTO:$OFF:gradient_checkpointing_budget=$GIB"; done
+    python3 -m tiletune bench "$CONFIG" "$@" --model-preset llama3-8b --steps 5 --warmup 2 --variants "$SET" \
+        --out "$OUT/offload-${SPEED_NAME:-lora-qv}" 2>&1 | tail -20 ;;
+*) echo "unknown part $PART (verify, golden, attention, lora, bench, speed or offload)"; exit 2 ;;
 esac

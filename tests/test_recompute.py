@@ -105,6 +105,7 @@ def test_plan_on_cpu_measures_saved_activations_and_fits_the_budget():
     ({"gradient_checkpointing": "auto", "disable_gradient_checkpointing": True}, "contradicts"),
     ({"gradient_checkpointing": "auto", "gradient_checkpointing_budget": -3}, "positive number of GiB"),
     ({"gradient_checkpointing_budget": 20}, "only with gradient_checkpointing=auto"),
+    ({"gradient_checkpointing_offload": True}, "offload is read only with gradient_checkpointing=auto"),
     ({"gradient_checkpointing": "sometimes"}, "allowed: bool or one of 'auto' or null"),
 ])  # fmt: skip
 def test_config_refuses_contradictions(raw, message):

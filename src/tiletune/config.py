@@ -50,6 +50,8 @@ class TuneConfig:
     # recomputes only as much as gradient_checkpointing_budget (GiB; null: 90% of the GPU) needs
     gradient_checkpointing: bool | Literal["auto"] | None = None
     gradient_checkpointing_budget: float | None = None
+    # with "auto": layers that would be recomputed may keep their activations in pinned host memory instead
+    gradient_checkpointing_offload: bool = False
     use_reentrant_gc: bool = True
     infer_dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
     print_param_status: bool = False
@@ -309,6 +311,8 @@ def _check_values(cfg: TuneConfig, source: str) -> None:
         raise UserError(f"{source}: gradient_checkpointing_budget={budget} must be a positive number of GiB (or null for 90% of the GPU)")
     if budget is not None and cfg.checkpointing != "auto":
         raise UserError(f"{source}: gradient_checkpointing_budget is read only with gradient_checkpointing=auto; set that too")
+    if cfg.gradient_checkpointing_offload and cfg.checkpointing != "auto":
+        raise UserError(f"{source}: gradient_checkpointing_offload is read only with gradient_checkpointing=auto; set that too")
     if cfg.train_arg("bf16") and cfg.train_arg("fp16"):
         raise UserError(f"{source}: bf16 and fp16 are both true; choose one")
     if cfg.train_arg("do_train") and not cfg.dataset:

@@ -5,7 +5,10 @@ Each decoder layer gets one of three treatments:
 - ``keep``: not checkpointed; what its backward needs stays in memory from its forward.
 - ``selective``: PyTorch's selective activation checkpointing; the outputs of matmuls and attention are
   kept, the cheap elementwise ops (norms, RoPE, the activation, casts) run again in the backward.
+- ``offload``: not checkpointed; what its backward needs waits in pinned host memory (`tiletune.offload`)
+  and comes back while a later layer's backward runs. Only with ``gradient_checkpointing_offload``.
 - ``recompute``: full checkpointing; only the layer's input is kept and its whole forward runs again.
+  With ``gradient_checkpointing_offload`` and re-entrant checkpointing that input waits on the host too.
 
 A probe step on the training shape (batch x cutoff_len random tokens, the kernels already patched in)
 measures what one layer holds under ``keep`` and under ``selective``, and the step's peak with every
@@ -13,12 +16,20 @@ other layer recomputed. The plan then gives as many layers as the budget allows 
 recomputes no matmul (the cheaper of the two in memory), upgrades ``selective`` layers to ``keep`` with
 what is left, and recomputes the rest. The layers spared are the last ones: the backward reaches them
 first, so their memory is free again before any recomputed layer runs its forward a second time.
+
+Offloading costs no device memory beyond one layer in flight, but the host link must carry a layer's
+tensors while the layers after it compute: the probe also times one layer's forward and the link, and
+every n-th layer is offloaded, n = ceil(copy time / forward time), so the copies keep pace with the
+compute in both directions (a layer's tensors go out during the forward of the n layers above it, and
+come back during their backward). The other layers share the budget less that one layer in flight.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -30,7 +41,8 @@ log = logging.getLogger("tiletune")
 
 GIB = 2**30
 MARGIN = 0.05  # of the budget, left for the allocator's fragmentation and what the probe cannot see
-TREATMENTS = ("keep", "selective", "recompute")
+TREATMENTS = ("keep", "selective", "offload", "recompute")
+HOST_SHARE = 0.5  # of the host memory available at planning time, the most offloaded tensors may take
 
 
 @dataclass
@@ -43,6 +55,11 @@ class RecomputePlan:
     keep_bytes: int  # what one layer holds between its forward and its backward, per treatment
     selective_bytes: int
     measured_on: str
+    input_bytes: int = 0  # one layer's input (hidden states): what a recomputed layer holds
+    offload_inputs: bool = False  # recomputed layers' inputs wait in host memory
+    offload_bytes: int = 0  # what one offloaded layer moves each way (its saved tensors and its input)
+    layer_forward_ms: float = 0.0
+    host_link_gb_s: float = 0.0
 
     @property
     def counts(self) -> dict[str, int]:
@@ -50,39 +67,104 @@ class RecomputePlan:
 
     @property
     def predicted_peak_bytes(self) -> int:
-        per_layer = {"keep": self.keep_bytes, "selective": self.selective_bytes, "recompute": 0}
-        return self.base_bytes + sum(per_layer[t] for t in self.treatments)
+        extra = self.input_bytes if self.offload_inputs else 0  # a spared layer's input no longer counted in base
+        per_layer = {"keep": self.keep_bytes + extra, "selective": self.selective_bytes + extra, "offload": 0, "recompute": 0}
+        spared = sum(per_layer[t] for t in self.treatments)
+        in_flight = self.offload_bytes if "offload" in self.treatments else 0
+        return self.base_bytes + max(spared, in_flight)
 
     def summary(self) -> str:
         counts = ", ".join(f"{n} {t}" for t, n in self.counts.items() if n)
+        offload = ""
+        if self.offload_bytes:
+            offload = (f"; offloaded layers move {self.offload_bytes / GIB:.2f} GiB each way over a "
+                       f"{self.host_link_gb_s:.0f} GB/s host link, a layer's forward takes {self.layer_forward_ms:.1f} ms"
+                       + (", recomputed layers' inputs wait on the host" if self.offload_inputs else ""))  # fmt: skip
         return (f"gradient_checkpointing auto: {counts} (layer holds {self.keep_bytes / GIB:.2f} GiB kept, "
-                f"{self.selective_bytes / GIB:.2f} GiB selective; peak {self.predicted_peak_bytes / GIB:.1f} GiB "
+                f"{self.selective_bytes / GIB:.2f} GiB selective{offload}; peak {self.predicted_peak_bytes / GIB:.1f} GiB "
                 f"predicted of a {self.budget_bytes / GIB:.1f} GiB budget)")  # fmt: skip
 
     def to_dict(self) -> dict:
         return {**asdict(self), "counts": self.counts, "predicted_peak_bytes": self.predicted_peak_bytes}
 
 
-def choose_treatments(layers: int, keep_bytes: int, selective_bytes: int, free_bytes: int) -> list[str]:
-    """Treatments, first layer to last, that spare the most matmul recomputation within `free_bytes`."""
+def choose_treatments(layers: int, keep_bytes: int, selective_bytes: int, free_bytes: int,
+                      offload_every: int = 0, offload_bytes: int = 0, max_offloaded: int | None = None) -> list[str]:  # fmt: skip
+    """Treatments, first layer to last, that spare the most matmul recomputation within `free_bytes`.
+
+    With `offload_every` = n > 0 and room for one offloaded layer in flight (`offload_bytes`), every n-th
+    layer from the first is offloaded (at most `max_offloaded`, none of the top n, which have no layer far
+    enough above them to start their prefetch); the other layers share the rest of the budget as before.
+    """
+    offloaded: list[int] = []
+    if offload_every > 0 and offload_bytes <= free_bytes:
+        offloaded = list(range(0, layers - offload_every, offload_every))[:max_offloaded]
+        free_bytes -= offload_bytes
+    others = layers - len(offloaded)
     cheaper = min(keep_bytes, selective_bytes)
-    spared = layers if cheaper <= 0 else max(0, min(layers, free_bytes // cheaper))
+    spared = others if cheaper <= 0 else max(0, min(others, free_bytes // cheaper))
     upgrades = 0
     if selective_bytes < keep_bytes and spared:
         left = free_bytes - spared * selective_bytes
         upgrades = max(0, min(spared, left // (keep_bytes - selective_bytes)))
     first_spared = "selective" if selective_bytes < keep_bytes else "keep"
-    return ["recompute"] * (layers - spared) + [first_spared] * (spared - upgrades) + ["keep"] * upgrades
+    treatments = ["recompute"] * (others - spared) + [first_spared] * (spared - upgrades) + ["keep"] * upgrades
+    for index in offloaded:
+        treatments.insert(index, "offload")
+    return treatments
 
 
-def apply_treatments(layers, treatments: list[str], use_reentrant: bool) -> None:
-    """Set each decoder layer's checkpointing as its treatment says (transformers' per-layer switch)."""
-    for layer, treatment in zip(layers, treatments, strict=True):
+def apply_treatments(layers, treatments: list[str], use_reentrant: bool, offload=None, offload_inputs: bool = False,
+                     prefetch_distance: int = 1) -> None:  # fmt: skip
+    """Set each decoder layer's checkpointing as its treatment says (transformers' per-layer switch).
+
+    `offload` (a `tiletune.offload.ActivationOffload`) runs the ``offload`` layers, and with `offload_inputs`
+    the re-entrant ``recompute`` ones; an offloaded layer's tensors start back when the backward reaches the
+    layer `prefetch_distance` above it (a recomputed layer's input: the layer right above). With offloaded
+    layers `prefetch_distance` apart, one is in flight while the one above is in use.
+    """
+    prefetch_at: dict[int, list[int]] = {}
+    for index, (layer, treatment) in enumerate(zip(layers, treatments, strict=True)):
+        if getattr(layer, "_tiletune_prefetch_hook", None) is not None:
+            layer._tiletune_prefetch_hook.remove()
+            layer._tiletune_prefetch_hook = None
         layer.gradient_checkpointing = treatment != "keep"
         if treatment == "selective":
             layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False, context_fn=_selective_contexts)
+        elif treatment == "recompute" and offload is not None and offload_inputs and use_reentrant:
+            recompute = functools.partial(checkpoint, use_reentrant=True)
+            layer._gradient_checkpointing_func = functools.partial(offload.run, index, recompute)
+            prefetch_at.setdefault(index + 1, []).append(index)
         elif treatment == "recompute":
             layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=use_reentrant)
+        elif treatment == "offload":
+            if offload is None:
+                raise ValueError("the offload treatment needs an ActivationOffload")
+            layer._gradient_checkpointing_func = functools.partial(offload.run, index, _call)
+            prefetch_at.setdefault(index + prefetch_distance, []).append(index)
+    for index, targets in prefetch_at.items():
+        if index < len(layers):  # the layer the backward needs first goes first on the copy stream
+            hook = _prefetch_hook(offload, sorted(targets, reverse=True))
+            layers[index]._tiletune_prefetch_hook = layers[index].register_forward_hook(hook)
+
+
+def _call(fn, *args):
+    return fn(*args)
+
+
+def _prefetch_hook(offload, targets: list[int]):
+    """A forward hook: when the gradient reaches this layer's output, start bringing `targets` back."""
+
+    def start_prefetch(grad):
+        for target in targets:
+            offload.prefetch(target)
+
+    def hook(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        if module.training and hidden.requires_grad:
+            hidden.register_hook(start_prefetch)
+
+    return hook
 
 
 @functools.cache
@@ -109,13 +191,20 @@ def _selective_contexts():
 
 
 def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_gib: float | None,
-                       use_reentrant: bool) -> RecomputePlan:  # fmt: skip
-    """Probe one step at (batch, seq), choose each layer's treatment within the budget, and apply it."""
+                       use_reentrant: bool, offload: bool = False) -> RecomputePlan:  # fmt: skip
+    """Probe one step at (batch, seq), choose each layer's treatment within the budget, and apply it.
+
+    With `offload`, layers that would be recomputed may have their saved tensors (and, under re-entrant
+    checkpointing, their inputs) wait in pinned host memory instead; GPU only.
+    """
     from tiletune.patch import decoder_layers
 
     _, layers = decoder_layers(model)
     device = next(model.parameters()).device
     on_gpu = device.type == "cuda"
+    if offload and not on_gpu:
+        log.warning("gradient_checkpointing_offload moves activations from a GPU to host memory; on %s it is off", device.type)
+        offload = False
     if budget_gib is None and not on_gpu:
         budget = None
     elif budget_gib is None:
@@ -126,34 +215,64 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
     if len(layers) >= 2:
         probe_treatments[-2:] = ["selective", "keep"]
     apply_treatments(layers, probe_treatments, use_reentrant)
-    held, peak = _probe(model, layers, batch, seq, dtype, device)
-    keep_bytes = held.get(len(layers) - 1, 0)
-    selective_bytes = held.get(len(layers) - 2, keep_bytes) if on_gpu else keep_bytes
-    base = _optimizer_state_bytes(model) + (peak - keep_bytes - selective_bytes if on_gpu else peak)
+    probe = _probe(model, layers, batch, seq, dtype, device)
+    keep_bytes = probe.held.get(len(layers) - 1, 0)
+    selective_bytes = probe.held.get(len(layers) - 2, keep_bytes) if on_gpu else keep_bytes
+    base = _optimizer_state_bytes(model) + (probe.peak - keep_bytes - selective_bytes if on_gpu else probe.peak)
+    plan = RecomputePlan([], 0, base, keep_bytes, selective_bytes, "cuda memory" if on_gpu else "saved tensors (CPU)",
+                         input_bytes=probe.input_bytes, layer_forward_ms=probe.forward_ms)  # fmt: skip
     if budget is None:  # on the CPU, with no budget given, memory is not what limits: recompute nothing
-        treatments, budget = ["keep"] * len(layers), base + len(layers) * keep_bytes
-    else:
-        if budget < base:
-            raise UserError(
-                f"gradient_checkpointing_budget={budget / GIB:.1f} GiB is below the {base / GIB:.1f} GiB this step needs "
-                "with every layer recomputed; raise the budget, or lower per_device_train_batch_size or cutoff_len"
-            )
-        free = int(budget * (1 - MARGIN)) - base
-        treatments = choose_treatments(len(layers), keep_bytes, selective_bytes, free)
-    apply_treatments(layers, treatments, use_reentrant)
-    plan = RecomputePlan(treatments, budget, base, keep_bytes, selective_bytes,
-                         "cuda memory" if on_gpu else "saved tensors (CPU)")  # fmt: skip
+        plan.treatments, plan.budget_bytes = ["keep"] * len(layers), base + len(layers) * keep_bytes
+        apply_treatments(layers, plan.treatments, use_reentrant)
+        log.info("%s", plan.summary())
+        return plan
+    plan.budget_bytes = budget
+    offload_every, max_offloaded = 0, 0
+    if offload:
+        plan.offload_inputs = use_reentrant  # a non-re-entrant checkpoint holds its inputs outside autograd's hooks
+        if plan.offload_inputs:
+            plan.base_bytes -= (len(layers) - 1) * probe.input_bytes
+        plan.offload_bytes = keep_bytes + probe.input_bytes
+        plan.host_link_gb_s = _host_link_bytes_per_s(device, min(plan.offload_bytes, 256 * 2**20)) / 1e9
+        copy_ms = plan.offload_bytes / (plan.host_link_gb_s * 1e9) * 1e3
+        offload_every = max(1, math.ceil(copy_ms / max(probe.forward_ms, 1e-3)))
+        max_offloaded = int(_host_available_bytes() * HOST_SHARE) // max(plan.offload_bytes, 1)
+    if budget < plan.base_bytes:
+        raise UserError(
+            f"gradient_checkpointing_budget={budget / GIB:.1f} GiB is below the {plan.base_bytes / GIB:.1f} GiB this step "
+            "needs with every layer recomputed; raise the budget, or lower per_device_train_batch_size or cutoff_len"
+        )
+    extra = probe.input_bytes if plan.offload_inputs else 0
+    free = int(budget * (1 - MARGIN)) - plan.base_bytes
+    plan.treatments = choose_treatments(len(layers), keep_bytes + extra, selective_bytes + extra, free,
+                                        offload_every, plan.offload_bytes, max_offloaded)  # fmt: skip
+    activation_offload = None
+    if offload:
+        from tiletune.offload import ActivationOffload
+
+        activation_offload = ActivationOffload(device, model.parameters())
+    apply_treatments(layers, plan.treatments, use_reentrant, activation_offload, plan.offload_inputs,
+                     prefetch_distance=offload_every)  # fmt: skip
     log.info("%s", plan.summary())
     return plan
 
 
-def _probe(model, layers, batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> tuple[dict[int, int], int]:
-    """One forward + backward on random tokens: bytes each spared layer holds, and the step's peak."""
+@dataclass
+class _ProbeResult:
+    held: dict[int, int]  # bytes each spared layer holds
+    peak: int  # the step's peak (bytes)
+    input_bytes: int  # one layer's input
+    forward_ms: float  # the last layer's forward
+
+
+def _probe(model, layers, batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> _ProbeResult:
+    """One forward + backward on random tokens: what each spared layer holds, the peak, the last layer's forward."""
     from tiletune.model import autocast
 
     on_gpu = device.type == "cuda"
     held: dict[int, int] = {}
-    hooks = []
+    timing: dict[str, float] = {}
+    hooks = _timing_hooks(layers[-1], timing, device)
     for index, layer in enumerate(layers):
         if layer.gradient_checkpointing:
             continue
@@ -180,7 +299,53 @@ def _probe(model, layers, batch: int, seq: int, dtype: torch.dtype, device: torc
     for param in model.parameters():
         param.grad = None
     model.train(was_training)
-    return held, peak
+    return _ProbeResult(held, peak, int(timing["input_bytes"]), timing["forward_ms"]())
+
+
+def _timing_hooks(layer, timing: dict, device):
+    """Hooks that note a layer's input size and time its forward (CUDA events on a GPU)."""
+    on_gpu = device.type == "cuda"
+
+    def now():
+        if not on_gpu:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def pre(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        timing["input_bytes"] = hidden.numel() * hidden.element_size()
+        timing["start"] = now()
+
+    def post(module, args, kwargs, output):
+        start, end = timing["start"], now()
+        timing["forward_ms"] = (lambda: start.elapsed_time(end)) if on_gpu else (lambda: (end - start) * 1e3)
+
+    return [layer.register_forward_pre_hook(pre, with_kwargs=True), layer.register_forward_hook(post, with_kwargs=True)]
+
+
+def _host_link_bytes_per_s(device: torch.device, nbytes: int) -> float:
+    """Pinned host <-> device copy rate, the slower direction (median of 3 copies each way)."""
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    on_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    rates = []
+    for destination, source in ((on_host, on_device), (on_device, on_host)):
+        seconds = []
+        for _ in range(4):
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            destination.copy_(source, non_blocking=True)
+            torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - start)
+        rates.append(nbytes / sorted(seconds[1:])[1])
+    return min(rates)
+
+
+def _host_available_bytes() -> int:
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 def _memory_hooks(layer, index: int, held: dict[int, int], device):

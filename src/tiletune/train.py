@@ -122,7 +122,8 @@ def _plan_recomputation(cfg: TuneConfig, model):
     if torch.cuda.is_available():  # the probe measures on the device the Trainer will train on
         model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
     batch = cfg.train_arg("per_device_train_batch_size", 8)
-    plan = plan_recomputation(model, batch, cfg.cutoff_len, compute_dtype(cfg), cfg.gradient_checkpointing_budget, cfg.use_reentrant_gc)
+    plan = plan_recomputation(model, batch, cfg.cutoff_len, compute_dtype(cfg), cfg.gradient_checkpointing_budget,
+                              cfg.use_reentrant_gc, cfg.gradient_checkpointing_offload)
     print(plan.summary())
     return plan
 

@@ -95,7 +95,8 @@ def run(job: dict) -> dict:
     if cfg.checkpointing == "auto":
         from tiletune.recompute import plan_recomputation
 
-        plan = plan_recomputation(model, batch, seq, compute_dtype(cfg), cfg.gradient_checkpointing_budget, cfg.use_reentrant_gc)
+        plan = plan_recomputation(model, batch, seq, compute_dtype(cfg), cfg.gradient_checkpointing_budget,
+                                  cfg.use_reentrant_gc, cfg.gradient_checkpointing_offload)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(job["seed"])
     input_ids = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
