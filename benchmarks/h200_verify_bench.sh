@@ -19,7 +19,7 @@
 #           ABLATION=0 runs baseline, all, Liger and the fastest set only, without each op alone: ~4 min)
 #   offload: the GPU tests of the activation offload, then `tiletune bench` of the fastest set under
 #           `gradient_checkpointing: auto` with and without `gradient_checkpointing_offload` at the stock peak
-#           (28.9 GiB) and at the lean budgets LEAN_GIB (default "17.5 18.5"), against stock and Liger
+#           (28.9 GiB) and at the lean budgets LEAN_GIB (default "17.5 18.7"), against stock and Liger
 #   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload OUT_DIR [bench args...]
 # (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
 set -u
@@ -68,7 +68,7 @@ offload)
     AUTO=gradient_checkpointing=auto
     OFF=gradient_checkpointing_offload=true
     SET="baseline,liger,$FAST:$AUTO:gradient_checkpointing_budget=28.9,$FAST:$AUTO:$OFF:gradient_checkpointing_budget=28.9"
-    for GIB in ${LEAN_GIB:-17.5 18.5}; do SET="$SET,$FAST:$AUTO:$OFF:gradient_checkpointing_budget=$GIB"; done
+    for GIB in ${LEAN_GIB:-17.5 18.7}; do SET="$SET,$FAST:$AUTO:$OFF:gradient_checkpointing_budget=$GIB"; done
     python3 -m tiletune bench "$CONFIG" "$@" --model-preset llama3-8b --steps 5 --warmup 2 --variants "$SET" \
         --out "$OUT/offload-${SPEED_NAME:-lora-qv}" 2>&1 | tail -20 ;;
 *) echo "unknown part $PART (verify, golden, attention, lora, bench, speed or offload)"; exit 2 ;;

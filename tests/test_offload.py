@@ -140,3 +140,30 @@ def test_offload_on_the_gpu_is_exact_prefetches_and_lowers_the_peak(reentrant):
     torch.testing.assert_close(result[0], reference[0], rtol=0, atol=0)
     for name, grad in result[1].items():
         torch.testing.assert_close(grad, reference[1][name], msg=name)
+
+
+@gpu
+def test_plan_with_offload_predicts_the_peak_it_reaches_on_the_gpu():
+    """The planner's probe on the device: selective measured on its own, and the peak it predicts is the one reached."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from tiletune.recompute import plan_recomputation
+
+    model = _model(layers=8, hidden=1024, device="cuda")
+    all_recomputed = plan_recomputation(model, 4, 2048, torch.bfloat16, budget_gib=None, use_reentrant=True)
+    assert 0 < all_recomputed.selective_bytes < all_recomputed.keep_bytes  # norms and activations not kept
+    budget = (all_recomputed.base_bytes + 3 * all_recomputed.keep_bytes) / 0.95 / 2**30
+    plan = plan_recomputation(model, 4, 2048, torch.bfloat16, budget_gib=budget, use_reentrant=True, offload=True)
+    assert plan.offload_inputs and plan.host_link_gb_s > 1 and plan.layer_forward_ms > 0
+    tokens = torch.randint(0, 96, (4, 2048), device="cuda")
+    for _ in range(2):  # the second step, with the pinned buffers in place
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    assert abs(peak - plan.predicted_peak_bytes) < 0.1 * plan.predicted_peak_bytes, (peak, plan.to_dict())
+    assert peak <= budget * 2**30

@@ -218,7 +218,9 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
     probe = _probe(model, layers, batch, seq, dtype, device)
     keep_bytes = probe.held.get(len(layers) - 1, 0)
     selective_bytes = probe.held.get(len(layers) - 2, keep_bytes) if on_gpu else keep_bytes
-    base = _optimizer_state_bytes(model) + (probe.peak - keep_bytes - selective_bytes if on_gpu else probe.peak)
+    # on a GPU: the peak while the two spared layers were held, less them, or the peak after their backward
+    base = _optimizer_state_bytes(model) + (max(probe.peak - keep_bytes - selective_bytes, probe.peak_below)
+                                            if on_gpu else probe.peak)  # fmt: skip
     plan = RecomputePlan([], 0, base, keep_bytes, selective_bytes, "cuda memory" if on_gpu else "saved tensors (CPU)",
                          input_bytes=probe.input_bytes, layer_forward_ms=probe.forward_ms)  # fmt: skip
     if budget is None:  # on the CPU, with no budget given, memory is not what limits: recompute nothing
@@ -261,6 +263,7 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
 class _ProbeResult:
     held: dict[int, int]  # bytes each spared layer holds
     peak: int  # the step's peak (bytes)
+    peak_below: int  # the peak after the backward has left the spared layers (GPU)
     input_bytes: int  # one layer's input
     forward_ms: float  # the last layer's forward
 
@@ -272,14 +275,16 @@ def _probe(model, layers, batch: int, seq: int, dtype: torch.dtype, device: torc
     on_gpu = device.type == "cuda"
     held: dict[int, int] = {}
     timing: dict[str, float] = {}
+    peaks: dict[str, int] = {}
     hooks = _timing_hooks(layers[-1], timing, device)
-    for index, layer in enumerate(layers):
-        if layer.gradient_checkpointing:
-            continue
+    spared = range(max(0, len(layers) - 2), len(layers))
+    for index in spared:
         if on_gpu:
-            hooks += _memory_hooks(layer, index, held, device)
-        else:
-            hooks += _saved_tensor_hooks(layer, index, held)
+            hooks += _memory_hooks(layers[index], index, held, device)
+        elif index == len(layers) - 1:  # the kept one; a selective layer's saves happen inside its checkpoint
+            hooks += _saved_tensor_hooks(layers[index], index, held)
+    if on_gpu:
+        hooks.append(layers[spared[0]].register_forward_pre_hook(_split_peak_hook(peaks, device), with_kwargs=True))
     vocab = model.get_input_embeddings().num_embeddings
     tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
     was_training = model.training
@@ -295,11 +300,30 @@ def _probe(model, layers, batch: int, seq: int, dtype: torch.dtype, device: torc
     finally:
         for hook in hooks:
             hook.remove()
-    peak = torch.cuda.max_memory_allocated(device) if on_gpu else _parameter_bytes(model)
+    peak = _parameter_bytes(model)
+    peak_below = 0
+    if on_gpu:
+        peak_below = torch.cuda.max_memory_allocated(device)
+        peak = max(peaks.get("above", peak_below), peak_below)
     for param in model.parameters():
         param.grad = None
     model.train(was_training)
-    return _ProbeResult(held, peak, int(timing["input_bytes"]), timing["forward_ms"]())
+    return _ProbeResult(held, peak, peak_below, int(timing["input_bytes"]), timing["forward_ms"]())
+
+
+def _split_peak_hook(peaks: dict, device):
+    """A forward pre-hook: once the backward has passed this layer, note the peak so far and start a new one."""
+
+    def passed(grad):
+        peaks["above"] = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def hook(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.requires_grad:
+            hidden.register_hook(passed)
+
+    return hook
 
 
 def _timing_hooks(layer, timing: dict, device):
