@@ -7,7 +7,8 @@ gradient reaches a later layer named as the trigger, the layer's tensors are cop
 stream while that later layer's backward runs, so the compute stream waits only where the host link is
 slower than the layers in between. A tensor needed before its prefetch (no trigger, or the copy is late)
 is fetched on the compute stream. Parameters, tensors already on the host and tensors under `MIN_BYTES`
-stay where they are.
+stay where they are. The pinned buffers of one step serve the next (a layer's buffers are handed back when
+it runs its forward again), so host memory is pinned once.
 
 Whole storages move, so views, transposes and tensors sharing a storage come back exactly as they were
 saved, and a storage saved several times in one layer (the normed input read by three projections) moves
@@ -117,7 +118,7 @@ class ActivationOffload:
     def _copy_out(self, tensor: torch.Tensor) -> _Offloaded:
         raw = torch.empty(0, dtype=torch.uint8, device=self.device).set_(tensor.untyped_storage())
         spare = self.spare.get(raw.numel())
-        # pinning is slow (about 0.5 s per GiB): each buffer is allocated in the first step and reused after
+        # pinning host memory is slow: each buffer is allocated in the first step and reused after
         host, last_read = spare.pop() if spare else (torch.empty(raw.numel(), dtype=torch.uint8, pin_memory=self.on_gpu), None)
         if not self.on_gpu:
             host.copy_(raw)
