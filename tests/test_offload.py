@@ -33,6 +33,16 @@ def _loss_and_grads(model, tokens):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def _kept_reference(layers: int):
+    """A CPU model (hidden 256, 4 x 256 tokens: saved tensors pass MIN_BYTES), its decoder layers, the tokens,
+    the loss and gradients with every layer kept, and an ActivationOffload for it."""
+    model = _model(layers=layers, hidden=256)
+    _, decoder = decoder_layers(model)
+    tokens = torch.randint(0, 96, (4, 256), generator=torch.Generator().manual_seed(1))
+    apply_treatments(decoder, ["keep"] * layers, use_reentrant=True)
+    return model, decoder, tokens, _loss_and_grads(model, tokens), ActivationOffload(torch.device("cpu"), model.parameters())
+
+
 def _assert_same(result, reference):
     torch.testing.assert_close(result[0], reference[0], rtol=0, atol=0)
     for name, grad in result[1].items():
@@ -51,13 +61,7 @@ def test_choose_offloads_every_nth_layer_and_shares_the_rest_of_the_budget():
 
 
 def test_offloaded_layers_give_the_same_loss_and_gradients_and_hold_host_copies():
-    """Hidden 256 x 64 tokens makes the saved tensors pass MIN_BYTES, so they really move."""
-    model = _model(layers=4, hidden=256)
-    _, layers = decoder_layers(model)
-    tokens = torch.randint(0, 96, (4, 256), generator=torch.Generator().manual_seed(1))
-    apply_treatments(layers, ["keep"] * 4, use_reentrant=True)
-    reference = _loss_and_grads(model, tokens)
-    offload = ActivationOffload(torch.device("cpu"), model.parameters())
+    model, layers, tokens, reference, offload = _kept_reference(layers=4)
     apply_treatments(layers, ["offload", "recompute", "offload", "keep"], use_reentrant=True, offload=offload,
                      offload_inputs=True, prefetch_distance=1)  # fmt: skip
     _assert_same(_loss_and_grads(model, tokens), reference)
@@ -90,12 +94,7 @@ def test_a_storage_saved_several_times_moves_once_and_views_come_back_exact():
 
 def test_a_corrupted_host_copy_changes_the_gradients(monkeypatch):
     """The gradient comparison above can fail: the same check catches a round trip that loses the data."""
-    model = _model(layers=2, hidden=256)
-    _, layers = decoder_layers(model)
-    tokens = torch.randint(0, 96, (4, 256), generator=torch.Generator().manual_seed(1))
-    apply_treatments(layers, ["keep"] * 2, use_reentrant=True)
-    reference = _loss_and_grads(model, tokens)
-    offload = ActivationOffload(torch.device("cpu"), model.parameters())
+    model, layers, tokens, reference, offload = _kept_reference(layers=2)
     corrupt = offload._copy_out
 
     def zeroed(tensor):

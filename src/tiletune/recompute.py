@@ -274,7 +274,7 @@ def _probe(model, layers, batch: int, seq: int, dtype: torch.dtype, device: torc
 
     on_gpu = device.type == "cuda"
     held: dict[int, int] = {}
-    timing: dict[str, float] = {}
+    timing: dict = {}  # the last layer's input bytes and its forward's start and end
     peaks: dict[str, int] = {}
     hooks = _timing_hooks(layers[-1], timing, device)
     spared = range(max(0, len(layers) - 2), len(layers))
@@ -308,7 +308,11 @@ def _probe(model, layers, batch: int, seq: int, dtype: torch.dtype, device: torc
     for param in model.parameters():
         param.grad = None
     model.train(was_training)
-    return _ProbeResult(held, peak, peak_below, int(timing["input_bytes"]), timing["forward_ms"]())
+    start, end = timing["start"], timing["end"]
+    if on_gpu:
+        end.synchronize()  # recorded in the forward; elapsed_time needs it complete
+    forward_ms = start.elapsed_time(end) if on_gpu else (end - start) * 1e3
+    return _ProbeResult(held, peak, peak_below, int(timing["input_bytes"]), forward_ms)
 
 
 def _split_peak_hook(peaks: dict, device):
@@ -319,15 +323,20 @@ def _split_peak_hook(peaks: dict, device):
         torch.cuda.reset_peak_memory_stats(device)
 
     def hook(module, args, kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]
+        hidden = _layer_input(args, kwargs)
         if hidden.requires_grad:
             hidden.register_hook(passed)
 
     return hook
 
 
+def _layer_input(args, kwargs):
+    """A decoder layer's hidden-states input, from a forward hook's arguments."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
 def _timing_hooks(layer, timing: dict, device):
-    """Hooks that note a layer's input size and time its forward (CUDA events on a GPU)."""
+    """Hooks that note a layer's input size and the start and end of its forward (CUDA events on a GPU)."""
     on_gpu = device.type == "cuda"
 
     def now():
@@ -338,13 +347,12 @@ def _timing_hooks(layer, timing: dict, device):
         return event
 
     def pre(module, args, kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]
+        hidden = _layer_input(args, kwargs)
         timing["input_bytes"] = hidden.numel() * hidden.element_size()
         timing["start"] = now()
 
     def post(module, args, kwargs, output):
-        start, end = timing["start"], now()
-        timing["forward_ms"] = (lambda: start.elapsed_time(end)) if on_gpu else (lambda: (end - start) * 1e3)
+        timing["end"] = now()
 
     return [layer.register_forward_pre_hook(pre, with_kwargs=True), layer.register_forward_hook(post, with_kwargs=True)]
 
