@@ -18,4 +18,4 @@ python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q "llamafactory==$LF_VERSION" "pytest>=8"
 "$VENV/bin/python" -m pip install -q -e . --no-deps
 
-"$VENV/bin/python" -m pytest -q tests/test_llamafactory.py
+"$VENV/bin/python" -m pytest -q tests/train/test_llamafactory.py

@@ -63,7 +63,7 @@ speed)
     # the independent timing of the stock step in the same call (re-entrant, as the bench baseline)
     python3 benchmarks/plain_step.py --reentrant --lora-target "${PLAIN_TARGET:-q_proj,v_proj}" 2>&1 | tail -1 ;;
 offload)
-    python3 -m pytest -q -m gpu tests/test_offload.py 2>&1 | tee "$OUT/gpu_tests_offload.txt" | tail -5
+    python3 -m pytest -q -m gpu tests/train/test_offload.py 2>&1 | tee "$OUT/gpu_tests_offload.txt" | tail -5
     FAST=rms_norm+rope+swiglu+linear_cross_entropy+lora_linear
     AUTO=gradient_checkpointing=auto
     OFF=gradient_checkpointing_offload=true

@@ -22,11 +22,11 @@ import argparse
 import torch
 from transformers import AutoModelForCausalLM
 
-from tiletune.bench.presets import preset_config
+from tiletune.train.presets import preset_config
 from tiletune.config import load_config
 from tiletune.env import run_stamp
 from tiletune.kernels import linear, lora_linear, registry
-from tiletune.model import autocast, compute_dtype, prepare_for_training
+from tiletune.train.model import autocast, compute_dtype, prepare_for_training
 from tiletune.patch import apply_kernels, parse_kernel_spec
 
 CONFIG = "examples/bench/llama3_8b_lora.yaml"

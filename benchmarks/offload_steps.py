@@ -3,8 +3,8 @@ one profiled step. `python benchmarks/offload_steps.py BUDGET_GIB` on a GPU (the
 import sys, time, torch
 from tiletune.bench.worker import build_model
 from tiletune.config import load_config
-from tiletune.model import autocast, compute_dtype
-from tiletune.recompute import plan_recomputation
+from tiletune.train.model import autocast, compute_dtype
+from tiletune.train.recompute import plan_recomputation
 from tiletune.patch import decoder_layers
 budget = float(sys.argv[1])
 cfg = load_config("examples/bench/llama3_8b_lora.yaml", ["gradient_checkpointing=auto", "gradient_checkpointing_offload=true", f"gradient_checkpointing_budget={budget}"])

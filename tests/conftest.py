@@ -75,7 +75,7 @@ def demo_tokenizer(tokenizer_dir):
 def demo_adapter(tmp_path_factory) -> Path:
     """The README demo's LoRA adapter (examples/demo.yaml trained without prediction, about 10 s)."""
     from tiletune.config import load_config
-    from tiletune.train import run_train
+    from tiletune.train.trainer import run_train
 
     out = tmp_path_factory.mktemp("demo-adapter")
     examples = REPO / "examples"

@@ -50,8 +50,8 @@ def train(config: str, overrides: tuple[str, ...], dry_run: bool) -> None:
     import subprocess
 
     from tiletune.config import load_config
-    from tiletune.launch import torchrun_command
-    from tiletune.train import run_train
+    from tiletune.train.launch import torchrun_command
+    from tiletune.train.trainer import run_train
 
     command = torchrun_command(["train", config, *overrides] + (["--dry-run"] if dry_run else []))
     if command is not None:
@@ -201,7 +201,7 @@ def kernels_warmup(config: str, overrides: tuple[str, ...]) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tiletune.config import load_config
-    from tiletune.model import prepare_for_training
+    from tiletune.train.model import prepare_for_training
     from tiletune.patch import warmup_kernels
 
     cfg = load_config(config, overrides)
@@ -280,7 +280,7 @@ def verify(config, overrides, out_dir, batches, seq, random_tokens, k, floor, sa
 def export(config: str, overrides: tuple[str, ...]) -> None:
     """Merge the CONFIG's LoRA adapters into the base model and write it to `export_dir`."""
     from tiletune.config import load_config
-    from tiletune.export import run_export
+    from tiletune.train.export import run_export
 
     click.echo(f"exported to {run_export(load_config(config, overrides))}")
 
@@ -291,7 +291,7 @@ def export(config: str, overrides: tuple[str, ...]) -> None:
 @click.option("--kernels", "kernel_spec", help="Kernels to patch in, as in the `kernels:` key (e.g. all, rms_norm).")
 def chat(config: str, overrides: tuple[str, ...], kernel_spec: str | None) -> None:
     """Chat in the terminal with the CONFIG's model (and adapters) in its chat template."""
-    from tiletune.chat import load_session, run_chat
+    from tiletune.train.chat import load_session, run_chat
     from tiletune.config import load_config
 
     cfg = load_config(config, overrides + ((f"kernels={kernel_spec}",) if kernel_spec else ()))
@@ -314,6 +314,6 @@ def llamafactory_group() -> None:
 @click.argument("overrides", nargs=-1)
 def llamafactory_train(config: str, overrides: tuple[str, ...]) -> None:
     """LLaMA-Factory's training for CONFIG, with the `kernels:` block patched into the model it loads."""
-    from tiletune.llamafactory import run_llamafactory_train
+    from tiletune.train.llamafactory import run_llamafactory_train
 
     run_llamafactory_train(config, overrides)

@@ -6,7 +6,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from tiletune.bench.presets import preset_config
+from tiletune.train.presets import preset_config
 from tiletune.bench.runner import short_label, summarise
 from tiletune.bench.worker import step_flops
 from tiletune.cli import main

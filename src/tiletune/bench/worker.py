@@ -15,7 +15,7 @@ import time
 import torch
 
 from tiletune.config import TuneConfig, load_config
-from tiletune.model import autocast, compute_dtype, prepare_for_training
+from tiletune.train.model import autocast, compute_dtype, prepare_for_training
 
 RESULT_PREFIX = "BENCH_RESULT "
 LIGER_APPLY = {"llama": "apply_liger_kernel_to_llama", "qwen3": "apply_liger_kernel_to_qwen3", "qwen2": "apply_liger_kernel_to_qwen2"}
@@ -40,7 +40,7 @@ def build_model(cfg: TuneConfig, preset: str | None, variant: str, device: torch
     """The model for one variant: a random-init preset or `model_name_or_path`, set up to train."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tiletune.bench.presets import preset_config
+    from tiletune.train.presets import preset_config
 
     model_config = preset_config(preset) if preset else AutoConfig.from_pretrained(cfg.model_name_or_path)
     if variant == "liger":
@@ -93,7 +93,7 @@ def run(job: dict) -> dict:
     batch, seq = job["batch"], job["seq"]
     plan = None
     if cfg.checkpointing == "auto":
-        from tiletune.recompute import plan_recomputation
+        from tiletune.train.recompute import plan_recomputation
 
         plan = plan_recomputation(model, batch, seq, compute_dtype(cfg), cfg.gradient_checkpointing_budget,
                                   cfg.use_reentrant_gc, cfg.gradient_checkpointing_offload)
@@ -154,7 +154,7 @@ def _peak_memory(device: torch.device) -> tuple[float, float]:
     """(allocated, reserved) peak GiB since the end of the warm-up (the process's peak RSS on the CPU)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
-    from tiletune.callbacks import peak_memory_gib
+    from tiletune.train.callbacks import peak_memory_gib
 
     return peak_memory_gib(), peak_memory_gib()
 

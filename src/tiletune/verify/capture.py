@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tiletune.model import autocast
+from tiletune.train.model import autocast
 from tiletune.patch import decoder_layers
 
 

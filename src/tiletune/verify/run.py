@@ -52,7 +52,7 @@ class VerifyOptions:
 
 def prepare(cfg: TuneConfig, options: VerifyOptions):
     """The model set up as for training (LoRA weights made non-trivial), its inputs, the device and dtype."""
-    from tiletune.model import compute_dtype, set_checkpointing
+    from tiletune.train.model import compute_dtype, set_checkpointing
 
     dtype = compute_dtype(cfg)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -70,7 +70,7 @@ def prepare(cfg: TuneConfig, options: VerifyOptions):
 
 def _configured_model(cfg: TuneConfig):
     from tiletune.data.templates import get_template
-    from tiletune.model import load_model, load_tokenizer
+    from tiletune.train.model import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(cfg)
     template = get_template(cfg.template, tokenizer, cfg.stage, cfg.default_system)
@@ -81,8 +81,8 @@ def _configured_model(cfg: TuneConfig):
 def _preset_model(cfg: TuneConfig, options: VerifyOptions, dtype, device):
     from transformers import AutoModelForCausalLM
 
-    from tiletune.bench.presets import preset_config
-    from tiletune.model import prepare_for_training
+    from tiletune.train.presets import preset_config
+    from tiletune.train.model import prepare_for_training
 
     shape = preset_config(options.preset)
     if options.layers:
@@ -245,7 +245,7 @@ def compare_to_golden(captured: dict, golden: dict, tolerances: dict[str, float]
 
 def loss_curve(model, batches, steps: int, lr: float, dtype, device, seed: int) -> list[float]:
     """Losses of `steps` AdamW steps over `batches` (cycled), from the model's current weights."""
-    from tiletune.model import autocast
+    from tiletune.train.model import autocast
 
     torch.manual_seed(seed)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -5,7 +5,7 @@ Each decoder layer gets one of three treatments:
 - ``keep``: not checkpointed; what its backward needs stays in memory from its forward.
 - ``selective``: PyTorch's selective activation checkpointing; the outputs of matmuls and attention are
   kept, the cheap elementwise ops (norms, RoPE, the activation, casts) run again in the backward.
-- ``offload``: not checkpointed; what its backward needs waits in pinned host memory (`tiletune.offload`)
+- ``offload``: not checkpointed; what its backward needs waits in pinned host memory (`tiletune.train.offload`)
   and comes back while a later layer's backward runs. Only with ``gradient_checkpointing_offload``.
 - ``recompute``: full checkpointing; only the layer's input is kept and its whole forward runs again.
   With ``gradient_checkpointing_offload`` and re-entrant checkpointing that input waits on the host too.
@@ -118,7 +118,7 @@ def apply_treatments(layers, treatments: list[str], use_reentrant: bool, offload
                      prefetch_distance: int = 1) -> None:  # fmt: skip
     """Set each decoder layer's checkpointing as its treatment says (transformers' per-layer switch).
 
-    `offload` (a `tiletune.offload.ActivationOffload`) runs the ``offload`` layers, and with `offload_inputs`
+    `offload` (a `tiletune.train.offload.ActivationOffload`) runs the ``offload`` layers, and with `offload_inputs`
     the re-entrant ``recompute`` ones; an offloaded layer's tensors start back when the backward reaches the
     layer `prefetch_distance` above it (a recomputed layer's input: the layer right above). With offloaded
     layers `prefetch_distance` apart, one is in flight while the one above is in use.
@@ -250,7 +250,7 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
                                         offload_every, plan.offload_bytes, max_offloaded)  # fmt: skip
     activation_offload = None
     if offload:
-        from tiletune.offload import ActivationOffload
+        from tiletune.train.offload import ActivationOffload
 
         activation_offload = ActivationOffload(device, model.parameters())
     apply_treatments(layers, plan.treatments, use_reentrant, activation_offload, plan.offload_inputs,
@@ -270,7 +270,7 @@ class _ProbeResult:
 
 def _probe(model, layers, batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> _ProbeResult:
     """One forward + backward on random tokens: what each spared layer holds, the peak, the last layer's forward."""
-    from tiletune.model import autocast
+    from tiletune.train.model import autocast
 
     on_gpu = device.type == "cuda"
     held: dict[int, int] = {}

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from tiletune.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "demo.yaml"
 BASE = REPO / "examples" / "tiny-llama"
 

@@ -15,11 +15,11 @@ from click.testing import CliRunner
 from tiletune.cli import main
 from tiletune.errors import UserError
 from tiletune.kernels.registry import OPS, OPT_IN
-from tiletune.llamafactory import split_config
+from tiletune.train.llamafactory import split_config
 
 ALL = [op for op in OPS if op not in OPT_IN]  # what `kernels: all` selects
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CONFIG = {
     "model_name_or_path": str(EXAMPLES / "tiny-llama"),
     "stage": "sft",

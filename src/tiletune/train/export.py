@@ -48,7 +48,7 @@ def output_dtype(cfg: TuneConfig, model) -> torch.dtype:
 def run_export(cfg: TuneConfig) -> Path:
     """Merge `adapter_name_or_path` into `model_name_or_path` and write the model to `export_dir`."""
     from tiletune.data.templates import get_template
-    from tiletune.model import load_model, load_tokenizer
+    from tiletune.train.model import load_model, load_tokenizer
 
     target = check_export_dir(cfg)
     tokenizer = load_tokenizer(cfg)

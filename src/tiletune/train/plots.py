@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from tiletune.callbacks import LOG_NAME
+from tiletune.train.callbacks import LOG_NAME
 
 
 def smooth(values: list[float]) -> list[float]:

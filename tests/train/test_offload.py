@@ -6,10 +6,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tiletune.config import build_config
-from tiletune.model import prepare_for_training
-from tiletune.offload import MIN_BYTES, ActivationOffload
+from tiletune.train.model import prepare_for_training
+from tiletune.train.offload import MIN_BYTES, ActivationOffload
 from tiletune.patch import decoder_layers
-from tiletune.recompute import apply_treatments, choose_treatments
+from tiletune.train.recompute import apply_treatments, choose_treatments
 
 gpu = pytest.mark.gpu
 
@@ -147,7 +147,7 @@ def test_plan_with_offload_predicts_the_peak_it_reaches_on_the_gpu():
     without wasting it (on the H200 this model reached 0.86x of the predicted peak: the prediction errs high here)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    from tiletune.recompute import plan_recomputation
+    from tiletune.train.recompute import plan_recomputation
 
     model = _model(layers=8, hidden=1024, device="cuda")
     all_recomputed = plan_recomputation(model, 4, 2048, torch.bfloat16, budget_gib=None, use_reentrant=True)

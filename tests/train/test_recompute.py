@@ -11,9 +11,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tiletune.cli import main
 from tiletune.config import build_config
 from tiletune.errors import UserError
-from tiletune.model import prepare_for_training
+from tiletune.train.model import prepare_for_training
 from tiletune.patch import decoder_layers
-from tiletune.recompute import apply_treatments, choose_treatments, plan_recomputation
+from tiletune.train.recompute import apply_treatments, choose_treatments, plan_recomputation
 
 
 def test_choose_spares_the_last_layers_and_prefers_the_cheaper_treatment():

@@ -26,7 +26,7 @@ class ChatSession:
     """A model, its tokenizer and template, and the conversation so far."""
 
     def __init__(self, cfg: TuneConfig, model, tokenizer, template: Template):
-        from tiletune.predict import generation_config
+        from tiletune.train.predict import generation_config
 
         self.cfg, self.model, self.tokenizer, self.template = cfg, model, tokenizer, template
         self.gen_config = generation_config(cfg, tokenizer, template)
@@ -81,7 +81,7 @@ def load_session(cfg: TuneConfig) -> tuple[ChatSession, str | None]:
     """The chat session for `cfg` (adapters in `adapter_name_or_path` merged, the `kernels:` selection
     patched in), and the kernel summary (None without kernels)."""
     from tiletune.data.templates import get_template
-    from tiletune.model import load_model, load_tokenizer
+    from tiletune.train.model import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(cfg)
     template = get_template(cfg.template, tokenizer, cfg.stage, cfg.default_system)

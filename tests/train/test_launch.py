@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tiletune.launch import torchrun_command
+from tiletune.train.launch import torchrun_command
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_torchrun_command_follows_the_llamafactory_variables(monkeypatch):

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from tiletune.config import TuneConfig
 from tiletune.data.templates import Template
-from tiletune.metrics import score_predictions
+from tiletune.train.metrics import score_predictions
 
 
 def generation_config(cfg: TuneConfig, tokenizer, template: Template):

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 from tiletune.cli import main
 from tiletune.config import build_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "demo.yaml"
 BASE = REPO / "examples" / "tiny-llama"
 HEADER = "<|start_header_id|>assistant<|end_header_id|>\n\n"
@@ -32,7 +32,7 @@ def test_kernels_option_patches_the_model(demo_adapter):
 
 
 def test_history_is_encoded_with_the_template_and_clear_forgets_it(tiny_model_dir):
-    from tiletune.chat import load_session, run_chat
+    from tiletune.train.chat import load_session, run_chat
 
     cfg = build_config({"model_name_or_path": str(tiny_model_dir), "template": "llama3", "max_new_tokens": 3,
                         "do_sample": False, "cutoff_len": 64})  # fmt: skip

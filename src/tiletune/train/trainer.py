@@ -30,10 +30,10 @@ def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
     """Run what the config asks for (train / eval / predict); returns the metrics written."""
     from transformers import set_seed
 
-    from tiletune.callbacks import peak_memory_gib
+    from tiletune.train.callbacks import peak_memory_gib
     from tiletune.data.processing import build_splits
     from tiletune.data.templates import get_template
-    from tiletune.model import load_model, load_tokenizer, set_checkpointing
+    from tiletune.train.model import load_model, load_tokenizer, set_checkpointing
 
     _configure_logging()
     do_train, do_eval, do_predict = (bool(cfg.train_arg(k)) for k in ("do_train", "do_eval", "do_predict"))
@@ -80,7 +80,7 @@ def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
         trainer.save_metrics("train", train_metrics)
         metrics.update(train_metrics)
         if cfg.plot_loss and main_process:
-            from tiletune.plots import plot_loss
+            from tiletune.train.plots import plot_loss
 
             plot_loss(output_dir)
     if do_eval:
@@ -89,7 +89,7 @@ def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
         trainer.save_metrics("eval", eval_metrics)
         metrics.update(eval_metrics)
     if do_predict and splits.predict is not None and main_process:
-        from tiletune.predict import run_predict
+        from tiletune.train.predict import run_predict
 
         if do_train and cfg.checkpointing != "off":
             set_checkpointing(model, enabled=False)
@@ -113,8 +113,8 @@ def _plan_recomputation(cfg: TuneConfig, model):
     """With `gradient_checkpointing: auto`, choose each layer's recomputation for the longest batch."""
     if cfg.checkpointing != "auto":
         return None
-    from tiletune.model import compute_dtype
-    from tiletune.recompute import plan_recomputation
+    from tiletune.train.model import compute_dtype
+    from tiletune.train.recompute import plan_recomputation
 
     if cfg.train_arg("deepspeed") or cfg.train_arg("fsdp"):
         raise UserError("gradient_checkpointing=auto plans for one device holding the whole model; with deepspeed "
@@ -240,7 +240,7 @@ def _make_trainer(cfg: TuneConfig, model, tokenizer, splits, output_dir: Path):
     from transformers.trainer_callback import ProgressCallback as PlainProgress
     from transformers.trainer_utils import rotate_checkpoints
 
-    from tiletune.callbacks import JsonlLogCallback, ProgressCallback
+    from tiletune.train.callbacks import JsonlLogCallback, ProgressCallback
 
     class TuneTrainer(Trainer):
         """A Trainer whose checkpoints appear in output_dir only once they are complete."""

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from tiletune.cli import main
 from tiletune.config import build_config
 from tiletune.errors import UserError
-from tiletune.train import STAGING_DIR, complete_checkpoints, run_train
+from tiletune.train.trainer import STAGING_DIR, complete_checkpoints, run_train
 
 RECORDS = [{"instruction": f"say {w}", "input": "", "output": f"{w} {w}"} for w in "abcdefghijklmnopqrstuvwx"]
 
