@@ -41,7 +41,7 @@ golden)
         --out "$OUT/verify-llama3-8b-against" 2>&1 | tail -30
     ls -l "$GOLDEN" ;;
 attention)
-    python3 -m pytest -q -m gpu tests/kernels/test_attention.py tests/test_patch.py 2>&1 | tee "$OUT/gpu_tests_attention.txt" | tail -15
+    python3 -m pytest -q -m gpu tests/kernels/test_attention.py tests/patch/test_patch.py 2>&1 | tee "$OUT/gpu_tests_attention.txt" | tail -15
     python3 benchmarks/kernels.py --only attention --out "$OUT" 2>&1 | tail -15 ;;
 lora)
     python3 -m pytest -q -m gpu tests/kernels/test_lora_linear.py 2>&1 | tee "$OUT/gpu_tests_lora_linear.txt" | tail -5

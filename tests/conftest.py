@@ -38,15 +38,13 @@ def tokenizer_dir() -> Path:
     return REPO / "examples" / "tiny-llama"
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, tokenizer_dir) -> Path:
-    """A randomly initialised 2-layer Llama with the demo tokenizer: fast enough to train in tests."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def _random_init_model(path: Path, tokenizer_dir: Path, config_class, model_class) -> Path:
+    """A randomly initialised 2-layer `model_class` with the demo tokenizer, saved in `path`."""
+    from transformers import AutoTokenizer
 
-    path = tmp_path_factory.mktemp("tiny-model")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.save_pretrained(path)
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=32,
         intermediate_size=64,
@@ -59,8 +57,24 @@ def tiny_model_dir(tmp_path_factory, tokenizer_dir) -> Path:
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
+    model_class(config).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    """A randomly initialised 2-layer Llama with the demo tokenizer: fast enough to train in tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _random_init_model(tmp_path_factory.mktemp("tiny-model"), tokenizer_dir, LlamaConfig, LlamaForCausalLM)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    """The same shape as a Qwen3 (RMSNorms on q and k in attention)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return _random_init_model(tmp_path_factory.mktemp("tiny-qwen3"), tokenizer_dir, Qwen3Config, Qwen3ForCausalLM)
 
 
 @pytest.fixture

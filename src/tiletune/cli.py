@@ -201,11 +201,11 @@ def kernels_warmup(config: str, overrides: tuple[str, ...]) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tiletune.config import load_config
-    from tiletune.train.model import prepare_for_training
-    from tiletune.patch import warmup_kernels
+    from tiletune.train.model import compute_dtype, prepare_for_training
+    from tiletune.patch.warmup import warmup_kernels
 
     cfg = load_config(config, overrides)
-    dtype = torch.float16 if cfg.train_arg("fp16") else torch.bfloat16 if cfg.train_arg("bf16") or cfg.pure_bf16 else torch.float32
+    dtype = compute_dtype(cfg)
     model_config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
@@ -221,6 +221,13 @@ def kernels_warmup(config: str, overrides: tuple[str, ...]) -> None:
 # ---- verify -------------------------------------------------------------------------------------
 
 
+def _floor_ulps() -> float:
+    """numerics.FLOOR_ULPS, read when verify runs: loading the command line does not import torch."""
+    from tiletune.numerics import FLOOR_ULPS
+
+    return FLOOR_ULPS
+
+
 @main.command()
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1)
@@ -229,7 +236,8 @@ def kernels_warmup(config: str, overrides: tuple[str, ...]) -> None:
 @click.option("--seq", type=int, help="Tokens per sequence (default: min(cutoff_len, 512)).")
 @click.option("--random-tokens", is_flag=True, help="Random token ids instead of the config's dataset.")
 @click.option("--k", default=2.0, show_default=True, help="Pass when kernel error <= k x stock error.")
-@click.option("--floor", type=float, help="Errors under this always pass (default: the dtype's epsilon).")
+@click.option("--floor-ulps", type=float, default=_floor_ulps, show_default="2",
+              help="Also pass when every element is within this many ulps (in the run's dtype) of the reference.")
 @click.option("--save-golden", type=click.Path(dir_okay=False), help="Write inputs + stock tensors to this safetensors file.")
 @click.option("--against", type=click.Path(dir_okay=False), help="Compare this machine's run with a golden file.")
 @click.option("--tolerance", type=float, help="Relative error allowed against a golden file / between loss curves.")
@@ -237,7 +245,7 @@ def kernels_warmup(config: str, overrides: tuple[str, ...]) -> None:
 @click.option("--seed", default=0, show_default=True)
 @click.option("--model-preset", help="Random-init model of a known shape (llama3-8b, llama3-1b, qwen3-4b, tiny).")
 @click.option("--layers", type=int, help="With --model-preset: keep only this many decoder layers.")
-def verify(config, overrides, out_dir, batches, seq, random_tokens, k, floor, save_golden, against, tolerance, steps,
+def verify(config, overrides, out_dir, batches, seq, random_tokens, k, floor_ulps, save_golden, against, tolerance, steps,
            seed, model_preset, layers):  # fmt: skip
     """Per-layer forward/gradient error of the kernel-patched model vs the stock one; exit 1 on failure."""
     import sys
@@ -250,7 +258,7 @@ def verify(config, overrides, out_dir, batches, seq, random_tokens, k, floor, sa
     cfg = load_config(config, overrides)
     options = VerifyOptions(
         out_dir=Path(out_dir) if out_dir else cfg.output_dir / "verify", batches=batches, seq=seq,
-        random_tokens=random_tokens, k=k, floor=floor, save_golden=Path(save_golden) if save_golden else None,
+        random_tokens=random_tokens, k=k, floor_ulps=floor_ulps, save_golden=Path(save_golden) if save_golden else None,
         against=Path(against) if against else None, tolerance=tolerance, steps=steps, seed=seed,
         preset=model_preset, layers=layers,
     )  # fmt: skip

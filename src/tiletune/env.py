@@ -28,7 +28,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from tiletune.port.compile_check import find_hipcc, hipcc_version
+from tiletune.hipcc import find_hipcc, hipcc_version
 
 KFD_TOPOLOGY = Path("/sys/class/kfd/kfd/topology/nodes")
 LEVELS = ("pass", "info", "warn", "fail")

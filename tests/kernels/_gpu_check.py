@@ -3,7 +3,7 @@
 For each case the op runs three ways on the same fresh random inputs: PyTorch's own implementation in
 float64 (the reference), PyTorch's own implementation in the test dtype (the bar), and the TileLang
 kernel through the tiletune custom op with strict=True (no silent fallback), its outputs allocated
-from memory poisoned with NaN first. Each output and gradient must pass tiletune.kernels.gate.
+from memory poisoned with NaN first. Each output and gradient must pass tiletune.numerics.gate.
 Every verdict is appended to $TILETUNE_GPU_TABLE when set (the committed results table).
 """
 
@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from tiletune.kernels.gate import gate
+from tiletune.numerics import gate
 
 
 def poison_allocator() -> None:
@@ -52,8 +52,8 @@ def check(op: str, case: str, dtype, inputs, torch_fn, kernel_fn, names) -> None
     for name, k, t, r in zip(names, k_out + k_grad, t_out + t_grad, ref_out + ref_grad):
         v = gate(k, t, r)
         row = (f"{op:9s} {str(dtype).removeprefix('torch.'):9s} {case:28s} {name:8s} "
-               f"kernel {v.kernel.rel_l2:9.3e}  torch {v.torch.rel_l2:9.3e}  ratio {v.ratio:5.2f}  "
-               f"maxabs {v.kernel.max_abs:9.3e}  {'PASS' if v.passed else 'FAIL'}")
+               f"kernel {v.patched.rel_l2:9.3e}  torch {v.stock.rel_l2:9.3e}  ratio {v.ratio:5.2f}  "
+               f"maxabs {v.patched.max_abs:9.3e}  {'PASS' if v.passed else 'FAIL'}")
         rows.append(row)
         if not v.passed:
             failed.append(row)

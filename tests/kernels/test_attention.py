@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from tiletune.kernels import _tilelang, registry
 from tiletune.kernels import attention as op
-from tiletune.kernels.gate import gate
+from tiletune.numerics import gate
 
 # (batch, heads_q, heads_kv, seq, head_dim): GQA ratios 1, 4 and 8, lengths off every tile
 SHAPES = [(1, 4, 4, 1, 64), (2, 8, 2, 77, 64), (1, 8, 1, 130, 128), (2, 4, 1, 33, 128)]

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from tiletune.kernels import linear, registry
 from tiletune.kernels import lora_linear as op
-from tiletune.kernels.gate import errors, gate
+from tiletune.numerics import errors, gate
 
 
 def inputs(lead: tuple[int, ...], out_f: int, in_f: int, rank: int, dtype=torch.float32, adapter_dtype=torch.float32,

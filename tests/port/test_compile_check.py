@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tiletune.port.compile_check import probe_arch, compile_units, find_hipcc, hipcc_version, line_map
+from tiletune.hipcc import find_hipcc, hipcc_version
+from tiletune.port.compile_check import compile_units, line_map, probe_arch
 from tiletune.port.hipify import run_hipify
 
 from port_corpus import CORPUS

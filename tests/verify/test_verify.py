@@ -1,5 +1,6 @@
 """`tiletune verify` on the CPU with the demo model: the gate passes a correct kernel and fails a wrong one,
-golden files round-trip and refuse another model, and the convergence check runs."""
+every kernel passes on tiny random-init Llama and Qwen3 models, golden files round-trip and refuse another
+model, and the convergence check runs."""
 
 import json
 import sys
@@ -9,7 +10,6 @@ import pytest
 from click.testing import CliRunner
 
 from tiletune.cli import main
-from tiletune.verify.metrics import errors, judge
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN = '''
@@ -34,8 +34,8 @@ def registry_restored():
     registry._impls.update(before)
 
 
-def verify(tmp_path, *args, kernels="kernels=all"):
-    base = [str(REPO / "examples" / "demo.yaml"), kernels, f"model_name_or_path={REPO / 'examples' / 'tiny-llama'}",
+def verify(tmp_path, *args, kernels="kernels=all", model=REPO / "examples" / "tiny-llama"):
+    base = [str(REPO / "examples" / "demo.yaml"), kernels, f"model_name_or_path={model}",
             f"dataset_dir={REPO / 'examples' / 'data'}", f"output_dir={tmp_path / 'run'}"]  # fmt: skip
     return CliRunner().invoke(main, ["verify", *base, *args])
 
@@ -54,6 +54,16 @@ def test_correct_plugin_kernel_passes(tmp_path, monkeypatch):
     assert report["passed"] and len(report["tensors"]) > 100
     assert report["accumulation"] == ["rms_norm: exact_norm computes in unknown, the stock implementation in float32"]
     assert (tmp_path / "v" / "verify.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("model_dir", ["tiny_model_dir", "tiny_qwen3_dir"])
+def test_every_kernel_passes_on_tiny_random_init_models(tmp_path, request, model_dir):
+    """float32 on the CPU: where the stock loss equals the reference exactly, the patched loss a rounding step
+    or two off passes on the ulp floor (the Qwen3 one is 2 ulps off; a fixed epsilon failed it)."""
+    result = verify(tmp_path, "--out", str(tmp_path / "v"), model=request.getfixturevalue(model_dir))
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "v" / "verify.json").read_text())
+    assert report["passed"] and report["floor_ulps"] == 2 and report["patch"]["ops"]["rms_norm"]["patched"] > 0
 
 
 @pytest.mark.parametrize("scale, eps", [(1.01, "eps"), (1.0, "1e-2")])
@@ -104,18 +114,6 @@ def test_golden_tolerance_follows_the_stock_runs_own_error():
 def test_verify_without_kernels_is_refused(tmp_path):
     result = verify(tmp_path, "--out", str(tmp_path / "v"), kernels="kernels=none")
     assert result.exit_code == 2 and "set a kernels: block" in result.output
-
-
-def test_gate_rules():
-    import torch
-
-    ref = torch.randn(1000, dtype=torch.float64)
-    stock = errors(ref.float().double() + 1e-7 * torch.randn(1000, dtype=torch.float64), ref)
-    assert judge("x", stock, errors(ref * 1.01, ref), k=2, floor=1e-8).passed is False
-    assert judge("x", stock, stock, k=2, floor=1e-8).passed is True
-    nan = ref.clone()
-    nan[3] = float("nan")
-    assert judge("x", stock, errors(nan, ref), k=2, floor=1.0).passed is False
 
 
 def test_random_init_preset_with_fewer_layers(tmp_path):

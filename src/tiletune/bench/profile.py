@@ -7,14 +7,15 @@ heaviest kernels.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 
 # First match wins; names are the device kernels' (cuBLAS, cuDNN, FlashAttention, Triton, TileLang, ATen).
-CATEGORIES = [
-    ("attention", r"flash|fmha|attention|sdpa|cudnn"),
-    ("tiletune lora_linear", r"lora_linear"),
-    ("tiletune linear", r"linear_(fwd|dgrad|wgrad)"),
+# tiletune's ops whose kernels have a name pattern (tiletune.kernels.registry.Op.profile_pattern) come
+# right after attention, as "tiletune <op>".
+ATTENTION = ("attention", r"flash|fmha|attention|sdpa|cudnn")
+BY_FUNCTION = [
     ("rms_norm", r"rms|layer_norm|norm_kernel"),
     ("rope", r"rope|rotary"),
     ("swiglu", r"swiglu|silu|geglu"),
@@ -25,12 +26,19 @@ CATEGORIES = [
     ("reduction", r"reduce|sum_|mean|norm"),
     ("elementwise", r"elementwise|vectorized|unrolled|pointwise|triton"),
 ]
-COMPILED = [(name, re.compile(pattern, re.IGNORECASE)) for name, pattern in CATEGORIES]
+
+
+@functools.cache
+def _categories() -> list[tuple[str, re.Pattern]]:
+    from tiletune.kernels import registry
+
+    ops = [(f"tiletune {name}", op.profile_pattern) for name, op in registry.ops().items() if op.profile_pattern]
+    return [(name, re.compile(pattern, re.IGNORECASE)) for name, pattern in [ATTENTION, *ops, *BY_FUNCTION]]
 
 
 def category(kernel: str) -> str:
     """The category of a device kernel's name ('other' if none matches)."""
-    return next((name for name, pattern in COMPILED if pattern.search(kernel)), "other")
+    return next((name for name, pattern in _categories() if pattern.search(kernel)), "other")
 
 
 def profile_step(step: Callable[[], None], top: int = 12) -> dict:

@@ -15,10 +15,10 @@ import time
 import torch
 
 from tiletune.config import TuneConfig, load_config
+from tiletune.errors import UserError
 from tiletune.train.model import autocast, compute_dtype, prepare_for_training
 
 RESULT_PREFIX = "BENCH_RESULT "
-LIGER_APPLY = {"llama": "apply_liger_kernel_to_llama", "qwen3": "apply_liger_kernel_to_qwen3", "qwen2": "apply_liger_kernel_to_qwen2"}
 
 
 def split_variant(variant: str) -> tuple[str, list[str]]:
@@ -36,6 +36,16 @@ def variant_kernels(variant: str):
     return {op: True for op in variant.split("+")}  # the op alone (or ops joined by +), default implementations
 
 
+def liger_patch(model_config) -> str:
+    """The name of Liger-Kernel's patch function for this model's family (from its family record)."""
+    from tiletune.families import family_of
+
+    family = family_of(model_config)
+    if family is None or family.liger is None:
+        raise UserError(f"bench variant 'liger': no Liger-Kernel patch known for model_type {model_config.model_type!r}")
+    return family.liger
+
+
 def build_model(cfg: TuneConfig, preset: str | None, variant: str, device: torch.device):
     """The model for one variant: a random-init preset or `model_name_or_path`, set up to train."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -46,7 +56,7 @@ def build_model(cfg: TuneConfig, preset: str | None, variant: str, device: torch
     if variant == "liger":
         import liger_kernel.transformers as liger
 
-        getattr(liger, LIGER_APPLY[model_config.model_type])()  # patches the model classes: before building
+        getattr(liger, liger_patch(model_config))()  # patches the model classes: before building
     dtype = compute_dtype(cfg)
     if preset:
         with device:

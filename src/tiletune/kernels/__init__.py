@@ -1,8 +1,8 @@
-"""The kernel library: one module per op (reference + TileLang forward/backward + custom op).
+"""The kernel library: one module per op (PyTorch reference, TileLang forward/backward, custom op, bindings).
 
-`register(op, name)` lets a plugin add its own implementation of an op.
+`register(op, name)` lets a plugin add its own implementation of an op; `registry.define` a new op.
 """
 
-from tiletune.kernels.registry import OPS, register
+from tiletune.kernels.registry import register
 
-__all__ = ["OPS", "register"]
+__all__ = ["register"]

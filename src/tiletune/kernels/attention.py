@@ -18,14 +18,17 @@ tensors, which are (1, 2) transposes of it, reach them without copies.
 
 # No `from __future__ import annotations`: TileLang reads the kernel signatures' shapes from the closure.
 
+import functools
 import math
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from tiletune.kernels import _tilelang
-from tiletune.kernels.registry import Impl, add, backward_of, select
+from tiletune.kernels.binding import Binding, Site, autocast, calls_global, innermost, warm_tensor, with_global
+from tiletune.kernels.customop import Signature, make_custom_op
+from tiletune.kernels.registry import Impl, Op, add, define, note_fallback
 
 HEAD_DIMS = (64, 128)  # head_dim values the TileLang kernels are configured for
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
@@ -345,18 +348,13 @@ def tilelang_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
     return dq[:, :s].to(q.dtype).transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
-add(Impl("attention", "reference", reference_forward, reference_backward,
-         description="PyTorch: causal GQA attention from explicit scores, fp32 inside", accumulation="float32"))
-add(Impl("attention", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
-         tilelang_unsupported, "TileLang flash attention: online softmax, causal block skipping, GQA dK/dV summed "
-         "in registers", accumulation="float32"))
-
-# ---- custom ops ----------------------------------------------------------------------------------
+# ---- custom ops ------------------------------------------------------------------------------------
 
 
-def _like_kernel(x: Tensor) -> Tensor:
-    """x with the kernels' strides: a (1, 2) transpose of a contiguous (batch, seq, heads, d) tensor."""
-    return _bshd(x).transpose(1, 2)
+def _kernel_layout(x: Tensor) -> Tensor:
+    """4-D tensors with the kernels' strides (a (1, 2) transpose of a contiguous (batch, seq, heads, d) tensor);
+    the log-sum-exp rows contiguous."""
+    return _bshd(x).transpose(1, 2) if x.dim() == 4 else x.contiguous()
 
 
 def _empty_like_kernel(x: Tensor) -> Tensor:
@@ -364,44 +362,17 @@ def _empty_like_kernel(x: Tensor) -> Tensor:
     return x.new_empty(b, s, h, d).transpose(1, 2)
 
 
-@torch.library.custom_op("tiletune::attention", mutates_args=())
-def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str, strict: bool) -> tuple[Tensor, Tensor]:
-    out, lse = select("attention", impl, strict, q, k, v, scale).forward(q, k, v, scale)
-    return _like_kernel(out), lse.contiguous()
-
-
-@attention_op.register_fake
-def _(q, k, v, scale, impl, strict):
-    b, hq, s, _ = q.shape
-    return _empty_like_kernel(q), q.new_empty(b, hq, s, dtype=_tilelang.accumulate_dtype(q))
-
-
-@torch.library.custom_op("tiletune::attention_backward", mutates_args=())
-def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-                          impl: str, strict: bool) -> tuple[Tensor, Tensor, Tensor]:
-    grads = backward_of(select("attention", impl, strict, q, k, v, scale))(dout, q, k, v, out, lse, scale)
-    return tuple(_like_kernel(g) for g in grads)
-
-
-@attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, scale, impl, strict):
-    return _empty_like_kernel(q), _empty_like_kernel(k), _empty_like_kernel(v)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, ctx.scale, ctx.impl, ctx.strict = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse)
-
-
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.tiletune.attention_backward(dout, q, k, v, out, lse, ctx.scale, ctx.impl, ctx.strict)
-    return dq, dk, dv, None, None, None
-
-
-attention_op.register_autograd(_backward, setup_context=_setup_context)
+attention_op = make_custom_op(Signature(
+    "attention", "Tensor q, Tensor k, Tensor v, float scale", "(Tensor, Tensor)",
+    backward_inputs="Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale",
+    backward_outputs="(Tensor, Tensor, Tensor)",
+    fake=lambda q, k, v, scale: (_empty_like_kernel(q), q.new_empty(*q.shape[:3], dtype=_tilelang.accumulate_dtype(q))),
+    backward_fake=lambda dout, q, k, v, out, lse, scale: (_empty_like_kernel(q), _empty_like_kernel(k), _empty_like_kernel(v)),
+    save=lambda inputs, outputs, needs: (*inputs[:3], *outputs, inputs[3]),
+    judged_on=lambda grads, saved: (*saved[:3], saved[5]),
+    grad_of=(0, 1, 2, None),
+    layout=_kernel_layout,
+))
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str = "reference", strict: bool = False) -> Tensor:
@@ -411,3 +382,136 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str = "refere
     transformers' attention functions return after their own transpose.
     """
     return torch.ops.tiletune.attention(q, k, v, scale, impl, strict)[0]
+
+
+# ---- binding: transformers' attention call, per module ----------------------------------------------
+
+_GLOBAL = "ALL_ATTENTION_FUNCTIONS"  # where transformers' attention forwards look up SDPA, flash, ...
+# Keyword arguments of transformers' attention functions that change what is computed; the others
+# (position_ids, output_attentions, ...) do not, and SDPA ignores them as well.
+_VARIANTS = {"sliding_window": "sliding window", "softcap": "logit softcapping", "s_aux": "attention sinks",
+             "sinks": "attention sinks", "position_bias": "a position bias", "cu_seq_lens_q": "packed sequences"}
+
+
+def _fit(site: Site) -> str | None:
+    if site.part.softcap or site.part.sinks:
+        return f"{'logit soft-capping' if site.part.softcap else 'attention sinks'}: no kernel yet: stock attention kept"
+    if not calls_global(type(site.module).forward, _GLOBAL):
+        return f"{type(site.module).__name__}.forward does not look up {_GLOBAL}: stock attention kept"
+    if not all(hasattr(site.module, name) for name in ("q_proj", "k_proj", "head_dim", "scaling")):
+        return f"{type(site.module).__name__} has no q_proj, k_proj, head_dim and scaling: stock attention kept"
+    return None
+
+
+def _unfit_now(module: nn.Module) -> str | None:
+    """Why tiletune's attention cannot stand in for this module's attention (known when patching), or None."""
+    implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if implementation == "eager":
+        reason = "attn_implementation eager builds an explicit mask for every call (use sdpa, the default)"
+    elif getattr(module, "sliding_window", None):
+        reason = f"sliding window {module.sliding_window}"
+    elif getattr(module, "attn_logit_softcapping", None):
+        reason = "logit softcapping"
+    elif not getattr(module, "is_causal", True):
+        reason = "not causal"
+    else:
+        return None
+    return f"{reason}: stock attention kept"
+
+
+def _call_unfit(module: nn.Module, query, key, value, mask, args: tuple, kwargs: dict) -> str | None:
+    """Why this call is not plain causal self-attention tiletune's op computes, or None."""
+    variant = next((text for name, text in _VARIANTS.items() if kwargs.get(name) is not None), None)
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal  # None: the module decides, as in SDPA
+    if args:
+        reason = "positional arguments after the mask"
+    elif mask is not None:
+        reason = "an attention mask (padding, packed sequences, or the eager implementation's explicit causal mask)"
+    elif variant:
+        reason = variant
+    elif kwargs.get("dropout", 0.0):
+        reason = f"attention dropout {kwargs['dropout']} in training"
+    elif not causal:
+        reason = "not causal"
+    elif query.shape[2] != key.shape[2]:
+        reason = f"{query.shape[2]} queries against {key.shape[2]} keys (KV cache)"
+    elif query.shape[-1] != value.shape[-1] or query.shape[1] % key.shape[1]:
+        reason = f"heads {query.shape[1]}/{key.shape[1]} or head_dim q {query.shape[-1]}, v {value.shape[-1]} do not fit GQA"
+    else:
+        return None
+    return f"{reason}: stock attention"
+
+
+class _AttentionFunctions:
+    """Stands in for transformers' ALL_ATTENTION_FUNCTIONS inside a patched attention forward.
+
+    Each lookup returns the function transformers would use (SDPA, flash, ...), wrapped so that plain
+    causal self-attention runs tiletune's attention op and every other call the stock function.
+    """
+
+    def __init__(self, stock, impl: str, strict: bool):
+        self._stock, self._impl, self._strict = stock, impl, strict
+        self._wrapped: dict[Callable, Callable] = {}
+
+    def get_interface(self, name: str, default: Callable) -> Callable:
+        return self._wrap(self._stock.get_interface(name, default))
+
+    def __getitem__(self, name: str) -> Callable:
+        return self._wrap(self._stock[name])
+
+    def __getattr__(self, name: str):
+        return getattr(self._stock, name)
+
+    def _wrap(self, stock: Callable) -> Callable:
+        if stock not in self._wrapped:
+            self._wrapped[stock] = _attention_function(stock, self._impl, self._strict)
+        return self._wrapped[stock]
+
+
+def _attention_function(stock: Callable, impl: str, strict: bool) -> Callable:
+    """A drop-in for one of transformers' attention functions that runs tiletune's attention op when it can."""
+
+    @functools.wraps(stock)
+    def attention_function(module, query, key, value, attention_mask, *args, **kwargs):
+        reason = _call_unfit(module, query, key, value, attention_mask, args, kwargs)
+        if reason:
+            note_fallback("attention", impl, reason)
+            return stock(module, query, key, value, attention_mask, *args, **kwargs)
+        scaling = kwargs.get("scaling")
+        query, key, value = autocast(query, key, value)
+        out = attention(query, key, value, query.shape[-1] ** -0.5 if scaling is None else scaling, impl, strict)
+        return out.transpose(1, 2), None  # (batch, seq, heads, head_dim), no attention weights, as SDPA
+    return attention_function
+
+
+@functools.cache
+def _forward_calling_attention(func: Callable, impl: str, strict: bool) -> Callable:
+    stock = innermost(func).__globals__[_GLOBAL]
+    return with_global(func, _GLOBAL, _AttentionFunctions(stock, impl, strict))
+
+
+def _forward(site: Site, impl: str, strict: bool, current: Callable) -> Callable:
+    return _forward_calling_attention(current, impl, strict)
+
+
+def _compile_key(module: nn.Module) -> tuple:
+    d = module.head_dim
+    return (module.q_proj.out_features // d, module.k_proj.out_features // d, d, module.scaling)
+
+
+def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
+    heads_q, heads_kv, d, scale = key
+    return attention(warm_tensor(1, heads_q, 1, d, dtype=dtype), warm_tensor(1, heads_kv, 1, d, dtype=dtype),
+                     warm_tensor(1, heads_kv, 1, d, dtype=dtype), scale, impl, True)
+
+
+# Opt-in: slower than SDPA's cuDNN backend on the H200 (docs/kernels.md).
+define(Op("attention", (Binding("attention", "attention", _forward, _fit, unfit_now=_unfit_now, compile_key=_compile_key,
+                                warm=_warm),),
+          opt_in=True, lowering=lowering_kernels))
+add(Impl("attention", "reference", reference_forward, reference_backward,
+         description="PyTorch: causal GQA attention from explicit scores, fp32 inside", accumulation="float32"))
+add(Impl("attention", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
+         tilelang_unsupported, "TileLang flash attention: online softmax, causal block skipping, GQA dK/dV summed "
+         "in registers", accumulation="float32"))

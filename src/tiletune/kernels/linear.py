@@ -15,10 +15,12 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from tiletune.kernels import _tilelang
-from tiletune.kernels.registry import Impl, add, backward_of, select
+from tiletune.kernels.binding import Binding, Site, autocast, warm_tensor
+from tiletune.kernels.customop import Signature, make_custom_op
+from tiletune.kernels.registry import Impl, Op, add, define
 
 # ---- reference -----------------------------------------------------------------------------------
 
@@ -191,54 +193,49 @@ def tilelang_backward(dy: Tensor, x: Tensor, weight: Tensor, weight_grad: bool, 
     return dx.view(*dy.shape[:-1], in_features), dw, dy2.sum(0).to(weight.dtype) if bias_grad else None
 
 
-add(Impl("linear", "reference", reference_forward, reference_backward, description="PyTorch: F.linear (cuBLAS on GPU)", accumulation="float32"))
-add(Impl("linear", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
-         tilelang_unsupported, "TileLang GEMMs (wgmma on sm_90, MFMA on gfx9); dW only when W requires grad", accumulation="float32"))
+# ---- custom ops and binding ------------------------------------------------------------------------
 
-# ---- custom ops ----------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("tiletune::linear", mutates_args=())
-def linear_op(x: Tensor, weight: Tensor, bias: Tensor | None, impl: str, strict: bool) -> Tensor:
-    return select("linear", impl, strict, x, weight, bias).forward(x, weight, bias).contiguous()
-
-
-@linear_op.register_fake
-def _(x, weight, bias, impl, strict):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-@torch.library.custom_op("tiletune::linear_backward", mutates_args=())
-def linear_backward_op(dy: Tensor, x: Tensor, weight: Tensor, impl: str, strict: bool, weight_grad: bool,
-                       bias_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
-    chosen = select("linear", impl, strict, x, weight, None)
-    dx, dw, db = backward_of(chosen)(dy, x, weight, weight_grad, bias_grad)
-    return dx.contiguous(), weight.new_empty(0) if dw is None else dw, weight.new_empty(0) if db is None else db
-
-
-@linear_backward_op.register_fake
-def _(dy, x, weight, impl, strict, weight_grad, bias_grad):
-    return (x.new_empty(*dy.shape[:-1], weight.shape[1]),
-            weight.new_empty(weight.shape if weight_grad else (0,)),
-            weight.new_empty((weight.shape[0],) if bias_grad else (0,)))
-
-
-def _setup_context(ctx, inputs, output):
-    x, weight, _, ctx.impl, ctx.strict = inputs
+linear_op = make_custom_op(Signature(
+    "linear", "Tensor x, Tensor weight, Tensor? bias", "Tensor",
+    backward_inputs="Tensor x, Tensor weight, bool weight_grad, bool bias_grad", backward_outputs="(Tensor, Tensor, Tensor)",
+    fake=lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]),
+    backward_fake=lambda dy, x, weight, weight_grad, bias_grad: (
+        x.new_empty(*dy.shape[:-1], weight.shape[1]), weight.new_empty(weight.shape) if weight_grad else dy.new_empty(0),
+        weight.new_empty(weight.shape[0]) if bias_grad else dy.new_empty(0)),
     # x is needed only for dW: a frozen weight (LoRA's base layer) keeps no activation alive
-    ctx.save_for_backward(x if ctx.needs_input_grad[1] else x.new_empty(0), weight)
-
-
-def _backward(ctx, dy):
-    x, weight = ctx.saved_tensors
-    need_dw, need_db = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-    dx, dw, db = torch.ops.tiletune.linear_backward(dy, x, weight, ctx.impl, ctx.strict, need_dw, need_db)
-    return dx, dw if need_dw else None, db if need_db else None, None, None
-
-
-linear_op.register_autograd(_backward, setup_context=_setup_context)
+    save=lambda inputs, outputs, needs: (inputs[0] if needs[1] else inputs[0].new_empty(0), inputs[1], needs[1], needs[2]),
+    judged_on=lambda grads, saved: (saved[0], saved[1], None),
+    grad_of=(0, 1, 2),
+))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, impl: str = "reference", strict: bool = False) -> Tensor:
     """x Wᵀ (+ b) through the custom op with implementation `impl` (falls back to the reference)."""
     return torch.ops.tiletune.linear(x, weight, bias, impl, strict)
+
+
+def plain_linear_reason(module: nn.Module) -> str | None:
+    """Why `module` is not an nn.Linear computing F.linear (a subclass with its own forward: a router, a
+    quantized layer), or None."""
+    if type(module).forward is not nn.Linear.forward:
+        return f"{type(module).__name__} has its own forward, not F.linear: stock forward kept"
+    return None
+
+
+def _forward(site: Site, impl: str, strict: bool, current):
+    def forward(self, x):
+        return linear(*autocast(x, self.weight, self.bias), impl, strict)
+    return forward
+
+
+def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
+    out_features, in_features = key
+    return linear(warm_tensor(1, in_features, dtype=dtype), warm_tensor(out_features, in_features, dtype=dtype), None, impl, True)
+
+
+define(Op("linear", (Binding("linear", "linear", _forward, lambda site: plain_linear_reason(site.module),
+                             compile_key=lambda module: (module.out_features, module.in_features), warm=_warm),),
+          keeps_output=True, profile_pattern=r"(?<!lora_)linear_(fwd|dgrad|wgrad)", lowering=lowering_kernels))
+add(Impl("linear", "reference", reference_forward, reference_backward, description="PyTorch: F.linear (cuBLAS on GPU)", accumulation="float32"))
+add(Impl("linear", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
+         tilelang_unsupported, "TileLang GEMMs (wgmma on sm_90, MFMA on gfx9); dW only when W requires grad", accumulation="float32"))

@@ -13,11 +13,15 @@ kept. A TileLang version of the same loop is future work; this one uses the vend
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from tiletune.kernels._tilelang import accumulate_dtype
-from tiletune.kernels.registry import Impl, add, select
+from tiletune.kernels.binding import Binding, Site
+from tiletune.kernels.customop import Signature, make_custom_op
+from tiletune.kernels.registry import Impl, Op, add, define
 
 IGNORE_INDEX = -100
 CHUNK_BYTES = 2**28  # float32 logits per chunk: 256 MiB
@@ -63,48 +67,25 @@ def chunked_forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: flo
     return _forward(hidden, weight, labels, divisor, weight_grad, chunk)
 
 
-add(Impl("linear_cross_entropy", "reference", reference_forward, description="PyTorch, whole [tokens, vocab] logits",
-         accumulation="float32"))  # fmt: skip
-add(Impl("linear_cross_entropy", "chunked", chunked_forward, accumulation="float32",
-         description="PyTorch, 256 MiB of float32 logits at a time, gradients computed in the forward"))  # fmt: skip
-
-def lowering_kernels(arch: str) -> dict:
-    """No TileLang kernels for this op yet: nothing to lower."""
-    return {}
+def reference_backward(dloss: Tensor, dhidden: Tensor, dweight: Tensor):
+    """The gradients the forward computed, scaled by the loss's incoming gradient."""
+    return (dhidden * dloss).to(dhidden.dtype), (dweight * dloss).to(dweight.dtype)
 
 
-# ---- custom op -----------------------------------------------------------------------------------
+# ---- custom ops and binding ------------------------------------------------------------------------
 
-
-@torch.library.custom_op("tiletune::linear_cross_entropy", mutates_args=())
-def linear_cross_entropy_op(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, weight_grad: bool,
-                            impl: str, strict: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    chosen = select("linear_cross_entropy", impl, strict, hidden, weight, labels)
-    loss, dhidden, dweight = chosen.forward(hidden, weight, labels, divisor, weight_grad)
-    return loss, dhidden.contiguous(), dweight.contiguous()
-
-
-@linear_cross_entropy_op.register_fake
-def _(hidden, weight, labels, divisor, weight_grad, impl, strict):
-    dweight = weight.new_empty(weight.shape if weight_grad else (0,))
-    return hidden.new_empty((), dtype=accumulate_dtype(hidden)), torch.empty_like(hidden), dweight
-
-
-def _setup_context(ctx, inputs, output):
-    _, dhidden, dweight = output
-    ctx.weight_grad = inputs[4]
-    ctx.save_for_backward(dhidden, dweight)
-
-
-def _backward(ctx, dloss, _dhidden, _dweight):
-    dhidden, dweight = ctx.saved_tensors
-    scale = dloss
-    grad_hidden = (dhidden * scale).to(dhidden.dtype)
-    grad_weight = (dweight * scale).to(dweight.dtype) if ctx.weight_grad else None
-    return grad_hidden, grad_weight, None, None, None, None, None
-
-
-linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+linear_cross_entropy_op = make_custom_op(Signature(
+    "linear_cross_entropy", "Tensor hidden, Tensor weight, Tensor labels, float divisor, bool weight_grad",
+    "(Tensor, Tensor, Tensor)",
+    backward_inputs="Tensor dhidden, Tensor dweight", backward_outputs="(Tensor, Tensor)",
+    fake=lambda hidden, weight, labels, divisor, weight_grad: (
+        hidden.new_empty((), dtype=accumulate_dtype(hidden)), torch.empty_like(hidden),
+        weight.new_empty(weight.shape if weight_grad else (0,))),
+    backward_fake=lambda dloss, dhidden, dweight: (torch.empty_like(dhidden), torch.empty_like(dweight)),
+    save=lambda inputs, outputs, needs: outputs[1:],  # the gradients, computed in the forward
+    judged_on=lambda grads, saved: saved,  # its implementations take any inputs
+    grad_of=(0, 1, None, None, None),
+))
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float,
@@ -114,3 +95,42 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, divisor
         hidden, weight, labels, float(divisor), weight.requires_grad, impl, strict
     )
     return loss
+
+
+def _fit(site: Site) -> str | None:
+    head = getattr(site.module, site.part.path)
+    if not isinstance(head, nn.Linear) or not isinstance(getattr(site.module, site.part.body, None), nn.Module):
+        return f"{type(site.module).__name__} has no plain {site.part.path} Linear after its {site.part.body}: stock forward kept"
+    if site.part.softcap_key and getattr(site.module.config, site.part.softcap_key, None):
+        return f"final logit soft-capping ({site.part.softcap_key}): no kernel yet: stock forward kept"
+    return None
+
+
+def _lm_head_forward(site: Site, impl: str, strict: bool, current: Callable) -> Callable:
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    head, body = site.part.path, site.part.body
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        if labels is None or not torch.is_grad_enabled():  # generation and evaluation want the logits
+            return current(self, input_ids=input_ids, labels=labels, **kwargs)
+        num_items = kwargs.pop("num_items_in_batch", None)
+        kwargs.pop("logits_to_keep", None)
+        outputs = getattr(self, body)(input_ids=input_ids, **kwargs)
+        hidden = outputs.last_hidden_state
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].to(hidden.device)
+        divisor = num_items if num_items is not None else (shifted != IGNORE_INDEX).sum()
+        loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), getattr(self, head).weight,
+                                    shifted.reshape(-1), float(divisor), impl, strict)  # fmt: skip
+        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)  # fmt: skip
+
+    return forward
+
+
+# Runs on the vendor GEMMs: no compile key, nothing to warm up or lower.
+define(Op("linear_cross_entropy", (Binding("linear_cross_entropy", "lm_head", _lm_head_forward, _fit),)))
+add(Impl("linear_cross_entropy", "reference", reference_forward, reference_backward,
+         description="PyTorch, whole [tokens, vocab] logits", accumulation="float32"))
+add(Impl("linear_cross_entropy", "chunked", chunked_forward, accumulation="float32",
+         description="PyTorch, 256 MiB of float32 logits at a time, gradients computed in the forward"))

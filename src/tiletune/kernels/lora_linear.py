@@ -17,10 +17,12 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from tiletune.kernels import _tilelang, linear
-from tiletune.kernels.registry import Impl, add, backward_of, select
+from tiletune.kernels.binding import Binding, Site, autocast, warm_tensor
+from tiletune.kernels.customop import Signature, make_custom_op
+from tiletune.kernels.registry import Impl, Op, add, define
 
 MAX_RANK = 64  # padded rank the epilogue's shared-memory tiles are sized for
 
@@ -101,55 +103,20 @@ def tilelang_backward(dy: Tensor, x: Tensor, xa: Tensor, weight: Tensor, lora_a:
     return dx.view(x.shape), da, db
 
 
-add(Impl("lora_linear", "reference", reference_forward, reference_backward,
-         description="PyTorch: base F.linear + peft's lora_B(lora_A(x)) * scaling", accumulation="float32"))
-add(Impl("lora_linear", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
-         tilelang_unsupported, "TileLang GEMM with a rank-r epilogue (fwd, dX); dA, dB by torch matmuls",
-         accumulation="float32"))
+# ---- custom ops and binding ------------------------------------------------------------------------
 
-# ---- custom ops ----------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("tiletune::lora_linear", mutates_args=())
-def lora_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor, scaling: float,
-                   impl: str, strict: bool) -> tuple[Tensor, Tensor]:
-    inputs = (x, weight, bias, lora_a, lora_b, scaling)
-    y, xa = select("lora_linear", impl, strict, *inputs).forward(*inputs)
-    return y.contiguous(), xa.contiguous()
-
-
-@lora_linear_op.register_fake
-def _(x, weight, bias, lora_a, lora_b, scaling, impl, strict):
-    return x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(*x.shape[:-1], lora_a.shape[0])
-
-
-@torch.library.custom_op("tiletune::lora_linear_backward", mutates_args=())
-def lora_linear_backward_op(dy: Tensor, x: Tensor, xa: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor,
-                            scaling: float, impl: str, strict: bool) -> tuple[Tensor, Tensor, Tensor]:
-    chosen = select("lora_linear", impl, strict, x, weight, None, lora_a, lora_b, scaling)
-    dx, da, db = backward_of(chosen)(dy, x, xa, weight, lora_a, lora_b, scaling)
-    return dx.contiguous(), da, db
-
-
-@lora_linear_backward_op.register_fake
-def _(dy, x, xa, weight, lora_a, lora_b, scaling, impl, strict):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(lora_a), torch.empty_like(lora_b)
-
-
-def _setup_context(ctx, inputs, output):
-    x, weight, _, lora_a, lora_b, ctx.scaling, ctx.impl, ctx.strict = inputs
-    xa = output[1]
-    ctx.mark_non_differentiable(xa)
-    ctx.save_for_backward(x, xa, weight, lora_a, lora_b)
-
-
-def _backward(ctx, dy, _):
-    dx, da, db = torch.ops.tiletune.lora_linear_backward(dy, *ctx.saved_tensors, ctx.scaling, ctx.impl, ctx.strict)
-    need_x, need_a, need_b = (ctx.needs_input_grad[i] for i in (0, 3, 4))
-    return dx if need_x else None, None, None, da if need_a else None, db if need_b else None, None, None, None
-
-
-lora_linear_op.register_autograd(_backward, setup_context=_setup_context)
+lora_linear_op = make_custom_op(Signature(
+    "lora_linear", "Tensor x, Tensor weight, Tensor? bias, Tensor lora_a, Tensor lora_b, float scaling", "(Tensor, Tensor)",
+    backward_inputs="Tensor x, Tensor xa, Tensor weight, Tensor lora_a, Tensor lora_b, float scaling",
+    backward_outputs="(Tensor, Tensor, Tensor)",
+    fake=lambda x, weight, bias, lora_a, lora_b, scaling: (x.new_empty(*x.shape[:-1], weight.shape[0]),
+                                                          x.new_empty(*x.shape[:-1], lora_a.shape[0])),
+    backward_fake=lambda dy, x, xa, weight, lora_a, lora_b, scaling: (
+        torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(lora_a), torch.empty_like(lora_b)),
+    save=lambda inputs, outputs, needs: (inputs[0], outputs[1], *inputs[1:2], *inputs[3:]),
+    judged_on=lambda grads, saved: (saved[0], saved[2], None, *saved[3:]),
+    grad_of=(0, None, None, 1, 2, None),
+))
 
 
 def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor, scaling: float,
@@ -159,3 +126,62 @@ def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, 
     W and b are frozen (no gradient); x, A and B get theirs.
     """
     return torch.ops.tiletune.lora_linear(x, weight, bias, lora_a, lora_b, scaling, impl, strict)[0]
+
+
+def _active_adapter(module: nn.Module) -> str:
+    return next(a for a in module.active_adapters if a in module.lora_A)
+
+
+def _unfit_now(module: nn.Module) -> str | None:
+    """Why lora_linear cannot stand in for this peft LoRA Linear's forward right now, or None."""
+    adapters = [name for name in module.active_adapters if name in module.lora_A]
+    base = module.base_layer
+    if len(adapters) != 1:
+        reason = f"{len(adapters)} active adapters"
+    elif module.disable_adapters:
+        reason = "adapters disabled"
+    elif module.merged:
+        reason = "adapter merged into the base weight"
+    elif getattr(module, "fan_in_fan_out", False):
+        reason = "fan_in_fan_out"
+    elif module.use_dora.get(adapters[0]) or adapters[0] in getattr(module, "lora_variant", {}):
+        reason = "DoRA or another LoRA variant"
+    elif not isinstance(module.lora_dropout[adapters[0]], nn.Identity):
+        reason = f"lora_dropout={module.lora_dropout[adapters[0]].p}"
+    elif base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
+        reason = "the base layer trains"
+    else:
+        return None
+    return f"{reason}: stock peft forward kept"
+
+
+def _forward(site: Site, impl: str, strict: bool, current: Callable) -> Callable:
+    def forward(self, x, *args, **kwargs):
+        if args or kwargs or _unfit_now(self):
+            return current(self, x, *args, **kwargs)
+        name = _active_adapter(self)
+        x, weight, bias = autocast(x, self.base_layer.weight, self.base_layer.bias)
+        return lora_linear(x, weight, bias, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name],
+                           impl, strict)
+    return forward
+
+
+def _compile_key(module: nn.Module) -> tuple:
+    return (module.base_layer.out_features, module.base_layer.in_features, module.lora_A[_active_adapter(module)].out_features)
+
+
+def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
+    out_features, in_features, rank = key
+    return lora_linear(warm_tensor(1, in_features, dtype=dtype), warm_tensor(out_features, in_features, dtype=dtype, grad=False),
+                       None, warm_tensor(rank, in_features, dtype=dtype), warm_tensor(out_features, rank, dtype=dtype), 2.0,
+                       impl, True)
+
+
+define(Op("lora_linear", (Binding("lora_linear", "lora_linear", _forward, lambda site: linear.plain_linear_reason(site.module.base_layer),
+                                  unfit_now=_unfit_now, compile_key=_compile_key, warm=_warm, supersedes=("linear",)),),
+          keeps_output=True, profile_pattern=r"lora_linear", lowering=lowering_kernels))
+add(Impl("lora_linear", "reference", reference_forward, reference_backward,
+         description="PyTorch: base F.linear + peft's lora_B(lora_A(x)) * scaling", accumulation="float32"))
+add(Impl("lora_linear", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
+         tilelang_unsupported, "TileLang GEMM with a rank-r epilogue (fwd, dX); dA, dB by torch matmuls",
+         accumulation="float32"))

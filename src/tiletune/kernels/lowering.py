@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from tiletune.errors import UserError
 from tiletune.kernels import _tilelang
-from tiletune.kernels.registry import OPS
+from tiletune.kernels import registry
 
 
 def lower_all(targets: Iterable[str] | None, out_dir: str | Path, echo: Callable[[str], None] = print) -> list[str]:
@@ -26,8 +25,8 @@ def lower_all(targets: Iterable[str] | None, out_dir: str | Path, echo: Callable
         folder = Path(out_dir) / target.replace(":", "-")
         folder.mkdir(parents=True, exist_ok=True)
         suffix = ".cu" if target.startswith("cuda") else ".hip"
-        for op in OPS:
-            builders = importlib.import_module(f"tiletune.kernels.{op}").lowering_kernels(target.partition(":")[2])
+        for op in registry.ops().values():
+            builders = op.lowering(target.partition(":")[2]) if op.lowering else {}
             for name, build in builders.items():
                 try:
                     source = _tilelang.lower_source(build(), target)

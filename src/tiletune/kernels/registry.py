@@ -1,31 +1,59 @@
-"""Op -> implementations, with availability and the reasons an implementation cannot run.
+"""The open set of ops: each op's definition, its implementations, availability and fallback reasons.
 
-Every op has a ``reference`` implementation (PyTorch, the semantics) and usually a ``tilelang`` one.
-Plugins add their own with `register`. The custom ops in the op modules call `select` on every call:
-it returns the requested implementation when it can run these inputs, else the reference, and
-records the reason once (``strict`` raises instead).
+An op module (or a user plugin) calls `define(Op(...))` once and `add(Impl(...))` per implementation;
+`load_ops()` imports every module of this package, so adding an op is adding a module. Every op has a
+``reference`` implementation (PyTorch, the semantics). The custom ops call `select` on every call: it
+returns the requested implementation when it can run these inputs, else the reference, and counts the
+reason (``strict`` raises instead).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-OPS = ("rms_norm", "swiglu", "rope", "linear", "lora_linear", "linear_cross_entropy", "attention")
-MODEL_LEVEL_OPS = ("linear_cross_entropy",)  # patched on the causal LM itself, not inside decoder layers
+if TYPE_CHECKING:
+    from tiletune.kernels.binding import Binding
+
 REFERENCE = "reference"
 PREFERRED = ("tilelang", "chunked")  # what `kernels: all` (or an op without `impl`) chooses, first found
-# Ops `kernels: all` leaves out: selected only by name, until a GPU benchmark shows them faster than
-# PyTorch's own (attention: SDPA's flash and cuDNN backends).
-OPT_IN = ("attention",)
 
 log = logging.getLogger("tiletune.kernels")
 
 
 class KernelUnavailable(RuntimeError):
     """Raised under ``strict`` when the requested implementation cannot run an input."""
+
+
+@dataclass(frozen=True)
+class Op:
+    """What the engine and the tools know of an op, besides its implementations.
+
+    bindings: where in a model it goes (tiletune.kernels.binding). opt_in: `kernels: all` leaves it out
+    until named (an op not yet measured faster than PyTorch's own). keeps_output: selective activation
+    checkpointing keeps its outputs as it keeps a matmul's. profile_pattern: a regex naming its device
+    kernels, for `tiletune bench --profile`. lowering: arch -> {kernel name: PrimFunc builder}, for
+    `tiletune kernels lower` (None: no TileLang kernels).
+    """
+
+    name: str
+    bindings: tuple[Binding, ...] = ()
+    opt_in: bool = False
+    keeps_output: bool = False
+    profile_pattern: str | None = None
+    lowering: Callable[[str], dict[str, Callable]] | None = None
+
+    @property
+    def role_rank(self) -> int:
+        """Where the op's first binding sits in a decoder layer's order of roles (listing order)."""
+        from tiletune.kernels.binding import ROLES
+
+        return min((ROLES.index(b.role) for b in self.bindings), default=len(ROLES))
 
 
 @dataclass(frozen=True)
@@ -49,15 +77,23 @@ class Impl:
     accumulation: str = "unknown"  # the dtype its reductions/arithmetic run in ("float32", "input dtype")
 
 
-_impls: dict[str, dict[str, Impl]] = {op: {} for op in OPS}
+_ops: dict[str, Op] = {}
+_impls: dict[str, dict[str, Impl]] = {}
 # (op, impl, reason) -> number of calls that fell back to the reference for that reason.
 runtime_fallbacks: dict[tuple[str, str, str], int] = {}
 
 
+def define(op: Op) -> Op:
+    """Add (or redefine) an op; its implementations are added with `add`."""
+    _ops[op.name] = op
+    _impls.setdefault(op.name, {})
+    return op
+
+
 def add(impl: Impl) -> Impl:
-    """Add (or replace) an implementation."""
+    """Add (or replace) an implementation of a defined op."""
     if impl.op not in _impls:
-        raise ValueError(f"unknown op {impl.op!r}; ops: {', '.join(OPS)}")
+        raise ValueError(f"unknown op {impl.op!r}; ops: {', '.join(_ops)}")
     _impls[impl.op][impl.name] = impl
     return impl
 
@@ -87,10 +123,28 @@ def register(op: str, name: str, *, backward: Callable | None = None,
     return decorate
 
 
+@functools.cache
 def load_ops() -> None:
-    """Import the op modules, which register their reference and TileLang implementations."""
-    for op in OPS:
-        importlib.import_module(f"tiletune.kernels.{op}")
+    """Import every module of tiletune.kernels (once): each op module defines its op and implementations."""
+    import tiletune.kernels
+
+    for module in pkgutil.iter_modules(tiletune.kernels.__path__, "tiletune.kernels."):
+        importlib.import_module(module.name)
+
+
+def ops() -> dict[str, Op]:
+    """Every defined op by name, in a decoder layer's order of roles (norm, mlp, rotary, ...)."""
+    load_ops()
+    return dict(sorted(_ops.items(), key=lambda item: item[1].role_rank))
+
+
+def __getattr__(name: str):
+    """OPS (every op name) and OPT_IN (those `kernels: all` leaves out): computed, as plugins add ops."""
+    if name == "OPS":
+        return tuple(ops())
+    if name == "OPT_IN":
+        return tuple(n for n, op in ops().items() if op.opt_in)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def impls(op: str) -> dict[str, Impl]:

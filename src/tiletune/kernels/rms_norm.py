@@ -10,10 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from tiletune.kernels import _tilelang
-from tiletune.kernels.registry import Impl, add, backward_of, select
+from tiletune.kernels.binding import Binding, Site, warm_tensor
+from tiletune.kernels.customop import Signature, make_custom_op
+from tiletune.kernels.registry import Impl, Op, add, define
 
 # ---- reference -----------------------------------------------------------------------------------
 
@@ -182,50 +184,55 @@ def tilelang_backward(dy: Tensor, x: Tensor, weight: Tensor, eps: float, weight_
     return dx.view(x.shape), partial.sum(0).to(weight.dtype) if weight_grad else None
 
 
-add(Impl("rms_norm", "reference", reference_forward, reference_backward, description="PyTorch, as transformers computes it", accumulation="float32"))
-add(Impl("rms_norm", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
-         tilelang_unsupported, "TileLang fused forward; fused backward with a persistent grid for dweight", accumulation="float32"))
 
-# ---- custom ops ----------------------------------------------------------------------------------
+# ---- custom ops and binding ------------------------------------------------------------------------
 
-
-@torch.library.custom_op("tiletune::rms_norm", mutates_args=())
-def rms_norm_op(x: Tensor, weight: Tensor, eps: float, impl: str, strict: bool) -> Tensor:
-    return select("rms_norm", impl, strict, x, weight, eps).forward(x, weight, eps).contiguous()
-
-
-@rms_norm_op.register_fake
-def _(x, weight, eps, impl, strict):
-    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
-
-
-@torch.library.custom_op("tiletune::rms_norm_backward", mutates_args=())
-def rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Tensor, eps: float, impl: str, strict: bool,
-                         weight_grad: bool) -> tuple[Tensor, Tensor]:
-    chosen = select("rms_norm", impl, strict, x, weight, eps)
-    dx, dw = backward_of(chosen)(dy, x, weight, eps, weight_grad)
-    return dx.contiguous(), dw if dw is not None else weight.new_empty(0)
-
-
-@rms_norm_backward_op.register_fake
-def _(dy, x, weight, eps, impl, strict, weight_grad):
-    return torch.empty_like(x), weight.new_empty(weight.shape if weight_grad else (0,))
-
-
-def _setup_context(ctx, inputs, output):
-    x, weight, ctx.eps, ctx.impl, ctx.strict = inputs
-    ctx.save_for_backward(x, weight)
-
-
-def _backward(ctx, dy):
-    x, weight = ctx.saved_tensors
-    dx, dw = torch.ops.tiletune.rms_norm_backward(dy, x, weight, ctx.eps, ctx.impl, ctx.strict, ctx.needs_input_grad[1])
-    return dx, dw if ctx.needs_input_grad[1] else None, None, None, None
-
-
-rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+rms_norm_op = make_custom_op(Signature(
+    "rms_norm", "Tensor x, Tensor weight, float eps", "Tensor",
+    backward_inputs="Tensor x, Tensor weight, float eps, bool weight_grad", backward_outputs="(Tensor, Tensor)",
+    fake=lambda x, weight, eps: x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
+    backward_fake=lambda dy, x, weight, eps, weight_grad: (torch.empty_like(x), weight.new_empty(weight.shape) if weight_grad else dy.new_empty(0)),
+    save=lambda inputs, outputs, needs: (*inputs, needs[1]),
+    judged_on=lambda grads, saved: saved[:3],
+    grad_of=(0, 1, None),
+))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, impl: str = "reference", strict: bool = False) -> Tensor:
     """RMSNorm through the custom op with implementation `impl` (falls back to the reference)."""
     return torch.ops.tiletune.rms_norm(x, weight, eps, impl, strict)
+
+
+def _eps(module: nn.Module) -> float | None:
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return float(eps) if isinstance(eps, (int, float)) else None
+
+
+def _fit(site: Site) -> str | None:
+    if site.part.offset:
+        return "x·(1 + w) RMSNorm has no kernel yet: stock forward kept"
+    if not isinstance(getattr(site.module, "weight", None), Tensor) or _eps(site.module) is None:
+        return f"{type(site.module).__name__} has no weight and eps to read: stock forward kept"
+    return None
+
+
+def _forward(site: Site, impl: str, strict: bool, current):
+    def forward(self, hidden_states):
+        return rms_norm(hidden_states, self.weight, _eps(self), impl, strict)
+    return forward
+
+
+def _compile_key(module: nn.Module) -> tuple:
+    return (module.weight.shape[-1], _eps(module))
+
+
+def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
+    hidden, eps = key
+    return rms_norm(warm_tensor(1, hidden, dtype=dtype), warm_tensor(hidden, dtype=dtype), eps, impl, True)
+
+
+define(Op("rms_norm", (Binding("rms_norm", "norm", _forward, _fit, compile_key=_compile_key, warm=_warm),),
+          lowering=lowering_kernels))
+add(Impl("rms_norm", "reference", reference_forward, reference_backward, description="PyTorch, as transformers computes it", accumulation="float32"))
+add(Impl("rms_norm", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
+         tilelang_unsupported, "TileLang fused forward; fused backward with a persistent grid for dweight", accumulation="float32"))

@@ -12,13 +12,16 @@ the custom ops ``tiletune::rope`` / ``tiletune::rope_backward``. Tokens (batch x
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from tiletune.kernels import _tilelang
-from tiletune.kernels.registry import Impl, add, backward_of, select
+from tiletune.kernels.binding import Binding, Site, calls_global, innermost, warm_tensor, with_global
+from tiletune.kernels.customop import Signature, make_custom_op
+from tiletune.kernels.registry import Impl, Op, add, define
 
 # ---- reference -----------------------------------------------------------------------------------
 
@@ -160,47 +163,18 @@ def tilelang_backward(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor):
     return _tilelang_apply(dq, dk, cos, sin, backward=True)
 
 
-add(Impl("rope", "reference", reference_forward, reference_backward, description="PyTorch, as transformers' apply_rotary_pos_emb", accumulation="input dtype"))
-add(Impl("rope", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
-         tilelang_unsupported, "TileLang, q and k in one launch, fp32 inside", accumulation="float32"))
+# ---- custom ops and binding ------------------------------------------------------------------------
 
-# ---- custom ops ----------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("tiletune::rope", mutates_args=())
-def rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, impl: str, strict: bool) -> tuple[Tensor, Tensor]:
-    qo, ko = select("rope", impl, strict, q, k, cos, sin).forward(q, k, cos, sin)
-    return qo.contiguous(), ko.contiguous()
-
-
-@rope_op.register_fake
-def _(q, k, cos, sin, impl, strict):
-    return q.new_empty(q.shape), k.new_empty(k.shape)
-
-
-@torch.library.custom_op("tiletune::rope_backward", mutates_args=())
-def rope_backward_op(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, impl: str, strict: bool) -> tuple[Tensor, Tensor]:
-    dq, dk = backward_of(select("rope", impl, strict, dq, dk, cos, sin))(dq, dk, cos, sin)
-    return dq.contiguous(), dk.contiguous()
-
-
-@rope_backward_op.register_fake
-def _(dq, dk, cos, sin, impl, strict):
-    return dq.new_empty(dq.shape), dk.new_empty(dk.shape)
-
-
-def _setup_context(ctx, inputs, output):
-    _, _, cos, sin, ctx.impl, ctx.strict = inputs
-    ctx.save_for_backward(cos, sin)
-
-
-def _backward(ctx, dq, dk):
-    cos, sin = ctx.saved_tensors
-    dq, dk = torch.ops.tiletune.rope_backward(dq, dk, cos, sin, ctx.impl, ctx.strict)
-    return dq, dk, None, None, None, None
-
-
-rope_op.register_autograd(_backward, setup_context=_setup_context)
+rope_op = make_custom_op(Signature(
+    "rope", "Tensor q, Tensor k, Tensor cos, Tensor sin", "(Tensor, Tensor)",
+    backward_inputs="Tensor cos, Tensor sin", backward_outputs="(Tensor, Tensor)",
+    fake=lambda q, k, cos, sin: (q.new_empty(q.shape), k.new_empty(k.shape)),
+    backward_fake=lambda dq, dk, cos, sin: (dq.new_empty(dq.shape), dk.new_empty(dk.shape)),
+    save=lambda inputs, outputs, needs: inputs[2:],
+    judged_on=lambda grads, saved: (*grads, *saved),
+    grad_of=(0, 1, None, None),
+    differentiable=2,
+))
 
 
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, impl: str = "reference", strict: bool = False):
@@ -210,3 +184,56 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, impl: str = "reference"
     """
     qo, ko = torch.ops.tiletune.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, impl, strict)
     return qo.transpose(1, 2), ko.transpose(1, 2)
+
+
+_GLOBAL = "apply_rotary_pos_emb"  # what transformers' attention forwards call to rotate q and k
+
+
+def _fit(site: Site) -> str | None:
+    if site.part.rotary != "full":
+        return f"{site.part.rotary} rotary embedding: no kernel yet: stock forward kept"
+    if not calls_global(type(site.module).forward, _GLOBAL):
+        return f"{type(site.module).__name__}.forward does not call {_GLOBAL}: stock forward kept"
+    if not all(hasattr(site.module, name) for name in ("q_proj", "k_proj", "head_dim")):
+        return f"{type(site.module).__name__} has no q_proj, k_proj and head_dim: stock forward kept"
+    return None
+
+
+def _rope_function(original: Callable, impl: str, strict: bool) -> Callable:
+    """A drop-in for transformers' apply_rotary_pos_emb that runs tiletune's rope op."""
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, unsqueeze_dim=1, **kwargs):
+        if args or kwargs or unsqueeze_dim != 1 or cos.shape[-1] != q.shape[-1]:
+            return original(q, k, cos, sin, *args, unsqueeze_dim=unsqueeze_dim, **kwargs)
+        return rope(q, k, cos, sin, impl, strict)
+    return apply_rotary_pos_emb
+
+
+@functools.cache
+def _forward_calling_rope(func: Callable, impl: str, strict: bool) -> Callable:
+    stock = innermost(func).__globals__[_GLOBAL]
+    return with_global(func, _GLOBAL, _rope_function(stock, impl, strict))
+
+
+def _forward(site: Site, impl: str, strict: bool, current: Callable) -> Callable:
+    return _forward_calling_rope(current, impl, strict)
+
+
+def _compile_key(attention: nn.Module) -> tuple:
+    d = attention.head_dim
+    return (attention.q_proj.out_features // d, attention.k_proj.out_features // d, d)
+
+
+def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
+    heads_q, heads_k, d = key
+    cos, sin = torch.randn(2, 1, 1, d, device="cuda", dtype=dtype)
+    q, k = rope(warm_tensor(1, heads_q, 1, d, dtype=dtype), warm_tensor(1, heads_k, 1, d, dtype=dtype), cos, sin, impl, True)
+    return q.sum() + k.sum()
+
+
+define(Op("rope", (Binding("rope", "rotary", _forward, _fit, compile_key=_compile_key, warm=_warm),),
+          lowering=lowering_kernels))
+add(Impl("rope", "reference", reference_forward, reference_backward, description="PyTorch, as transformers' apply_rotary_pos_emb", accumulation="input dtype"))
+add(Impl("rope", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
+         tilelang_unsupported, "TileLang, q and k in one launch, fp32 inside", accumulation="float32"))

@@ -11,10 +11,12 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from tiletune.kernels import _tilelang
-from tiletune.kernels.registry import Impl, add, backward_of, select
+from tiletune.kernels.binding import Binding, Site, warm_tensor
+from tiletune.kernels.customop import Signature, make_custom_op
+from tiletune.kernels.registry import Impl, Op, add, define
 
 # ---- reference -----------------------------------------------------------------------------------
 
@@ -141,49 +143,57 @@ def tilelang_backward(dy: Tensor, gate: Tensor, up: Tensor):
     return dg.view(gate.shape), du.view(up.shape)
 
 
-add(Impl("swiglu", "reference", reference_forward, reference_backward, description="PyTorch: F.silu(gate) * up", accumulation="input dtype"))
-add(Impl("swiglu", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
-         tilelang_unsupported, "TileLang fused elementwise forward and backward, fp32 inside", accumulation="float32"))
+# ---- custom ops and binding ------------------------------------------------------------------------
 
-# ---- custom ops ----------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("tiletune::swiglu", mutates_args=())
-def swiglu_op(gate: Tensor, up: Tensor, impl: str, strict: bool) -> Tensor:
-    return select("swiglu", impl, strict, gate, up).forward(gate, up).contiguous()
-
-
-@swiglu_op.register_fake
-def _(gate, up, impl, strict):
-    return torch.empty_like(gate, dtype=torch.promote_types(gate.dtype, up.dtype), memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("tiletune::swiglu_backward", mutates_args=())
-def swiglu_backward_op(dy: Tensor, gate: Tensor, up: Tensor, impl: str, strict: bool) -> tuple[Tensor, Tensor]:
-    chosen = select("swiglu", impl, strict, gate, up)
-    dgate, dup = backward_of(chosen)(dy, gate, up)
-    return dgate.contiguous(), dup.contiguous()
-
-
-@swiglu_backward_op.register_fake
-def _(dy, gate, up, impl, strict):
-    return torch.empty_like(gate, memory_format=torch.contiguous_format), torch.empty_like(up, memory_format=torch.contiguous_format)
-
-
-def _setup_context(ctx, inputs, output):
-    gate, up, ctx.impl, ctx.strict = inputs
-    ctx.save_for_backward(gate, up)
-
-
-def _backward(ctx, dy):
-    gate, up = ctx.saved_tensors
-    dgate, dup = torch.ops.tiletune.swiglu_backward(dy, gate, up, ctx.impl, ctx.strict)
-    return dgate, dup, None, None
-
-
-swiglu_op.register_autograd(_backward, setup_context=_setup_context)
+swiglu_op = make_custom_op(Signature(
+    "swiglu", "Tensor gate, Tensor up", "Tensor",
+    backward_inputs="Tensor gate, Tensor up", backward_outputs="(Tensor, Tensor)",
+    fake=lambda gate, up: torch.empty_like(gate, dtype=torch.promote_types(gate.dtype, up.dtype),
+                                           memory_format=torch.contiguous_format),
+    backward_fake=lambda dy, gate, up: (torch.empty_like(gate, memory_format=torch.contiguous_format),
+                                        torch.empty_like(up, memory_format=torch.contiguous_format)),
+    save=lambda inputs, outputs, needs: inputs,
+    judged_on=lambda grads, saved: saved,
+    grad_of=(0, 1),
+))
 
 
 def swiglu(gate: Tensor, up: Tensor, impl: str = "reference", strict: bool = False) -> Tensor:
     """silu(gate) * up through the custom op with implementation `impl` (falls back to the reference)."""
     return torch.ops.tiletune.swiglu(gate, up, impl, strict)
+
+
+def _is_silu(act) -> bool:
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def _fit(site: Site) -> str | None:
+    mlp = site.part
+    if mlp.activation != "silu":
+        return f"{mlp.activation} MLP (GeGLU): no kernel yet: stock forward kept"
+    if mlp.fused_gate_up:
+        return "fused gate_up projection: no kernel yet: stock forward kept"
+    if not all(hasattr(site.module, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        return f"{type(site.module).__name__} has no gate_proj, up_proj and down_proj: stock forward kept"
+    if not _is_silu(getattr(site.module, "act_fn", None)):
+        return f"activation {type(getattr(site.module, 'act_fn', None)).__name__} is not SiLU: stock forward kept"
+    return None
+
+
+def _forward(site: Site, impl: str, strict: bool, current):
+    def forward(self, x):
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), impl, strict))
+    return forward
+
+
+def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
+    (intermediate,) = key
+    return swiglu(warm_tensor(1, intermediate, dtype=dtype), warm_tensor(1, intermediate, dtype=dtype), impl, True)
+
+
+define(Op("swiglu", (Binding("swiglu", "mlp", _forward, _fit, compile_key=lambda mlp: (mlp.gate_proj.out_features,),
+                             warm=_warm),),
+          lowering=lowering_kernels))
+add(Impl("swiglu", "reference", reference_forward, reference_backward, description="PyTorch: F.silu(gate) * up", accumulation="input dtype"))
+add(Impl("swiglu", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
+         tilelang_unsupported, "TileLang fused elementwise forward and backward, fp32 inside", accumulation="float32"))

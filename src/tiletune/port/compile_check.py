@@ -1,9 +1,9 @@
 """Compile translated sources with hipcc for an AMD target and map its diagnostics to CUDA lines.
 
-hipcc compiles device code for a gfx target without a GPU when `HIP_PLATFORM=amd` is set (on a
-machine with nvcc it would otherwise pick the NVIDIA platform). Each diagnostic that points into a
-translated file is mapped back to the line of the CUDA source it came from, using a line
-alignment of the two texts, so it works whatever engine produced them.
+hipcc (found and run by tiletune.hipcc, with `HIP_PLATFORM=amd`) compiles device code for a gfx
+target without a GPU. Each diagnostic that points into a translated file is mapped back to the line
+of the CUDA source it came from, using a line alignment of the two texts, so it works whatever engine
+produced them.
 """
 
 from __future__ import annotations
@@ -11,19 +11,18 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import shutil
-import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tiletune.hipcc import find_hipcc, hipcc_version, run_hipcc
 
 _DIAGNOSTIC = re.compile(
     r"^(?P<file>[^\s:][^:\n]*):(?P<line>\d+):(?P<column>\d+): (?P<severity>fatal error|error|warning): (?P<message>.*)$",
     re.M,
 )
 _ERROR_COUNT = re.compile(r"\d+ errors? generated")
-_HIP_VERSION = re.compile(r"HIP version:?\s*(\d+\.\d+(?:\.\d+)?)")
 _PROBE_KERNEL = "#include <hip/hip_runtime.h>\n__global__ void tiletune_probe(float* x) { x[threadIdx.x] = 0.f; }\n"
 
 
@@ -78,23 +77,6 @@ class CompileCheck:
         return sum(not result.ok for result in self.results)
 
 
-def find_hipcc() -> str | None:
-    """Path of hipcc: $HIPCC, then $ROCM_PATH/bin/hipcc, /opt/rocm/bin/hipcc, then PATH."""
-    candidates = [os.environ.get("HIPCC"), os.path.join(os.environ.get("ROCM_PATH", "/opt/rocm"), "bin", "hipcc")]
-    for candidate in filter(None, candidates):
-        if os.access(candidate, os.X_OK):
-            return candidate
-    return shutil.which("hipcc")
-
-
-def hipcc_version(hipcc: str) -> str | None:
-    """The HIP version hipcc reports ("5.2.21153"), or None when it does not say."""
-    result = subprocess.run([hipcc, "--version"], capture_output=True, text=True, check=False,
-                            env={**os.environ, "HIP_PLATFORM": "amd"})
-    match = _HIP_VERSION.search(result.stdout + result.stderr)
-    return match.group(1) if match else None
-
-
 def line_map(source_text: str, translated_text: str) -> list[int]:
     """For each line of `translated_text`, the 1-based line of `source_text` it corresponds to."""
     source_lines, translated_lines = source_text.splitlines(), translated_text.splitlines()
@@ -112,11 +94,6 @@ def line_map(source_text: str, translated_text: str) -> list[int]:
 def _hipcc_command(hipcc: str, offload_arch: str, source: Path, obj: Path, flags: list[str]) -> list[str]:
     return [hipcc, "-x", "hip", f"--offload-arch={offload_arch}", "-std=c++17", "-Wno-unused-command-line-argument",
             f"-I{source.parent}", *flags, "-c", str(source), "-o", str(obj)]
-
-
-def _hipcc(command: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(command, capture_output=True, text=True, check=False,
-                          env={**os.environ, "HIP_PLATFORM": "amd"})
 
 
 def _parse(output: str, source_maps: dict[Path, SourceMap]) -> tuple[list[Diagnostic], str]:
@@ -144,7 +121,7 @@ def probe_arch(hipcc: str, offload_arch: str, scratch: Path) -> str:
     """Empty string when hipcc compiles a trivial kernel for `offload_arch`, else the reason it cannot."""
     probe = scratch / "probe.hip"
     probe.write_text(_PROBE_KERNEL)
-    result = _hipcc(_hipcc_command(hipcc, offload_arch, probe, scratch / "probe.o", []))
+    result = run_hipcc(_hipcc_command(hipcc, offload_arch, probe, scratch / "probe.o", []))
     if result.returncode == 0:
         return ""
     first_error = next((line for line in result.stderr.splitlines() if "error" in line), result.stderr.strip())
@@ -174,7 +151,7 @@ def compile_units(units: list[tuple[Path, str]], source_maps: dict[Path, SourceM
 
         def compile_one(index: int, unit: tuple[Path, str]) -> CompileResult:
             path, label = unit
-            result = _hipcc(_hipcc_command(hipcc, offload_arch, path, scratch / f"unit{index}.o", flags or []))
+            result = run_hipcc(_hipcc_command(hipcc, offload_arch, path, scratch / f"unit{index}.o", flags or []))
             diagnostics, unparsed = _parse(result.stdout + result.stderr, source_maps)
             return CompileResult(label, result.returncode == 0, diagnostics, unparsed)
 

@@ -177,8 +177,7 @@ def _saved_ops() -> frozenset:
     ops = {getattr(aten, name).default for name in names if hasattr(aten, name)}
     from tiletune.kernels import registry
 
-    registry.load_ops()
-    ops |= {getattr(torch.ops.tiletune, name).default for name in ("linear", "lora_linear") if hasattr(torch.ops.tiletune, name)}
+    ops |= {getattr(torch.ops.tiletune, name).default for name, op in registry.ops().items() if op.keeps_output}
     return frozenset(ops)
 
 

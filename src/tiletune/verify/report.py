@@ -6,19 +6,19 @@ import math
 import re
 from pathlib import Path
 
-from tiletune.verify.metrics import Verdict
+from tiletune.numerics import Verdict
 
 LAYER = re.compile(r"layers\.(\d+)\.(.+)$")
 
 
 def verdict_table(tensors: list[dict], limit: int = 25) -> str:
     """The `limit` worst tensors (failures first, then highest error ratio) and a pass count."""
-    lines = [f"{'tensor':58s} {'stock err':>10s} {'kernel err':>10s} {'ratio':>7s} {'cosine':>9s}  verdict"]
+    lines = [f"{'tensor':58s} {'stock err':>10s} {'kernel err':>10s} {'ratio':>7s} {'max ulps':>8s} {'cosine':>9s}  verdict"]
     for row in tensors[:limit]:
         stock, patched = row["stock"], row["patched"]
         lines.append(
             f"{row['name'][-58:]:58s} {stock['rel_l2']:10.2e} {patched['rel_l2']:10.2e} {row['ratio']:7.2f} "
-            f"{patched['cosine']:9.6f}  {'pass' if row['passed'] else 'FAIL'}"
+            f"{patched['max_ulps']:8.3g} {patched['cosine']:9.6f}  {'pass' if row['passed'] else 'FAIL'}"
             + (f" ({patched['nonfinite']} NaN/Inf)" if patched["nonfinite"] else "")
         )
     failed = sum(not row["passed"] for row in tensors)

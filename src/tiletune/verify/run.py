@@ -20,9 +20,9 @@ import torch
 
 from tiletune.config import TuneConfig
 from tiletune.errors import UserError
+from tiletune.numerics import DTYPE_TOLERANCE, FLOOR_ULPS, compare_runs, errors
 from tiletune.patch import apply_kernels, parse_kernel_spec
 from tiletune.verify.capture import run_and_capture, watched_modules
-from tiletune.verify.metrics import DTYPE_TOLERANCE, compare_runs, errors, floor_for
 
 log = logging.getLogger("tiletune.verify")
 FP16_MAX = torch.finfo(torch.float16).max
@@ -37,7 +37,7 @@ class VerifyOptions:
     seq: int | None = None
     random_tokens: bool = False
     k: float = 2.0
-    floor: float | None = None
+    floor_ulps: float = FLOOR_ULPS
     save_golden: Path | None = None
     against: Path | None = None
     tolerance: float | None = None
@@ -235,7 +235,7 @@ def compare_to_golden(captured: dict, golden: dict, tolerances: dict[str, float]
             rows.append({"name": name, "passed": False, "missing": True})
             continue
         err = errors(captured[name], want)
-        passed = err.nonfinite == 0 and err.rel_l2 <= tolerances[name]
+        passed = err.finite and err.rel_l2 <= tolerances[name]
         rows.append({"name": name, **err.to_dict(), "tolerance": tolerances[name], "passed": passed})
     return sorted(rows, key=lambda r: (r["passed"], -r.get("rel_l2", float("inf")) / r.get("tolerance", 1.0)))
 
@@ -311,14 +311,16 @@ def run_verify(cfg: TuneConfig, options: VerifyOptions) -> dict:
     if options.against is not None:
         batches, golden, meta = load_golden(options.against, model_print)
         report = apply_kernels(model, spec)
-        watch = watched_modules(model, sorted({_module_of(name) for name in golden} - {None}))
-        captured = run_and_capture(model, batches, watch, dtype, device)
+        try:
+            watch = watched_modules(model, sorted({_module_of(name) for name in golden} - {None}))
+            captured = run_and_capture(model, batches, watch, dtype, device)
+        finally:
+            report.revert()
         tolerances = golden_tolerances(golden, meta, dtype, options.k, options.tolerance)
         rows = compare_to_golden(captured, golden, tolerances)
         result["golden"] = {"file": str(options.against), "made_on": meta["environment"], "k": options.k,
                             "fixed_tolerance": options.tolerance, "tensors": rows}  # fmt: skip
         result["passed"] = all(r["passed"] for r in rows)
-        report.revert()
     else:
         probe = apply_kernels(model, spec)  # which modules the kernels go to: watch those too
         extra = _patched_paths(probe)
@@ -328,10 +330,10 @@ def run_verify(cfg: TuneConfig, options: VerifyOptions) -> dict:
             tolerance = options.tolerance or 5 * DTYPE_TOLERANCE[dtype]
             result["convergence"] = convergence(model, spec, batches, options.steps, lr, dtype, device, options.seed, tolerance)
         stock, patched, reference, report = capture_three(model, spec, batches, device, dtype, extra)
-        verdicts = compare_runs(stock, patched, reference, options.k, options.floor or floor_for(dtype))
+        verdicts = compare_runs(stock, patched, reference, dtype, options.k, options.floor_ulps)
         result.update(
             k=options.k,
-            floor=options.floor or floor_for(dtype),
+            floor_ulps=options.floor_ulps,
             patch=report.to_dict(),
             warnings=dtype_warnings(stock, dtype),
             tensors=[v.to_dict() for v in verdicts],

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tiletune.errors import UserError
 from tiletune.kernels import registry
-from tiletune.kernels.gate import errors
+from tiletune.numerics import errors
 from tiletune.patch import apply_kernels, parse_kernel_spec, parse_layers, revert_kernels
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -453,7 +453,7 @@ def test_lora_with_gradient_checkpointing_trains_identically_with_attention(monk
 
 
 def test_warmup_without_gpu_says_why():
-    from tiletune.patch import warmup_kernels
+    from tiletune.patch.warmup import warmup_kernels
 
     if registry.get("rms_norm", "tilelang").unavailable() is None:
         pytest.skip("TileLang can run here")
@@ -463,10 +463,10 @@ def test_warmup_without_gpu_says_why():
 
 def test_warmup_plans_one_compile_per_kernel_shape_and_none_for_the_loss(monkeypatch):
     """What warmup compiles, with the compile itself recorded: no GPU needed to check the plan."""
-    import tiletune.patch as patch
+    import tiletune.patch.warmup as patch
 
     compiled = []
-    monkeypatch.setattr(patch, "_run_once", lambda op, shapes, impl, dtype: compiled.append((op, shapes)))
+    monkeypatch.setattr(patch, "_run_once", lambda binding, shapes, impl, dtype: compiled.append((binding.op, shapes)))
     monkeypatch.setattr(registry, "get", lambda op, impl: SimpleNamespace(unavailable=lambda: None))  # as on a GPU
     with torch.device("meta"):
         model = LlamaForCausalLM(tiny_llama().config)
@@ -483,7 +483,7 @@ def test_warmup_plans_one_compile_per_kernel_shape_and_none_for_the_loss(monkeyp
 
 @pytest.mark.gpu
 def test_warmup_compiles_every_kernel_a_model_needs():
-    from tiletune.patch import warmup_kernels
+    from tiletune.patch.warmup import warmup_kernels
 
     with torch.device("meta"):
         model = LlamaForCausalLM(tiny_llama().config)
@@ -551,7 +551,7 @@ def test_lora_linear_on_gpu_trains_like_stock_peft():
 
 @pytest.mark.gpu
 def test_warmup_compiles_lora_linear_for_a_lora_model():
-    from tiletune.patch import warmup_kernels
+    from tiletune.patch.warmup import warmup_kernels
 
     peft = pytest.importorskip("peft")
     with torch.device("meta"):

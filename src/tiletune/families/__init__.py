@@ -1,0 +1,102 @@
+"""Model families: one record per family, matched by `config.model_type`.
+
+A record says where a model's decoder layers are and what is in them: each norm (x·w or Gemma's
+x·(1+w), and where it sits), the MLP flavour, attention and its rotary embedding, the MoE experts and
+their router, the lm_head and its logit soft-cap. The engine (tiletune.patch) reads it to find the sites each op's bindings may take; a model
+whose family has no record trains unpatched, every selected op's fallback saying so. A module of this
+package adds records with `register`; so may a user plugin (`kernels: {plugins: [...]}`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Norm:
+    """A norm inside a decoder layer: its path (a glob), where it sits, and its flavour."""
+
+    path: str
+    position: str = "pre"  # pre (before attention / MLP), post (on a sublayer's output), qk (on queries and keys)
+    offset: bool = False  # x·(1 + w), Gemma's, instead of x·w
+
+
+@dataclass(frozen=True)
+class Mlp:
+    """The dense MLP: its path, its activation, and whether gate and up are one projection (Phi-3)."""
+
+    path: str = "mlp"
+    activation: str = "silu"  # silu (SwiGLU) or gelu_tanh (GeGLU)
+    fused_gate_up: bool = False
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Self-attention: its path and rotary embedding; what the family's attention may add to plain causal GQA."""
+
+    path: str = "self_attn"
+    rotary: str = "full"  # full, partial (part of head_dim) or none
+    softcap: bool = False  # attention logit soft-capping
+    sinks: bool = False  # attention sinks
+
+
+@dataclass(frozen=True)
+class Experts:
+    """MoE experts: their path and the router's (a Linear that routes tokens, not a projection)."""
+
+    path: str = "mlp.experts"
+    router: str = "mlp.gate"
+
+
+@dataclass(frozen=True)
+class LmHead:
+    """The output projection: its attribute on the causal LM, the decoder stack feeding it, and the config key
+    of a final logit soft-cap."""
+
+    path: str = "lm_head"
+    body: str = "model"
+    softcap_key: str | None = None
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family."""
+
+    name: str
+    model_types: tuple[str, ...]
+    layers: str = "model.layers"  # the decoder layers' ModuleList, from the causal LM
+    norms: tuple[Norm, ...] = ()
+    mlp: Mlp | None = Mlp()
+    attention: Attention = Attention()
+    experts: Experts | None = None
+    lm_head: LmHead = LmHead()
+    liger: str | None = None  # Liger-Kernel's patch function for it, for `tiletune bench` (liger_kernel.transformers)
+
+
+_families: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Add (or replace) a family record under each of its model types."""
+    for model_type in family.model_types:
+        _families[model_type] = family
+    return family
+
+
+def load_families() -> None:
+    """Import every module of this package: each registers its records."""
+    for module in pkgutil.iter_modules(__path__, f"{__name__}."):
+        importlib.import_module(module.name)
+
+
+def known() -> dict[str, Family]:
+    """Every record by model type."""
+    load_families()
+    return dict(_families)
+
+
+def family_of(config) -> Family | None:
+    """The record for a transformers config's model_type, or None."""
+    return known().get(getattr(config, "model_type", None))

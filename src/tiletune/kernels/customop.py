@@ -1,0 +1,101 @@
+"""One op signature -> the custom ops ``tiletune::<op>`` and ``tiletune::<op>_backward``.
+
+Both take the op's arguments plus the implementation name and ``strict``, run whichever implementation
+`registry.select` picks for those inputs, and have fake kernels, so autograd works and torch.compile
+treats them as opaque (TileLang itself cannot be traced). The op module says what differs between ops
+in one `Signature`; everything else (schemas, selection, saving for the backward, autograd) is here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tiletune.kernels.registry import backward_of, select
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What differs between ops' custom ops.
+
+    inputs / outputs: schema text of the forward, e.g. "Tensor x, Tensor weight, float eps" and "Tensor".
+    backward_inputs / backward_outputs: the backward op's arguments after the output gradients, and its results.
+    fake / backward_fake: empty outputs of the right shapes from the (backward) arguments.
+    save(inputs, outputs, needs_input_grad): the backward's arguments after the output gradients.
+    judged_on(grads, saved): the forward-shaped inputs the backward's implementation is selected by.
+    grad_of: for each forward input, the index of its gradient among the backward's results (None: none).
+    differentiable: the first n outputs take gradients; the others are marked non-differentiable.
+    layout: applied to every tensor an implementation returns (default: contiguous).
+    A gradient the backward does not compute (None) leaves the op as an empty tensor like the first gradient.
+    """
+
+    name: str
+    inputs: str
+    outputs: str
+    backward_inputs: str
+    backward_outputs: str
+    fake: Callable
+    backward_fake: Callable
+    save: Callable
+    judged_on: Callable
+    grad_of: tuple[int | None, ...]
+    differentiable: int = 1
+    layout: Callable[[Tensor], Tensor] = Tensor.contiguous
+
+
+def _as_tuple(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def make_custom_op(sig: Signature):
+    """Register ``tiletune::<name>`` and ``tiletune::<name>_backward`` with fakes and autograd; returns the forward op."""
+    grads_schema = ", ".join(f"Tensor grad{i}" for i in range(sig.differentiable))
+
+    def forward(*args):
+        *inputs, impl, strict = args
+        outputs = select(sig.name, impl, strict, *inputs).forward(*inputs)
+        return _finish(outputs, sig.layout, None)
+
+    def backward(*args):
+        *rest, impl, strict = args
+        grads, saved = rest[: sig.differentiable], rest[sig.differentiable :]
+        chosen = select(sig.name, impl, strict, *sig.judged_on(grads, saved))
+        return _finish(backward_of(chosen)(*grads, *saved), sig.layout, grads[0])
+
+    forward_op = torch.library.custom_op(f"tiletune::{sig.name}", forward, mutates_args=(),
+                                         schema=f"({sig.inputs}, str impl, bool strict) -> {sig.outputs}")
+    forward_op.register_fake(lambda *args: sig.fake(*args[:-2]))
+    backward_op = torch.library.custom_op(
+        f"tiletune::{sig.name}_backward", backward, mutates_args=(),
+        schema=f"({grads_schema}, {sig.backward_inputs}, str impl, bool strict) -> {sig.backward_outputs}")
+    backward_op.register_fake(lambda *args: sig.backward_fake(*args[:-2]))
+
+    def setup_context(ctx, inputs, output):
+        *inputs, ctx.impl, ctx.strict = inputs
+        outputs = _as_tuple(output)
+        ctx.mark_non_differentiable(*outputs[sig.differentiable :])
+        saved = sig.save(inputs, outputs, ctx.needs_input_grad)
+        ctx.tensor_slots = [i for i, value in enumerate(saved) if isinstance(value, Tensor)]
+        ctx.constants = [None if isinstance(value, Tensor) else value for value in saved]
+        ctx.save_for_backward(*(saved[i] for i in ctx.tensor_slots))
+
+    def autograd_backward(ctx, *grads):
+        saved = list(ctx.constants)
+        for slot, tensor in zip(ctx.tensor_slots, ctx.saved_tensors):
+            saved[slot] = tensor
+        results = _as_tuple(backward_op(*grads[: sig.differentiable], *saved, ctx.impl, ctx.strict))
+        input_grads = tuple(None if index is None or not ctx.needs_input_grad[i] else results[index]
+                            for i, index in enumerate(sig.grad_of))
+        return (*input_grads, None, None)
+
+    forward_op.register_autograd(autograd_backward, setup_context=setup_context)
+    return forward_op
+
+
+def _finish(outputs, layout: Callable[[Tensor], Tensor], empty_like: Tensor | None):
+    """Each output tensor in the op's layout; a missing gradient (None) as an empty tensor like `empty_like`."""
+    finished = tuple(empty_like.new_empty(0) if out is None else layout(out) for out in _as_tuple(outputs))
+    return finished if isinstance(outputs, tuple) else finished[0]

@@ -1,0 +1,79 @@
+"""A model walked through its family record: the sites, by role, that bindings may take."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterator
+
+from torch import nn
+
+from tiletune.families import Family
+from tiletune.kernels.binding import Site
+
+
+def causal_lm(model: nn.Module) -> tuple[nn.Module, str]:
+    """The causal LM inside `model` (under a peft wrapper, if any) and its path from `model`."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    path = next((p for p, m in model.named_modules() if m is inner), "")
+    return inner, path
+
+
+def layers_of(causal: nn.Module, family: Family) -> nn.ModuleList:
+    """The decoder layers where the family record says they are."""
+    try:
+        layers = causal.get_submodule(family.layers)
+    except AttributeError:
+        layers = None
+    if not isinstance(layers, nn.ModuleList):
+        raise LookupError(f"the {family.name} record puts the decoder layers at {family.layers!r}; "
+                          f"{type(causal).__name__} has no ModuleList there")
+    return layers
+
+
+def layer_sites(family: Family, index: int, layer: nn.Module) -> Iterator[Site]:
+    """Every site in decoder layer `index`, by role, in the order of tiletune.kernels.binding.ROLES."""
+    modules = dict(layer.named_modules())
+    for norm in family.norms:
+        for path in fnmatch.filter(modules, norm.path):
+            yield Site("norm", index, path, modules[path], norm)
+    if family.mlp is not None and family.mlp.path in modules:
+        yield Site("mlp", index, family.mlp.path, modules[family.mlp.path], family.mlp)
+    attention = modules.get(family.attention.path)
+    if attention is not None:
+        if family.attention.rotary != "none":
+            yield Site("rotary", index, family.attention.path, attention, family.attention)
+        yield Site("attention", index, family.attention.path, attention, family.attention)
+    yield from _linear_sites(family, index, modules)
+    if family.experts is not None and family.experts.path in modules:
+        yield Site("experts", index, family.experts.path, modules[family.experts.path], family.experts)
+
+
+def _linear_sites(family: Family, index: int, modules: dict[str, nn.Module]) -> Iterator[Site]:
+    """`linear`: every Linear (a peft wrapper's base layer, reported at the wrapper's path) but routers and
+    the adapters' own; `lora_linear`: every peft LoRA Linear."""
+    routers = {family.experts.router} if family.experts else set()
+    wrappers = {p for p, m in modules.items() if isinstance(getattr(m, "base_layer", None), nn.Module)}
+    for path, module in modules.items():
+        if path in routers or any(path.startswith(r + ".") for r in routers):
+            continue
+        if path in wrappers and _is_lora_linear(module):
+            yield Site("lora_linear", index, path, module)
+        if not isinstance(module, nn.Linear):
+            continue
+        owner = next((w for w in wrappers if path.startswith(w + ".")), None)
+        if owner is None:
+            yield Site("linear", index, path, module)
+        elif path == owner + ".base_layer":
+            yield Site("linear", index, owner, module)  # the kernel goes on the base layer; reported at the wrapper
+        # other Linears inside a wrapper are the adapter's own (lora_A, lora_B): left alone
+
+
+def _is_lora_linear(module: nn.Module) -> bool:
+    return (isinstance(getattr(module, "base_layer", None), nn.Linear) and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+            and isinstance(getattr(module, "lora_B", None), nn.ModuleDict))
+
+
+def model_sites(family: Family, causal: nn.Module) -> Iterator[Site]:
+    """The model-level sites: the lm_head (with the loss), bound on the causal LM itself."""
+    if isinstance(getattr(causal, family.lm_head.path, None), nn.Module):
+        yield Site("lm_head", -1, family.lm_head.path, causal, family.lm_head)
