@@ -20,11 +20,13 @@
 #   offload: the GPU tests of the activation offload, then `tiletune bench` of the fastest set under
 #           `gradient_checkpointing: auto` with and without `gradient_checkpointing_offload` at the stock peak
 #           (28.9 GiB) and at the lean budgets LEAN_GIB (default "17.5 18.7"), against stock and Liger
-#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload OUT_DIR [bench args...]
+#   engine: `tiletune verify` of every kernel (as in verify) and `tiletune bench` of the stock step against the
+#           fastest set (2 repeats), after a change of the patch engine: same numerics, same speed
+#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine OUT_DIR [bench args...]
 # (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
 set -u
-PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload OUT_DIR [bench args]}
-OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload OUT_DIR [bench args]}
+PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine OUT_DIR [bench args]}
+OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine OUT_DIR [bench args]}
 shift 2
 CONFIG=examples/bench/llama3_8b_lora.yaml
 GOLDEN=/tmp/llama3-8b-2layers.golden.safetensors  # too large to bring back; its report is kept
@@ -47,6 +49,10 @@ lora)
     python3 -m pytest -q -m gpu tests/kernels/test_lora_linear.py 2>&1 | tee "$OUT/gpu_tests_lora_linear.txt" | tail -5
     python3 benchmarks/lora_dynamics.py --vocab 128256 --batch 4 --seq 2048 2>&1 | grep -v -i warn | tee "$OUT/lora_dynamics.md"
     "${VERIFY[@]}" lora_target=all --seq 1024 --out "$OUT/verify-llama3-8b-lora-all" 2>&1 | tail -30 ;;
+engine)
+    "${VERIFY[@]}" --seq 2048 --out "$OUT/verify-llama3-8b" 2>&1 | tail -12
+    python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --steps 5 --warmup 2 --repeats 2 \
+        --variants baseline,rms_norm+rope+swiglu+linear_cross_entropy+lora_linear --out "$OUT/bench-fastest" 2>&1 | tail -8 ;;
 bench)
     python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --out "$OUT/bench" "$@" 2>&1 | tail -20 ;;
 speed)
@@ -71,5 +77,5 @@ offload)
     for GIB in ${LEAN_GIB:-17.5 18.7}; do SET="$SET,$FAST:$AUTO:$OFF:gradient_checkpointing_budget=$GIB"; done
     python3 -m tiletune bench "$CONFIG" "$@" --model-preset llama3-8b --steps 5 --warmup 2 --variants "$SET" \
         --out "$OUT/offload-${SPEED_NAME:-lora-qv}" 2>&1 | tail -20 ;;
-*) echo "unknown part $PART (verify, golden, attention, lora, bench, speed or offload)"; exit 2 ;;
+*) echo "unknown part $PART (verify, golden, attention, lora, bench, speed, offload or engine)"; exit 2 ;;
 esac
