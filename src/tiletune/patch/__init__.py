@@ -58,6 +58,10 @@ def apply_kernels(model: nn.Module, spec: Any) -> PatchReport:
     # validate everything before patching anything
     sites = [site for i, layer in enumerate(layers) for site in layer_sites(family, i, layer)]
     sites += model_sites(family, causal)
+    bound_roles = {b.role for op in registry.ops().values() for b in op.bindings}
+    for site in sites:  # parts of the model no op of the library binds yet (MoE experts): said, not skipped silently
+        if site.role not in bound_roles:
+            report.unbound_roles[site.role] = report.unbound_roles.get(site.role, 0) + 1
     plan = {sel: _select(sel, sites, len(layers)) for sel in spec.ops}
     plan = _resolve_supersession(plan)
     reasons = {sel: None if sel.impl == REFERENCE else registry.get(sel.op, sel.impl).unavailable() for sel in spec.ops}

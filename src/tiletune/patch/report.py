@@ -37,6 +37,7 @@ class PatchReport:
     num_layers: int = 0
     entries: list[PatchEntry] = field(default_factory=list)
     unbound: dict[str, str] = field(default_factory=dict)  # op -> why it went nowhere (e.g. no family record)
+    unbound_roles: dict[str, int] = field(default_factory=dict)  # role -> sites no op of the library binds
     bindings: list[tuple] = field(default_factory=list, repr=False)  # (entry, Binding, Site) per entry, for warmup
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _counts_at_apply: dict = field(default_factory=lambda: dict(registry.runtime_fallbacks), repr=False)
@@ -71,7 +72,7 @@ class PatchReport:
             ops[sel.op] = {"impl": sel.impl, "patched": len(mine), "layers": layer_text,
                            "modules": sorted({e.module for e in mine}), "fallback": fallbacks.get(sel.op)}
         return {"spec": self.spec.to_dict(), "family": self.family,
-                "decoder_layers": {"path": self.layers_path, "count": self.num_layers},
+                "decoder_layers": {"path": self.layers_path, "count": self.num_layers}, "unbound_roles": self.unbound_roles,
                 "ops": ops, "entries": [asdict(e) for e in self.entries], "runtime_fallbacks": self.runtime_fallbacks()}
 
     def save(self, output_dir: str | Path) -> Path:
@@ -93,6 +94,8 @@ class PatchReport:
                       else "active" if info["patched"] else "no module in the decoder layers fits this op")
             lines.append(f"  {op:9s} {info['impl']:10s} {info['patched']:4d} modules  layers {info['layers'] or '-':10s} "
                          f"[{_clip(modules, 48)}]  {status}")
+        for role, count in self.unbound_roles.items():
+            lines.append(f"  {role}: {count} modules no tiletune op binds yet: stock forwards")
         known = self.fallbacks()
         for item in self.runtime_fallbacks():
             if known.get(item["op"]) == item["reason"]:

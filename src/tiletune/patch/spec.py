@@ -15,7 +15,6 @@ from typing import Any
 from tiletune.errors import UserError
 from tiletune.kernels import registry
 from tiletune.kernels.binding import MODEL_ROLES
-from tiletune.kernels.registry import REFERENCE
 
 _OPTIONS = ("strict", "plugins")
 _OP_KEYS = ("impl", "layers", "modules")
