@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _steps import adamw_losses
 from transformers import LlamaConfig, LlamaForCausalLM, Olmo2Config, Olmo2ForCausalLM
 
 from tiletune import families
@@ -25,15 +26,8 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
 def train(model, kernels, steps: int = 3) -> list[float]:
     """Losses of a few AdamW steps on fixed tokens with `kernels` applied."""
     report = apply_kernels(model, kernels)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
-    losses = []
-    for _ in range(steps):
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = adamw_losses(model, ids, list(model.parameters()), steps)
     report.revert()
     return losses
 

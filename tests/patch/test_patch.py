@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _steps import adamw_losses
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tiletune.errors import UserError
@@ -299,14 +300,7 @@ def _train_lora(kernels, steps: int = 4, attn: str = "eager") -> tuple[list[floa
     for p in model.parameters():  # LoRA B starts at zero; give it values so every path carries gradient
         if p.requires_grad:
             torch.nn.init.normal_(p, std=0.05)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses, ids = [], tokens()
-    for _ in range(steps):
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = adamw_losses(model, tokens(), [p for p in model.parameters() if p.requires_grad], steps)
     return losses, [p.detach().clone() for p in model.parameters() if p.requires_grad], len(report.entries)
 
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from tiletune.kernels import _tilelang
-from tiletune.kernels.binding import Binding, Site, autocast, calls_global, innermost, warm_tensor, with_global
+from tiletune.kernels.binding import Binding, Site, autocast, calls_global, replacing_global, warm_tensor
 from tiletune.kernels.customop import Signature, make_custom_op
 from tiletune.kernels.registry import Impl, Op, add, define, note_fallback
 
@@ -485,16 +485,6 @@ def _attention_function(stock: Callable, impl: str, strict: bool) -> Callable:
     return attention_function
 
 
-@functools.cache
-def _forward_calling_attention(func: Callable, impl: str, strict: bool) -> Callable:
-    stock = innermost(func).__globals__[_GLOBAL]
-    return with_global(func, _GLOBAL, _AttentionFunctions(stock, impl, strict))
-
-
-def _forward(site: Site, impl: str, strict: bool, current: Callable) -> Callable:
-    return _forward_calling_attention(current, impl, strict)
-
-
 def _compile_key(module: nn.Module) -> tuple:
     d = module.head_dim
     return (module.q_proj.out_features // d, module.k_proj.out_features // d, d, module.scaling)
@@ -507,8 +497,8 @@ def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
 
 
 # Opt-in: slower than SDPA's cuDNN backend on the H200 (docs/kernels.md).
-define(Op("attention", (Binding("attention", "attention", _forward, _fit, unfit_now=_unfit_now, compile_key=_compile_key,
-                                warm=_warm),),
+define(Op("attention", (Binding("attention", "attention", replacing_global(_GLOBAL, _AttentionFunctions), _fit,
+                                unfit_now=_unfit_now, compile_key=_compile_key, warm=_warm),),
           opt_in=True, lowering=lowering_kernels))
 add(Impl("attention", "reference", reference_forward, reference_backward,
          description="PyTorch: causal GQA attention from explicit scores, fp32 inside", accumulation="float32"))

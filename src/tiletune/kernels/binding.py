@@ -13,6 +13,7 @@ replaced).
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 from collections.abc import Callable
@@ -90,6 +91,18 @@ def innermost(func: Callable) -> Callable:
 def calls_global(func: Callable, name: str) -> bool:
     """Whether `func` (under its decorators) refers to the module-level name `name`."""
     return name in innermost(func).__code__.co_names
+
+
+def replacing_global(name: str, replacement: Callable[[Any, str, bool], Any]) -> Callable:
+    """A Binding.forward that installs a copy of the module's current forward whose global `name` (a function
+    or table transformers' forward calls) is `replacement(stock value, impl, strict)`. One copy per (forward,
+    impl, strict), so bindings on the same module compose (rope and attention) and repeated applies reuse it."""
+
+    @functools.cache
+    def copy_of(func: Callable, impl: str, strict: bool) -> Callable:
+        return with_global(func, name, replacement(innermost(func).__globals__[name], impl, strict))
+
+    return lambda site, impl, strict, current: copy_of(current, impl, strict)
 
 
 def with_global(func: Callable, name: str, value: Any) -> Callable:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from tiletune.kernels import _tilelang
-from tiletune.kernels.binding import Binding, Site, calls_global, innermost, warm_tensor, with_global
+from tiletune.kernels.binding import Binding, Site, calls_global, replacing_global, warm_tensor
 from tiletune.kernels.customop import Signature, make_custom_op
 from tiletune.kernels.registry import Impl, Op, add, define
 
@@ -210,16 +210,6 @@ def _rope_function(original: Callable, impl: str, strict: bool) -> Callable:
     return apply_rotary_pos_emb
 
 
-@functools.cache
-def _forward_calling_rope(func: Callable, impl: str, strict: bool) -> Callable:
-    stock = innermost(func).__globals__[_GLOBAL]
-    return with_global(func, _GLOBAL, _rope_function(stock, impl, strict))
-
-
-def _forward(site: Site, impl: str, strict: bool, current: Callable) -> Callable:
-    return _forward_calling_rope(current, impl, strict)
-
-
 def _compile_key(attention: nn.Module) -> tuple:
     d = attention.head_dim
     return (attention.q_proj.out_features // d, attention.k_proj.out_features // d, d)
@@ -232,7 +222,8 @@ def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
     return q.sum() + k.sum()
 
 
-define(Op("rope", (Binding("rope", "rotary", _forward, _fit, compile_key=_compile_key, warm=_warm),),
+define(Op("rope", (Binding("rope", "rotary", replacing_global(_GLOBAL, _rope_function), _fit, compile_key=_compile_key,
+                           warm=_warm),),
           lowering=lowering_kernels))
 add(Impl("rope", "reference", reference_forward, reference_backward, description="PyTorch, as transformers' apply_rotary_pos_emb", accumulation="input dtype"))
 add(Impl("rope", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
