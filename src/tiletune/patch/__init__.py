@@ -47,14 +47,11 @@ def apply_kernels(model: nn.Module, spec: Any) -> PatchReport:
     model._tiletune_kernels = report
     if not spec.ops:
         return report
-    causal, prefix = causal_lm(model)
-    family = family_of(causal.config)
+    causal, family, report.layers_path, layers = _locate(model)
     if family is None:
         report.unbound = {sel.op: f"{_no_record(causal)}: stock forward kept" for sel in spec.ops}
         return report
-    layers = layers_of(causal, family)
     report.family, report.num_layers = family.name, len(layers)
-    report.layers_path = ".".join(filter(None, (prefix, family.layers)))
     # validate everything before patching anything
     sites = [site for i, layer in enumerate(layers) for site in layer_sites(family, i, layer)]
     sites += model_sites(family, causal)
@@ -115,11 +112,20 @@ def _resolve_supersession(plan: dict) -> dict:
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """(path from `model`, ModuleList) of the decoder layers, where the model's family record puts them;
     UserError for a model whose family has no record."""
+    causal, family, path, layers = _locate(model)
+    if family is None:
+        raise UserError(f"{_no_record(causal)}: tiletune cannot find its decoder layers")
+    return path, layers
+
+
+def _locate(model: nn.Module):
+    """(the causal LM, its family record, the decoder layers' path from `model`, the layers); the last three
+    empty-handed (None, "", None) without a record."""
     causal, prefix = causal_lm(model)
     family = family_of(causal.config)
     if family is None:
-        raise UserError(f"{_no_record(causal)}: tiletune cannot find its decoder layers")
-    return ".".join(filter(None, (prefix, family.layers))), layers_of(causal, family)
+        return causal, None, "", None
+    return causal, family, ".".join(filter(None, (prefix, family.layers))), layers_of(causal, family)
 
 
 def _no_record(causal: nn.Module) -> str:

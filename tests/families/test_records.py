@@ -1,0 +1,66 @@
+"""Every family record against a tiny random-init model of its family: each part the record names exists,
+`kernels: all` binds where the record says, and the patched model computes what the stock one does."""
+
+import fnmatch
+
+import pytest
+import torch
+import transformers
+
+from tiletune.families import family_of, known
+from tiletune.patch import apply_kernels
+from tiletune.patch.sites import causal_lm, layer_sites, layers_of
+
+SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+# model_type -> (config class, model class, extra config); one tiny model per record
+MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", MOE),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", MOE),
+}
+
+
+def tiny(model_type: str):
+    config_class, model_class, extra = MODELS[model_type]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**SHAPE, **extra)
+    return getattr(transformers, model_class)(config).eval()
+
+
+def test_every_record_has_a_model_here():
+    assert set(MODELS) == set(known())
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_every_part_the_record_names_exists(model_type):
+    model = tiny(model_type)
+    family = family_of(model.config)
+    layers = layers_of(causal_lm(model)[0], family)
+    assert len(layers) == 2
+    roles = {}
+    for index, layer in enumerate(layers):
+        for site in layer_sites(family, index, layer):
+            roles.setdefault(site.role, set()).add(site.path)
+    assert all(fnmatch.filter(roles["norm"], norm.path) for norm in family.norms)  # no norm glob matches nothing
+    assert {"rotary", "attention", "linear"} <= set(roles)
+    assert ("mlp" in roles) == (family.mlp is not None) and ("experts" in roles) == (family.experts is not None)
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_kernels_all_binds_and_computes_as_stock(model_type):
+    model = tiny(model_type)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        stock = model(ids).logits
+    report = apply_kernels(model, "all")
+    patched = {op: info["patched"] for op, info in report.to_dict()["ops"].items()}
+    assert report.family == family_of(model.config).name and not report.unbound
+    assert patched["rms_norm"] > 0 and patched["rope"] == 2 and patched["linear"] >= 8 and patched["linear_cross_entropy"] == 1
+    assert all(entry.installed for entry in report.entries)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, stock, rtol=1e-5, atol=1e-5)
