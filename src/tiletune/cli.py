@@ -170,11 +170,12 @@ def kernels_list() -> None:
     click.echo(f"TileLang: {version or 'not installed (pip install tilelang)'}")
     click.echo(f"target here: {_tilelang.device_target() or 'none (no CUDA or ROCm GPU visible)'}")
     click.echo(f"kernel cache: {_tilelang.tilelang_cache_dir()}")
-    click.echo(f"\n{'op':9s} {'impl':10s} {'runs here':9s} notes")
-    for op in registry.OPS:
+    click.echo(f"\n{'op':20s} {'binds to':12s} {'impl':10s} {'runs here':9s} notes")
+    for op, definition in registry.ops().items():
+        roles = ",".join(b.role for b in definition.bindings) + (" (opt-in)" if definition.opt_in else "")
         for name, impl in registry.impls(op).items():
             reason = impl.unavailable()
-            click.echo(f"{op:9s} {name:10s} {'no' if reason else 'yes':9s} {reason or impl.description}")
+            click.echo(f"{op:20s} {roles:12s} {name:10s} {'no' if reason else 'yes':9s} {reason or impl.description}")
 
 
 @kernels.command("lower")
