@@ -68,9 +68,26 @@ def test_other_stages_are_not_supported_yet(stage):
 
 
 def test_llamafactory_options_not_implemented_pass_at_default_and_fail_otherwise():
-    build_config({**BASE, "quantization_bit": None, "use_unsloth": False})
-    with pytest.raises(UserError, match="quantization_bit=4 is a LLaMA-Factory option tiletune does not support yet"):
-        build_config({**BASE, "quantization_bit": 4})
+    build_config({**BASE, "quantization_device_map": None, "use_unsloth": False})
+    with pytest.raises(UserError, match="quantization_device_map='auto' is a LLaMA-Factory option tiletune does not support yet"):
+        build_config({**BASE, "quantization_device_map": "auto"})
+
+
+def test_quantization_keys():
+    cfg = build_config({**BASE, "quantization_bit": 4, "quantization_type": "fp4", "double_quantization": False})
+    assert (cfg.quantization_bit, cfg.quantization_type, cfg.double_quantization) == (4, "fp4", False)
+    assert build_config({**BASE, "quantization_bit": 8}).quantization_bit == 8
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"quantization_bit": 3}, "quantization_bit=3 is not supported; use 4 .nf4 or fp4. or 8"),
+    ({"quantization_bit": 4, "quantization_method": "hqq"}, "quantization_method='hqq' is not supported"),
+    ({"quantization_bit": 4, "finetuning_type": "full"}, "quantized base weights are frozen and train through LoRA"),
+    ({"quantization_bit": 4, "quantization_type": "int4"}, "quantization_type"),
+])  # fmt: skip
+def test_quantization_mistakes_get_one_line(values, message):
+    with pytest.raises(UserError, match=message):
+        build_config({**BASE, **values})
 
 
 @pytest.mark.parametrize("key, value", [("cutoff_len", 0), ("cutoff_len", -5), ("lora_dropout", 1.5), ("val_size", -0.1)])

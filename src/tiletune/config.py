@@ -67,6 +67,11 @@ class TuneConfig:
     use_rslora: bool = False
     use_dora: bool = False
     create_new_adapter: bool = False
+    # -- quantized frozen base weights (QLoRA): LLaMA-Factory's keys, tiletune's own formats and kernels
+    quantization_bit: int | None = None  # 4 (nf4 / fp4 blocks of 64) or 8 (int8 per output channel)
+    quantization_method: str = "bnb"  # bitsandbytes' formats; no bitsandbytes needed at run time
+    quantization_type: Literal["nf4", "fp4"] = "nf4"
+    double_quantization: bool = True  # the 4-bit blocks' scales quantized too (8 bits each, per 256)
     freeze_trainable_layers: int = 2
     freeze_trainable_modules: str = "all"
     freeze_extra_modules: str | None = None
@@ -313,6 +318,15 @@ def _check_values(cfg: TuneConfig, source: str) -> None:
         raise UserError(f"{source}: gradient_checkpointing_budget is read only with gradient_checkpointing=auto; set that too")
     if cfg.gradient_checkpointing_offload and cfg.checkpointing != "auto":
         raise UserError(f"{source}: gradient_checkpointing_offload is read only with gradient_checkpointing=auto; set that too")
+    if cfg.quantization_bit not in (None, 4, 8):
+        raise UserError(f"{source}: quantization_bit={cfg.quantization_bit} is not supported; use 4 (nf4 or fp4) or 8 "
+                        "(int8 per output channel)")
+    if cfg.quantization_bit and cfg.quantization_method != "bnb":
+        raise UserError(f"{source}: quantization_method={cfg.quantization_method!r} is not supported; tiletune quantizes "
+                        "in bitsandbytes' formats with its own kernels: set quantization_method=bnb")
+    if cfg.quantization_bit and cfg.finetuning_type != "lora":
+        raise UserError(f"{source}: quantization_bit={cfg.quantization_bit} with finetuning_type={cfg.finetuning_type}: "
+                        "quantized base weights are frozen and train through LoRA adapters; set finetuning_type=lora")
     if cfg.train_arg("bf16") and cfg.train_arg("fp16"):
         raise UserError(f"{source}: bf16 and fp16 are both true; choose one")
     if cfg.train_arg("do_train") and not cfg.dataset:

@@ -6,6 +6,8 @@ import torch
 
 from tiletune.kernels import registry
 from tiletune.kernels.customop import Signature, make_custom_op
+from tiletune.kernels.quant_linear import weight_args
+from tiletune.quant import quantize
 
 
 def rand(*shape, grad: bool = True):
@@ -22,6 +24,8 @@ CASES = {
     "lora_linear": lambda: (rand(5, 16), rand(8, 16, grad=False), None, rand(4, 16), rand(8, 4), 2.0),
     "linear_cross_entropy": lambda: (rand(5, 16), rand(32, 16), torch.tensor([1, 2, -100, 3, 4]), 4.0, True),
     "attention": lambda: (rand(1, 4, 5, 16), rand(1, 2, 5, 16), rand(1, 2, 5, 16), 0.25),
+    "quant_linear": lambda: (rand(3, 5, 64), *weight_args(quantize(rand(16, 64, grad=False), "nf4")), rand(16, grad=False)),
+    "quant_linear (int8, no bias)": lambda: (rand(5, 64), *weight_args(quantize(rand(16, 64, grad=False), "int8")), None),
 }
 
 

@@ -50,7 +50,8 @@ def layer_sites(family: Family, index: int, layer: nn.Module) -> Iterator[Site]:
 
 def _linear_sites(family: Family, index: int, modules: dict[str, nn.Module]) -> Iterator[Site]:
     """`linear`: every Linear (a peft wrapper's base layer, reported at the wrapper's path) but routers and
-    the adapters' own; `lora_linear`: every peft LoRA Linear."""
+    the adapters' own; `quantized_linear`: the same for Linears holding a quantized weight (a `quantized`
+    attribute); `lora_linear`: every peft LoRA Linear."""
     routers = {family.experts.router} if family.experts else set()
     wrappers = {p for p, m in modules.items() if isinstance(getattr(m, "base_layer", None), nn.Module)}
     for path, module in modules.items():
@@ -60,11 +61,12 @@ def _linear_sites(family: Family, index: int, modules: dict[str, nn.Module]) -> 
             yield Site("lora_linear", index, path, module)
         if not isinstance(module, nn.Linear):
             continue
+        role = "quantized_linear" if hasattr(module, "quantized") else "linear"
         owner = next((w for w in wrappers if path.startswith(w + ".")), None)
         if owner is None:
-            yield Site("linear", index, path, module)
+            yield Site(role, index, path, module)
         elif path == owner + ".base_layer":
-            yield Site("linear", index, owner, module)  # the kernel goes on the base layer; reported at the wrapper
+            yield Site(role, index, owner, module)  # the kernel goes on the base layer; reported at the wrapper
         # other Linears inside a wrapper are the adapter's own (lora_A, lora_B): left alone
 
 

@@ -1,0 +1,101 @@
+"""QLoRA on the CPU: a tiny model loads with its Linears quantized (4-bit NF4 / FP4, 8-bit), trains LoRA on the
+reference path with the loss falling, never writes the base, and the kernel engine binds to the quantized layers."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_trainer import run_config  # noqa: F401, F811 (the fixture, by name in each test)
+from transformers import AutoModelForCausalLM
+
+from tiletune.kernels.quant_linear import QuantLinear
+from tiletune.numerics import errors
+from tiletune.patch import apply_kernels
+from tiletune.train.model import load_model, load_tokenizer
+from tiletune.train.trainer import run_train
+
+
+@pytest.mark.parametrize("keys, kind", [({"quantization_bit": 4}, "nf4"), ({"quantization_bit": 4, "quantization_type": "fp4",
+                                                                             "double_quantization": False}, "fp4"),
+                                        ({"quantization_bit": 8}, "int8")])
+def test_load_quantizes_every_linear_but_the_head(run_config, tiny_model_dir, keys, kind):
+    cfg = run_config(**keys)
+    model = load_model(cfg, load_tokenizer(cfg), trainable=False)
+    quantized = [name for name, module in model.named_modules() if isinstance(module, QuantLinear)]
+    assert len(quantized) == 2 * 7 and all(model.get_submodule(n).kind == kind for n in quantized)
+    assert not isinstance(model.lm_head, QuantLinear) and model.lm_head.weight.dtype == torch.float32
+    stock = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        error = errors(model(ids).logits, stock(ids).logits).rel_l2
+    assert 0 < error < (0.05 if kind == "int8" else 0.3)  # quantization error, not a broken layer
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_qlora_trains_and_never_writes_the_base(run_config, tmp_path, bits):
+    run_train(run_config(quantization_bit=bits, max_steps=8, learning_rate=5e-3))
+    out = tmp_path / "out"
+    log = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+    assert log[-1]["loss"] < log[0]["loss"]
+    assert (out / "adapter_model.safetensors").is_file() and not list(out.glob("model*.safetensors"))
+    from safetensors import safe_open
+
+    with safe_open(str(out / "adapter_model.safetensors"), "pt") as adapter:
+        assert all("lora_" in key for key in adapter.keys())
+
+
+def test_kernels_bind_the_quantized_layers_and_say_what_they_leave(run_config):
+    cfg = run_config(quantization_bit=4)
+    model = load_model(cfg, load_tokenizer(cfg), trainable=True)  # peft LoRA on all linears, over QuantLinear
+    report = apply_kernels(model, "all,quant_linear")
+    ops = report.to_dict()["ops"]
+    assert ops["quant_linear"]["patched"] == 14 and ops["linear"]["patched"] == 0
+    unfit = {e.fallback for e in report.entries if e.op == "lora_linear"}
+    assert unfit == {"QuantLinear has its own forward, not F.linear: stock forward kept"}
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if "lora_" in n]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert all(not p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
+
+
+def test_a_prequantized_checkpoint_is_refused_in_one_line(run_config, tiny_model_dir, tmp_path):
+    from tiletune.errors import UserError
+
+    folder = tmp_path / "gptq"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.config.quantization_config = {"quant_method": "gptq", "bits": 4}
+    model.save_pretrained(folder)
+    load_tokenizer(run_config()).save_pretrained(folder)
+    cfg = run_config(model_name_or_path=str(folder), quantization_bit=4)
+    with pytest.raises(UserError, match="already quantized .gptq."):
+        load_model(cfg, load_tokenizer(cfg), trainable=True)
+
+
+def test_export_of_a_qlora_run_merges_into_the_dequantized_base(run_config, tmp_path):
+    from tiletune.train.export import run_export
+
+    run_train(run_config(quantization_bit=4, max_steps=2))
+    target = run_export(run_config(quantization_bit=4, do_train=False, adapter_name_or_path=str(tmp_path / "out"),
+                                   export_dir=str(tmp_path / "merged")))
+    merged = AutoModelForCausalLM.from_pretrained(target)
+    assert not any(isinstance(m, QuantLinear) for m in merged.modules())
+    assert merged.model.layers[0].self_attn.q_proj.weight.dtype == merged.lm_head.weight.dtype
+
+
+VENDORED = Path(__file__).parent / "compat" / "examples"
+
+
+@pytest.mark.parametrize("example", ["train_qlora/qwen3_lora_sft_otfq.yaml", "extras/fsdp_qlora/llama3_lora_sft.yaml"])
+def test_llamafactory_qlora_examples_dry_run(example, compat_dir, tiny_model_dir, monkeypatch):
+    from click.testing import CliRunner
+
+    from tiletune.cli import main
+
+    monkeypatch.chdir(compat_dir)  # their datasets (identity, alpaca_en_demo) are LLaMA-Factory's demo data
+    result = CliRunner().invoke(main, ["train", str(VENDORED / example), f"model_name_or_path={tiny_model_dir}",
+                                       "max_samples=20", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "dry run: config, model and data are valid" in result.output
