@@ -84,7 +84,7 @@ def make_custom_op(sig: Signature):
 
     def autograd_backward(ctx, *grads):
         saved = list(ctx.constants)
-        for slot, tensor in zip(ctx.tensor_slots, ctx.saved_tensors):
+        for slot, tensor in zip(ctx.tensor_slots, ctx.saved_tensors, strict=True):
             saved[slot] = tensor
         results = _as_tuple(backward_op(*grads[: sig.differentiable], *saved, ctx.impl, ctx.strict))
         input_grads = tuple(None if index is None or not ctx.needs_input_grad[i] else results[index]
