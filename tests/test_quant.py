@@ -14,6 +14,7 @@ from tiletune.quant import (
     dynamic_code,
     from_bnb,
     quantize,
+    to_bnb,
 )
 
 # QLoRA (Dettmers et al. 2023), appendix E: the NormalFloat4 values.
@@ -376,3 +377,14 @@ def test_cuda_equals_cpu(kind):
     nested_cpu, nested_gpu = quantize(w, kind), quantize(w.cuda(), kind)
     assert torch.equal(nested_gpu.data.cpu(), nested_cpu.data)
     assert rel_l2(dequantize(nested_gpu).cpu(), dequantize(nested_cpu)) < 1e-3
+
+
+@pytest.mark.parametrize("kind, double", [("nf4", True), ("fp4", False)])
+def test_to_bnb_is_what_from_bnb_reads(kind, double):
+    q = quantize(weight(64, 128, dtype=torch.bfloat16), kind, double=double)
+    tensors = to_bnb(q, "model.layers.0.mlp.up_proj.weight")
+    packed = tensors.pop("model.layers.0.mlp.up_proj.weight")
+    assert packed.dtype == torch.uint8 and packed.shape == (64 * 128 // 2, 1)
+    assert torch.equal(dequantize(from_bnb(packed, tensors)), dequantize(q))
+    with pytest.raises(ValueError, match="nf4 or fp4"):
+        to_bnb(quantize(weight(64, 128), "int8"))

@@ -267,3 +267,18 @@ def from_bnb(weight_data: Tensor, quant_state_dict: dict[str, Tensor], shape=Non
         )
     dtype = dtype or getattr(torch, packed["dtype"])
     return QuantizedWeight(kind, shape, data, tensors["absmax"], int(packed["blocksize"]), nested, dtype)
+
+
+def to_bnb(q: QuantizedWeight, prefix: str = "") -> dict[str, Tensor]:
+    """The tensors transformers saves for a bitsandbytes 4-bit weight (`from_bnb`'s input), keys under `prefix`
+    (e.g. "model.layers.0.mlp.up_proj.weight"): the packed bytes as `prefix` itself, then its quant state."""
+    if q.kind not in ("nf4", "fp4"):
+        raise ValueError(f"bitsandbytes 4-bit checkpoints hold nf4 or fp4 weights, not {q.kind}")
+    meta = {"quant_type": q.kind, "blocksize": q.blocksize, "dtype": str(q.dtype).removeprefix("torch."),
+            "shape": list(q.shape)}
+    state = {"absmax": q.absmax, "quant_map": _table(q.kind).clone()}
+    if q.nested is not None:
+        state |= {"nested_absmax": q.nested.absmax, "nested_quant_map": q.nested.code}
+        meta |= {"nested_blocksize": q.nested.blocksize, "nested_dtype": "float32", "nested_offset": q.nested.offset}
+    state[f"quant_state.bitsandbytes__{q.kind}"] = torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8)
+    return {prefix: q.data.reshape(-1, 1), **{f"{prefix}.{key}": value for key, value in state.items()}}

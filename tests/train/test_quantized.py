@@ -99,3 +99,31 @@ def test_llamafactory_qlora_examples_dry_run(example, compat_dir, tiny_model_dir
                                        "max_samples=20", "--dry-run"])
     assert result.exit_code == 0, result.output
     assert "dry run: config, model and data are valid" in result.output
+
+
+def test_a_bitsandbytes_4bit_checkpoint_loads_as_saved(run_config, tiny_model_dir, tmp_path):
+    """A "-bnb-4bit" folder (packed weights + quant states, as transformers saves them): its codes are used as
+    they are, so the loaded layers dequantize to exactly what was saved; trains with LoRA."""
+    from safetensors.torch import load_file, save_file
+
+    from tiletune.quant import dequantize, quantize, to_bnb
+
+    folder = tmp_path / "bnb-4bit"
+    stock = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    stock.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}
+    stock.save_pretrained(folder)
+    load_tokenizer(run_config()).save_pretrained(folder)
+    tensors, saved = load_file(folder / "model.safetensors"), {}
+    for name, module in stock.named_modules():
+        if isinstance(module, torch.nn.Linear) and module is not stock.lm_head:
+            saved[name] = quantize(tensors.pop(f"{name}.weight"), "fp4", double=True, dtype=torch.float32)
+            tensors.update(to_bnb(saved[name], f"{name}.weight"))
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    cfg = run_config(model_name_or_path=str(folder))  # quantization_bit unset: the checkpoint says it
+    model = load_model(cfg, load_tokenizer(cfg), trainable=True)
+    for name, q in saved.items():
+        layer = model.base_model.model.get_submodule(name).base_layer
+        assert isinstance(layer, QuantLinear) and layer.kind == "fp4"
+        assert torch.equal(dequantize(layer.quantized), dequantize(q))
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()

@@ -82,9 +82,14 @@ def load_model(cfg: TuneConfig, tokenizer, trainable: bool, device_map: str | No
     """
     from transformers import AutoModelForCausalLM
 
+    from transformers import AutoConfig
+
+    from tiletune.train.quantized import is_bnb_4bit
+
     dtype = compute_dtype(cfg)
-    if cfg.quantization_bit:
-        model = _load_quantized(cfg, dtype)
+    config = AutoConfig.from_pretrained(cfg.model_name_or_path, **_hub_kwargs(cfg))
+    if cfg.quantization_bit or is_bnb_4bit(config):
+        model = _load_quantized(cfg, config, dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             cfg.model_name_or_path,
@@ -101,25 +106,26 @@ def load_model(cfg: TuneConfig, tokenizer, trainable: bool, device_map: str | No
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
     if not trainable:
         if cfg.adapter_name_or_path:
-            if cfg.quantization_bit:  # adapters merge into weights, not into packed codes
+            if cfg.quantization_bit or is_bnb_4bit(config):  # adapters merge into weights, not into packed codes
                 from tiletune.train.quantized import dequantized
 
-                log.info("dequantizing the %d-bit base to %s to merge the adapters", cfg.quantization_bit, dtype)
+                log.info("dequantizing the quantized base to %s to merge the adapters", dtype)
                 model = dequantized(model)
             model = _load_adapters(cfg, model, trainable=False)
         return model.eval()
     return prepare_for_training(cfg, model)
 
 
-def _load_quantized(cfg: TuneConfig, dtype: torch.dtype):
-    """The model with its Linears quantized as quantization_bit / quantization_type say, on the GPU if there is one."""
-    from transformers import AutoConfig
-
+def _load_quantized(cfg: TuneConfig, config, dtype: torch.dtype):
+    """The model with its Linears quantized as quantization_bit / quantization_type say (or as a bitsandbytes
+    4-bit checkpoint holds them), on the GPU if there is one."""
     from tiletune.train.quantized import load_quantized, quantized_kind
 
-    config = AutoConfig.from_pretrained(cfg.model_name_or_path, **_hub_kwargs(cfg))
+    if cfg.finetuning_type != "lora":
+        raise UserError(f"{cfg.model_name_or_path} holds quantized weights; they train through LoRA adapters only: "
+                        "set finetuning_type=lora")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    kind = quantized_kind(cfg.quantization_bit, cfg.quantization_type)
+    kind = quantized_kind(cfg.quantization_bit or 4, cfg.quantization_type)
     log.info("quantizing the linear layers of %s to %s as they load", cfg.model_name_or_path, kind)
     return load_quantized(cfg.model_name_or_path, config, dtype, kind, cfg.double_quantization, device,
                           {"attn_implementation": ATTENTION[cfg.flash_attn]}, _hub_kwargs(cfg))

@@ -18,7 +18,7 @@ from torch import nn
 
 from tiletune.errors import UserError
 from tiletune.kernels.quant_linear import QuantLinear
-from tiletune.quant import dequantize, quantize
+from tiletune.quant import dequantize, from_bnb, quantize
 
 log = logging.getLogger(__name__)
 
@@ -30,35 +30,48 @@ def quantized_kind(bits: int, quantization_type: str) -> str:
 
 def load_quantized(path: str, config, dtype: torch.dtype, kind: str, double: bool, device: torch.device,
                    model_kwargs: dict, hub_kwargs: dict) -> nn.Module:
-    """The causal LM at `path` with every Linear but the output head quantized to `kind` on `device`."""
+    """The causal LM at `path` with every Linear but the output head quantized to `kind` on `device`; a
+    bitsandbytes 4-bit checkpoint (the "-bnb-4bit" folders) keeps its own quantized weights as saved."""
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
     from safetensors import safe_open
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    _refuse_prequantized(config, path)
+    prequantized = is_bnb_4bit(config)
+    if not prequantized:
+        _refuse_prequantized(config, path)
+    config.quantization_config = None  # built plain: its Linears become QuantLinear here
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **model_kwargs)
     head = model.get_output_embeddings()
     targets = {name for name, module in model.named_modules() if isinstance(module, nn.Linear) and module is not head}
     expected = set(model.state_dict())
     files = _checkpoint_files(path, hub_kwargs)
-    loaded = set()
+    saved_quantized: dict[str, dict[str, torch.Tensor]] = {}  # Linear -> its packed weight and quant state
     for file in tqdm(files, desc="loading, quantizing", unit="shard", disable=len(files) < 2):
         with safe_open(str(file), framework="pt", device="cpu") as shard:
             for key in shard.keys():
-                if key not in expected:
+                owner = key.split(".weight")[0]
+                if prequantized and owner in targets and key.startswith(owner + ".weight"):
+                    saved_quantized.setdefault(owner, {})[key] = shard.get_tensor(key)
+                elif key not in expected:
                     continue  # e.g. a rotary inv_freq buffer some checkpoints carry
-                module_name, _, leaf = key.rpartition(".")
-                tensor = shard.get_tensor(key)
-                if module_name in targets and leaf == "weight":
-                    _quantize_into(model, module_name, tensor.to(device), kind, double, dtype)
-                elif module_name in targets and isinstance(model.get_submodule(module_name), QuantLinear):
-                    model.get_submodule(module_name).bias = nn.Parameter(tensor.to(device, dtype), requires_grad=False)
+                elif key.endswith(".weight") and owner in targets:
+                    quantized = quantize(shard.get_tensor(key).to(device), kind, double=double, dtype=dtype)
+                    _into_quant_linear(model, owner, quantized)
+                elif key.rpartition(".")[0] in targets and isinstance(model.get_submodule(key.rpartition(".")[0]), QuantLinear):
+                    model.get_submodule(key.rpartition(".")[0]).bias = nn.Parameter(
+                        shard.get_tensor(key).to(device, dtype), requires_grad=False)
                 else:
+                    tensor = shard.get_tensor(key)
                     set_module_tensor_to_device(model, key, device, value=tensor, dtype=dtype if tensor.is_floating_point() else None)
-                loaded.add(key)
+    for owner, tensors in saved_quantized.items():  # as saved: no requantizing
+        linear = model.get_submodule(owner)
+        packed = tensors.pop(owner + ".weight")
+        quantized = from_bnb(packed.to(device), {k: v.to(device) for k, v in tensors.items()},
+                             (linear.out_features, linear.in_features), dtype)
+        _into_quant_linear(model, owner, quantized)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     missing = sorted(name for name, p in model.named_parameters() if p.device.type == "meta")
@@ -68,22 +81,28 @@ def load_quantized(path: str, config, dtype: torch.dtype, kind: str, double: boo
     return model
 
 
-def _quantize_into(model: nn.Module, name: str, weight: torch.Tensor, kind: str, double: bool, dtype: torch.dtype) -> None:
+def is_bnb_4bit(config) -> bool:
+    """Whether a transformers config describes a bitsandbytes 4-bit checkpoint."""
+    settings = getattr(config, "quantization_config", None) or {}
+    settings = settings if isinstance(settings, dict) else settings.to_dict()
+    return settings.get("quant_method") == "bitsandbytes" and bool(settings.get("load_in_4bit"))
+
+
+def _into_quant_linear(model: nn.Module, name: str, quantized) -> None:
+    """Replace the Linear `name` by a QuantLinear of `quantized`, keeping its bias (loaded now or later)."""
     parent_name, _, child = name.rpartition(".")
     old = model.get_submodule(name)
-    bias = old.bias if old.bias is not None and old.bias.device.type != "meta" else None
-    quantized = QuantLinear(quantize(weight, kind, double=double, dtype=dtype), None if bias is None else bias.detach())
-    if old.bias is not None and bias is None:  # the bias arrives later in the checkpoint
-        quantized.bias = old.bias
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, quantized)
+    module = QuantLinear(quantized)
+    module.bias = old.bias if old.bias is None or old.bias.device.type == "meta" else nn.Parameter(old.bias.detach(), requires_grad=False)
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
 def _refuse_prequantized(config, path: str) -> None:
     method = (getattr(config, "quantization_config", None) or {})
     method = method.get("quant_method") if isinstance(method, dict) else getattr(method, "quant_method", None)
     if method:
-        raise UserError(f"{path} is already quantized ({method}); quantization_bit quantizes a bf16/fp16 checkpoint "
-                        "(point model_name_or_path at the original model)")
+        raise UserError(f"{path} is already quantized ({method}); tiletune loads bf16/fp16 checkpoints (quantizing them "
+                        "with quantization_bit) and bitsandbytes 4-bit ones: point model_name_or_path at the original model")
 
 
 def _checkpoint_files(path: str, hub_kwargs: dict) -> list[Path]:
