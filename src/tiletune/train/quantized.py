@@ -83,9 +83,14 @@ def load_quantized(path: str, config, dtype: torch.dtype, kind: str, double: boo
 
 def is_bnb_4bit(config) -> bool:
     """Whether a transformers config describes a bitsandbytes 4-bit checkpoint."""
-    settings = getattr(config, "quantization_config", None) or {}
-    settings = settings if isinstance(settings, dict) else settings.to_dict()
+    settings = _quantization_settings(config)
     return settings.get("quant_method") == "bitsandbytes" and bool(settings.get("load_in_4bit"))
+
+
+def _quantization_settings(config) -> dict:
+    """The checkpoint's quantization_config as a dict (empty for a plain checkpoint)."""
+    settings = getattr(config, "quantization_config", None) or {}
+    return settings if isinstance(settings, dict) else settings.to_dict()
 
 
 def _into_quant_linear(model: nn.Module, name: str, quantized) -> None:
@@ -98,8 +103,7 @@ def _into_quant_linear(model: nn.Module, name: str, quantized) -> None:
 
 
 def _refuse_prequantized(config, path: str) -> None:
-    method = (getattr(config, "quantization_config", None) or {})
-    method = method.get("quant_method") if isinstance(method, dict) else getattr(method, "quant_method", None)
+    method = _quantization_settings(config).get("quant_method")
     if method:
         raise UserError(f"{path} is already quantized ({method}); tiletune loads bf16/fp16 checkpoints (quantizing them "
                         "with quantization_bit) and bitsandbytes 4-bit ones: point model_name_or_path at the original model")
