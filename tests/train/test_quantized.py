@@ -127,3 +127,20 @@ def test_a_bitsandbytes_4bit_checkpoint_loads_as_saved(run_config, tiny_model_di
         assert torch.equal(dequantize(layer.quantized), dequantize(q))
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()
+
+
+def test_linear_biases_load_frozen_into_the_quantized_layers(tmp_path):
+    """Qwen2's q/k/v projections carry biases: each lands in its QuantLinear, frozen, with the saved values."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tiletune.train.quantized import load_quantized
+
+    torch.manual_seed(0)
+    stock = Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    stock.save_pretrained(tmp_path / "qwen2")
+    model = load_quantized(str(tmp_path / "qwen2"), stock.config, torch.float32, "nf4", True, torch.device("cpu"), {}, {})
+    for name in ("q_proj", "k_proj", "v_proj"):
+        layer = getattr(model.model.layers[0].self_attn, name)
+        assert isinstance(layer, QuantLinear) and not layer.bias.requires_grad
+        assert torch.equal(layer.bias, getattr(stock.model.layers[0].self_attn, name).bias)

@@ -90,13 +90,12 @@ class QuantLinear(nn.Linear):
     @property
     def quantized(self) -> QuantizedWeight:
         """The weight, as the tensors now held (wherever the module was moved)."""
-        nested = None if self.nested_code is None else NestedScales(self.nested_code, self.nested_absmax, self.nested_offset)
-        return QuantizedWeight(self.kind, (self.out_features, self.in_features), self.weight, self.absmax, self.blocksize,
-                               nested, self.compute_dtype)
+        return weight_of(self.weight, self.absmax, self.nested_code, self.nested_absmax, self.nested_offset, self.kind,
+                         self.blocksize, self.out_features, self.in_features, dtype=self.compute_dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, impl: str = "reference", strict: bool = False) -> Tensor:
         x, bias = autocast(x, self.bias)
-        return quant_linear(x, self.quantized, bias)
+        return quant_linear(x, self.quantized, bias, impl, strict)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}, blocksize={self.blocksize}"
@@ -107,8 +106,7 @@ class QuantLinear(nn.Linear):
 
 def _forward(site: Site, impl: str, strict: bool, current):
     def forward(self, x):
-        x, bias = autocast(x, self.bias)
-        return quant_linear(x, self.quantized, bias, impl, strict)
+        return QuantLinear.forward(self, x, impl, strict)
     return forward
 
 

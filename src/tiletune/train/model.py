@@ -93,6 +93,7 @@ def load_model(cfg: TuneConfig, tokenizer, trainable: bool, device_map: str | No
     else:
         model = AutoModelForCausalLM.from_pretrained(
             cfg.model_name_or_path,
+            config=config,  # read once, above
             dtype=dtype,
             attn_implementation=ATTENTION[cfg.flash_attn],
             low_cpu_mem_usage=cfg.low_cpu_mem_usage,

@@ -60,9 +60,6 @@ def load_quantized(path: str, config, dtype: torch.dtype, kind: str, double: boo
                 elif key.endswith(".weight") and owner in targets:
                     quantized = quantize(shard.get_tensor(key).to(device), kind, double=double, dtype=dtype)
                     _into_quant_linear(model, owner, quantized)
-                elif key.rpartition(".")[0] in targets and isinstance(model.get_submodule(key.rpartition(".")[0]), QuantLinear):
-                    model.get_submodule(key.rpartition(".")[0]).bias = nn.Parameter(
-                        shard.get_tensor(key).to(device, dtype), requires_grad=False)
                 else:
                     tensor = shard.get_tensor(key)
                     set_module_tensor_to_device(model, key, device, value=tensor, dtype=dtype if tensor.is_floating_point() else None)
@@ -72,6 +69,9 @@ def load_quantized(path: str, config, dtype: torch.dtype, kind: str, double: boo
         quantized = from_bnb(packed.to(device), {k: v.to(device) for k, v in tensors.items()},
                              (linear.out_features, linear.in_features), dtype)
         _into_quant_linear(model, owner, quantized)
+    for module in model.modules():  # the quantized base is frozen, biases included
+        if isinstance(module, QuantLinear) and module.bias is not None:
+            module.bias.requires_grad_(False)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     missing = sorted(name for name, p in model.named_parameters() if p.device.type == "meta")
@@ -94,11 +94,15 @@ def _quantization_settings(config) -> dict:
 
 
 def _into_quant_linear(model: nn.Module, name: str, quantized) -> None:
-    """Replace the Linear `name` by a QuantLinear of `quantized`, keeping its bias (loaded now or later)."""
-    parent_name, _, child = name.rpartition(".")
-    old = model.get_submodule(name)
+    """Replace the Linear `name` by a QuantLinear of `quantized`, keeping its bias Parameter (loaded already, or
+    still empty and filled when its tensor arrives)."""
     module = QuantLinear(quantized)
-    module.bias = old.bias if old.bias is None or old.bias.device.type == "meta" else nn.Parameter(old.bias.detach(), requires_grad=False)
+    module.bias = model.get_submodule(name).bias
+    _replace(model, name, module)
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
@@ -137,6 +141,5 @@ def dequantized(model: nn.Module) -> nn.Module:
                 linear.weight.copy_(dequantize(module.quantized))
                 if module.bias is not None:
                     linear.bias.copy_(module.bias)
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, linear)
+            _replace(model, name, linear)
     return model
