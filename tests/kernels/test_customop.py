@@ -26,6 +26,10 @@ CASES = {
     "attention": lambda: (rand(1, 4, 5, 16), rand(1, 2, 5, 16), rand(1, 2, 5, 16), 0.25),
     "quant_linear": lambda: (rand(3, 5, 64), *weight_args(quantize(rand(16, 64, grad=False), "nf4")), rand(16, grad=False)),
     "quant_linear (int8, no bias)": lambda: (rand(5, 64), *weight_args(quantize(rand(16, 64, grad=False), "int8")), None),
+    "quant_lora_linear": lambda: (rand(2, 5, 128), *weight_args(quantize(rand(24, 128, grad=False), "nf4")), None,
+                                  rand(4, 128), rand(24, 4), 2.0),
+    "quant_lora_linear (fp4 unnested, bias)": lambda: (rand(5, 64), *weight_args(quantize(rand(8, 64, grad=False), "fp4", double=False)),
+                                                       rand(8, grad=False), rand(3, 64), rand(8, 3), 0.5),
 }
 
 

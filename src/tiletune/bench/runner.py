@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from tiletune.bench.worker import RESULT_PREFIX, split_variant
+from tiletune.bench.worker import PEER_VARIANTS, RESULT_PREFIX, split_variant
 from tiletune.env import run_stamp
 from tiletune.errors import UserError
 
@@ -34,7 +34,7 @@ def ablation_variants() -> list[str]:
 def check_variants(variants: list[str]) -> None:
     from tiletune.kernels.registry import OPS
 
-    known = {"baseline", "all", "liger", *OPS}
+    known = {*PEER_VARIANTS, "all", *OPS}
     names = [split_variant(v)[0] for v in variants]
     unknown = [part for n in names if n not in known for part in n.split("+") if part not in OPS]
     if unknown:
@@ -42,6 +42,8 @@ def check_variants(variants: list[str]) -> None:
                         "by + (rms_norm+rope), each optionally with :key=value config overrides (all:gradient_checkpointing=auto)")  # fmt: skip
     if "liger" in names and not find_spec("liger_kernel"):
         raise UserError("bench variant 'liger' needs Liger-Kernel; pip install liger-kernel (or drop the variant)")
+    if "bnb" in names and not find_spec("bitsandbytes"):
+        raise UserError("bench variant 'bnb' needs bitsandbytes; pip install bitsandbytes (or drop the variant)")
     if "baseline" not in variants:
         raise UserError("bench needs the 'baseline' variant: every ratio is measured against it")
 

@@ -27,9 +27,12 @@ def split_variant(variant: str) -> tuple[str, list[str]]:
     return name, overrides
 
 
+PEER_VARIANTS = ("baseline", "liger", "bnb")  # the stock model, patched by Liger-Kernel, on bitsandbytes' 4-bit Linears
+
+
 def variant_kernels(variant: str):
-    """The `kernels:` spec a variant name stands for (None for the stock model and for Liger)."""
-    if variant in ("baseline", "liger"):
+    """The `kernels:` spec a variant name stands for (None for the stock model and the peers')."""
+    if variant in PEER_VARIANTS:
         return None
     if variant == "all":
         return "all"
@@ -46,10 +49,16 @@ def liger_patch(model_config) -> str:
     return family.liger
 
 
-def build_model(cfg: TuneConfig, preset: str | None, variant: str, device: torch.device):
-    """The model for one variant: a random-init preset or `model_name_or_path`, set up to train."""
+def build_model(cfg: TuneConfig, preset: str | None, variant: str, device: torch.device, seed: int = 0):
+    """The model for one variant: a random-init preset or `model_name_or_path`, set up to train.
+
+    With quantization_bit, a preset is built quantized one tensor at a time on the device (tiletune's
+    QuantLinear); the `bnb` variant then moves the same packed weights into bitsandbytes' Linear4bit (the peft
+    + bitsandbytes QLoRA a user would run instead).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from tiletune.train.model import load_model, load_tokenizer
     from tiletune.train.presets import preset_config
 
     model_config = preset_config(preset) if preset else AutoConfig.from_pretrained(cfg.model_name_or_path)
@@ -57,12 +66,23 @@ def build_model(cfg: TuneConfig, preset: str | None, variant: str, device: torch
         import liger_kernel.transformers as liger
 
         getattr(liger, liger_patch(model_config))()  # patches the model classes: before building
+    if variant == "bnb" and not cfg.quantization_bit:
+        raise UserError("bench variant 'bnb' is peft + bitsandbytes QLoRA: give it quantization_bit=4 (bnb:quantization_bit=4)")
     dtype = compute_dtype(cfg)
-    if preset:
+    if preset and cfg.quantization_bit:
+        from tiletune.train.quantized import quantized_kind, random_quantized
+
+        model = random_quantized(model_config, dtype, quantized_kind(cfg.quantization_bit, cfg.quantization_type),
+                                 cfg.double_quantization, device, seed)
+    elif preset:
         with device:
             model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+    elif cfg.quantization_bit:
+        model = load_model(cfg, load_tokenizer(cfg), trainable=False).train()
     else:
         model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=dtype).to(device)
+    if variant == "bnb":
+        bitsandbytes_linears(model)
     model = prepare_for_training(cfg, model)
     spec = variant_kernels(variant)
     report = None
@@ -71,6 +91,30 @@ def build_model(cfg: TuneConfig, preset: str | None, variant: str, device: torch
 
         report = apply_kernels(model, parse_kernel_spec(spec))
     return model, report
+
+
+def bitsandbytes_linears(model: torch.nn.Module) -> None:
+    """Replace every QuantLinear of `model` by bitsandbytes' Linear4bit holding the same packed bytes and quant
+    state (tiletune's 4-bit format is bitsandbytes'; int8 has no such counterpart here)."""
+    import bitsandbytes as bnb
+
+    from tiletune.kernels.quant_linear import QuantLinear
+    from tiletune.quant import to_bnb
+
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, QuantLinear):
+            continue
+        q = module.quantized
+        if q.kind == "int8":
+            raise UserError("bench variant 'bnb' runs 4-bit weights (quantization_bit=4), not int8")
+        tensors = to_bnb(q, "w")
+        layer = bnb.nn.Linear4bit(q.shape[1], q.shape[0], bias=module.bias is not None, compute_dtype=q.dtype,
+                                  quant_type=q.kind, device=q.data.device)
+        layer.weight = bnb.nn.Params4bit.from_prequantized(tensors.pop("w"), {k[2:]: v for k, v in tensors.items()},
+                                                           requires_grad=False, device=q.data.device)
+        layer.bias = module.bias
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
 
 
 def step_flops(model_config, trainable_linear: int, tokens: int, seq: int, recomputed: float) -> float:
@@ -99,7 +143,7 @@ def run(job: dict) -> dict:
     cfg = load_config(job["config"], [*job.get("overrides", []), *variant_overrides])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(job["seed"])
-    model, report = build_model(cfg, job.get("preset"), name, device)
+    model, report = build_model(cfg, job.get("preset"), name, device, job["seed"])
     batch, seq = job["batch"], job["seq"]
     plan = None
     if cfg.checkpointing == "auto":

@@ -2,7 +2,8 @@
 
 The engine (tiletune.patch) walks a model through its family record (tiletune.families) and yields
 sites by *role*: each norm, the MLP, the attention module (for its rotary embedding and for attention
-itself), every Linear, every Linear with a quantized weight, every peft LoRA Linear, the MoE experts, the
+itself), every Linear, every Linear with a quantized weight, every peft LoRA Linear (over a plain or a
+quantized base), the MoE experts, the
 lm_head with the loss. A binding
 names the role it replaces, says why a site does not fit (reported, never silent), builds the forward
 it installs, and the static dimensions its compiled kernels are keyed by. The engine installs the
@@ -25,7 +26,8 @@ import torch
 from torch import nn
 
 # A decoder layer's roles in the order data meets them; model-level roles are bound on the causal LM.
-ROLES = ("norm", "mlp", "rotary", "attention", "linear", "quantized_linear", "lora_linear", "experts", "lm_head")
+ROLES = ("norm", "mlp", "rotary", "attention", "linear", "quantized_linear", "lora_linear", "quantized_lora_linear",
+         "experts", "lm_head")
 MODEL_ROLES = ("lm_head",)
 
 

@@ -65,12 +65,16 @@ def lowering_kernels(arch: str) -> dict[str, Callable]:
 def tilelang_unsupported(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
                          scaling: float) -> str | None:
     """Why the TileLang path cannot run these inputs, or None."""
-    reason = linear.tilelang_unsupported(x, weight, bias)
-    if reason is None and (lora_a.device != x.device or lora_b.device != x.device):
-        reason = "adapter weights on another device than the input"
-    if reason is None and lora_a.shape[0] > MAX_RANK:
-        reason = f"rank {lora_a.shape[0]} is above {MAX_RANK}"
-    return reason
+    return linear.tilelang_unsupported(x, weight, bias) or adapter_unsupported(x, lora_a, lora_b)
+
+
+def adapter_unsupported(x: Tensor, lora_a: Tensor, lora_b: Tensor) -> str | None:
+    """Why the rank-r epilogue cannot take these adapters, or None."""
+    if lora_a.device != x.device or lora_b.device != x.device:
+        return "adapter weights on another device than the input"
+    if lora_a.shape[0] > MAX_RANK:
+        return f"rank {lora_a.shape[0]} is above {MAX_RANK}"
+    return None
 
 
 def tilelang_forward(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
@@ -128,12 +132,13 @@ def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, 
     return torch.ops.tiletune.lora_linear(x, weight, bias, lora_a, lora_b, scaling, impl, strict)[0]
 
 
-def _active_adapter(module: nn.Module) -> str:
+def active_adapter(module: nn.Module) -> str:
+    """The name of the one active adapter of a peft LoRA Linear."""
     return next(a for a in module.active_adapters if a in module.lora_A)
 
 
-def _unfit_now(module: nn.Module) -> str | None:
-    """Why lora_linear cannot stand in for this peft LoRA Linear's forward right now, or None."""
+def unfit_now(module: nn.Module) -> str | None:
+    """Why a fused LoRA forward cannot stand in for this peft LoRA Linear's forward right now, or None."""
     adapters = [name for name in module.active_adapters if name in module.lora_A]
     base = module.base_layer
     if len(adapters) != 1:
@@ -155,19 +160,26 @@ def _unfit_now(module: nn.Module) -> str | None:
     return f"{reason}: stock peft forward kept"
 
 
-def _forward(site: Site, impl: str, strict: bool, current: Callable) -> Callable:
-    def forward(self, x, *args, **kwargs):
-        if args or kwargs or _unfit_now(self):
-            return current(self, x, *args, **kwargs)
-        name = _active_adapter(self)
-        x, weight, bias = autocast(x, self.base_layer.weight, self.base_layer.bias)
-        return lora_linear(x, weight, bias, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name],
-                           impl, strict)
-    return forward
+def lora_forward(run: Callable) -> Callable:
+    """A Binding.forward for peft LoRA Linears: `run(module, x, adapter, impl, strict)` while the fused forward
+    fits (unfit_now), peft's own forward otherwise."""
+    def build(site: Site, impl: str, strict: bool, current: Callable) -> Callable:
+        def forward(self, x, *args, **kwargs):
+            if args or kwargs or unfit_now(self):
+                return current(self, x, *args, **kwargs)
+            return run(self, x, active_adapter(self), impl, strict)
+        return forward
+    return build
+
+
+def _run(module: nn.Module, x: Tensor, adapter: str, impl: str, strict: bool) -> Tensor:
+    x, weight, bias = autocast(x, module.base_layer.weight, module.base_layer.bias)
+    return lora_linear(x, weight, bias, module.lora_A[adapter].weight, module.lora_B[adapter].weight,
+                       module.scaling[adapter], impl, strict)
 
 
 def _compile_key(module: nn.Module) -> tuple:
-    return (module.base_layer.out_features, module.base_layer.in_features, module.lora_A[_active_adapter(module)].out_features)
+    return (module.base_layer.out_features, module.base_layer.in_features, module.lora_A[active_adapter(module)].out_features)
 
 
 def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
@@ -177,8 +189,8 @@ def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
                        impl, True)
 
 
-define(Op("lora_linear", (Binding("lora_linear", "lora_linear", _forward, lambda site: linear.plain_linear_reason(site.module.base_layer),
-                                  unfit_now=_unfit_now, compile_key=_compile_key, warm=_warm, supersedes=("linear",)),),
+define(Op("lora_linear", (Binding("lora_linear", "lora_linear", lora_forward(_run), lambda site: linear.plain_linear_reason(site.module.base_layer),
+                                  unfit_now=unfit_now, compile_key=_compile_key, warm=_warm, supersedes=("linear",)),),
           keeps_output=True, profile_pattern=r"lora_linear", lowering=lowering_kernels))
 add(Impl("lora_linear", "reference", reference_forward, reference_backward,
          description="PyTorch: base F.linear + peft's lora_B(lora_A(x)) * scaling", accumulation="float32"))

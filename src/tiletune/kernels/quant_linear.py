@@ -2,23 +2,34 @@
 
 Wq is stored as tiletune.quant formats it: 4-bit NF4 / FP4 codes in blocks of 64 with an absmax per block
 (itself 8-bit quantized under double quantization), or int8 per output row. The weight is frozen: no dW,
-and no activation is kept for one. Reference (PyTorch: dequantize the whole weight, then one matmul, the
-dequantized weight dropped right after, forward and backward alike), the custom ops
-``tiletune::quant_linear`` / ``tiletune::quant_linear_backward``, the `QuantLinear` module a quantized model
-holds in place of each nn.Linear, and its binding (role ``quantized_linear``). The TileLang GEMM with the
-dequantization fused into its main loop is the next implementation of this op.
+and no activation is kept for one; only the packed weight is saved for the backward, which dequantizes it
+again. Reference (PyTorch: dequantize the whole weight, then one matmul, the dequantized weight dropped
+right after, forward and backward alike), the TileLang path (a dequantizing kernel that decodes codes,
+nested scales and the code table in one pass into a transient weight, bit-exact with the reference's
+dequantization, then linear.py's TileLang GEMM), the custom ops ``tiletune::quant_linear`` /
+``tiletune::quant_linear_backward``, the `QuantLinear` module a quantized model holds in place of each
+nn.Linear, and its binding (role ``quantized_linear``).
+
+Why dequantize-then-GEMM and not the dequantization fused into the GEMM's main loop: at training shapes
+(8192 tokens) the fused form measured 3x slower than cuBLAS on the H200 (decoding every weight tile once
+per row block of the output, in the warps that feed wgmma), while the separate pass costs one read of the
+packed weight and one write of the bf16 weight, ~4% of the GEMM (docs/design.md, QLoRA).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: TileLang reads the kernel signature's shapes from the closure.
+
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tiletune.kernels.binding import Binding, Site, autocast
+from tiletune.kernels import _tilelang, linear
+from tiletune.kernels.binding import Binding, Site, autocast, warm_tensor
 from tiletune.kernels.customop import Signature, make_custom_op
 from tiletune.kernels.registry import Impl, Op, add, define
-from tiletune.quant import NestedScales, QuantizedWeight, dequantize
+from tiletune.quant import FP4_CODE, NF4_CODE, NestedScales, QuantizedWeight, dequantize, quantize
 
 # The weight as custom-op arguments: packed codes, scales, nested scales (or None) and the static format.
 WEIGHT_SCHEMA = ("Tensor data, Tensor absmax, Tensor? nested_code, Tensor? nested_absmax, float nested_offset, "
@@ -42,15 +53,120 @@ def weight_of(data, absmax, nested_code, nested_absmax, nested_offset, kind, blo
 # ---- reference -----------------------------------------------------------------------------------
 
 
+def reference_weight(*weight, dtype: torch.dtype) -> Tensor:
+    """The dequantized (out, in) weight in `dtype` (tiletune.quant.dequantize)."""
+    return dequantize(weight_of(*weight, dtype=dtype))
+
+
 def reference_forward(x: Tensor, *weight_and_bias) -> Tensor:
     """x · dequant(W)ᵀ (+ b): the whole weight dequantized to x's dtype, then one matmul (as peft + bitsandbytes)."""
     *weight, bias = weight_and_bias
-    return F.linear(x, dequantize(weight_of(*weight, dtype=x.dtype)), bias)
+    return F.linear(x, reference_weight(*weight, dtype=x.dtype), bias)
 
 
 def reference_backward(dy: Tensor, *weight) -> Tensor:
     """dX = dY · dequant(W), the weight dequantized again (nothing was kept from the forward)."""
-    return dy @ dequantize(weight_of(*weight, dtype=dy.dtype))
+    return dy @ reference_weight(*weight, dtype=dy.dtype)
+
+
+# ---- TileLang ------------------------------------------------------------------------------------
+
+# (rows, columns) of one tile of the dequantizing kernel, threads per block
+DEQUANT_TILE = (64, 64, 128)
+
+
+def dequantize_kernel(kind: str, out_features: int, in_features: int, blocksize: int, nested: bool, dtype: str,
+                      tile=DEQUANT_TILE):
+    """PrimFunc writing the (out, in) weight in `dtype` from its packed form, everything static.
+
+    Seen as rows of elements sharing one scale: 4-bit kinds have out·in/blocksize rows of `blocksize`
+    elements (a row's bytes hold two codes each, the first in the high nibble), int8 has `out` rows of
+    `in`. Value = table[code] · scale (4-bit) or code · scale (int8) in float32, rounded once, as
+    tiletune.quant.dequantize computes it. A 4-bit scale is the block's absmax, decoded from its nested
+    8-bit code (code_table[u8] · nested_absmax[block // 256] + offset, the product rounded before the sum,
+    as PyTorch does it: no fused multiply-add) when `nested`; an int8 scale is absmax / 127 (`Scale`).
+    """
+    import tilelang.language as T
+
+    tile_rows, tile_cols, threads = tile
+    fourbit = kind != "int8"
+    rows, cols = (out_features * in_features // blocksize, blocksize) if fourbit else (out_features, in_features)
+    tile_cols = min(tile_cols, cols)
+    data_shape, data_dtype = ((rows, cols // 2), "uint8") if fourbit else ((rows, cols), "int8")
+    scale_dtype = "uint8" if nested else "float32"
+    nested_blocks = -(-rows // 256) if nested else 1
+
+    @T.prim_func
+    def dequantize_weight(Data: T.Tensor(data_shape, data_dtype), Scale: T.Tensor((rows,), scale_dtype),
+                          NestedCode: T.Tensor((256,), "float32"), NestedAbsmax: T.Tensor((nested_blocks,), "float32"),
+                          Offset: T.Tensor((1,), "float32"), Table: T.Tensor((16,), "float32"),
+                          Out: T.Tensor((rows, cols), dtype)):
+        with T.Kernel(T.ceildiv(cols, tile_cols), T.ceildiv(rows, tile_rows), threads=threads) as (bx, by):
+            for i, j in T.Parallel(tile_rows, tile_cols):
+                row, col = by * tile_rows + i, bx * tile_cols + j
+                if row < rows:
+                    if nested:
+                        scale = T.call_extern("float32", "__fmul_rn", NestedCode[Scale[row]],
+                                              NestedAbsmax[row // 256]) + Offset[0]
+                    else:
+                        scale = Scale[row]
+                    if fourbit:
+                        code = (Data[row, col // 2] >> (4 - 4 * (col % 2))) & T.uint8(15)
+                        Out[row, col] = T.cast(Table[code] * scale, dtype)
+                    else:
+                        Out[row, col] = T.cast(T.cast(Data[row, col], "float32") * scale, dtype)
+
+    return dequantize_weight.with_attr("global_symbol", f"dequantize_{kind}")
+
+
+def lowering_kernels(arch: str) -> dict[str, Callable]:
+    """Kernel name -> PrimFunc builder of the dequantizing kernel at Llama-3-8B's gate_proj shape (NF4, nested)."""
+    return {"dequantize_nf4": functools.partial(dequantize_kernel, "nf4", 14336, 4096, 64, True, "bfloat16")}
+
+
+def tilelang_unsupported(x: Tensor, data: Tensor, absmax: Tensor, nested_code, nested_absmax, nested_offset,
+                         kind: str, blocksize: int, out_features: int, in_features: int, *rest) -> str | None:
+    """Why the TileLang path cannot run these inputs, or None."""
+    reason = _tilelang.unsupported_inputs(x)
+    if reason is None and data.device != x.device:
+        reason = "the quantized weight is on another device than the input"
+    if reason is None and (out_features % 8 or in_features % 8):
+        reason = f"features ({out_features}, {in_features}) are not multiples of 8"
+    if reason is None and kind != "int8" and in_features % blocksize:
+        reason = f"in_features {in_features} is not a multiple of the blocksize {blocksize} (blocks cross rows)"
+    return reason
+
+
+_TABLES = {"nf4": NF4_CODE, "fp4": FP4_CODE, "int8": torch.zeros(16)}
+
+
+def tilelang_weight(data: Tensor, absmax: Tensor, nested_code, nested_absmax, nested_offset: float, kind: str,
+                    blocksize: int, out_features: int, in_features: int, dtype: torch.dtype) -> Tensor:
+    """The dequantized (out, in) weight in `dtype`, by the TileLang kernel: equal to reference_weight bit for bit."""
+    nested = nested_code is not None
+    name = _tilelang.DTYPES[dtype]
+    kernel = _tilelang.compiled(("dequantize", kind, out_features, in_features, blocksize, nested, name),
+                                lambda: dequantize_kernel(kind, out_features, in_features, blocksize, nested, name))
+    device = data.device
+    row_length = in_features if kind == "int8" else blocksize  # elements sharing one scale
+    no_nested = torch.zeros(256, device=device)  # the nested arguments of a kernel that does not read them
+    out = torch.empty(out_features, in_features, device=device, dtype=dtype)
+    kernel(data.view(-1, row_length // (1 if kind == "int8" else 2)), absmax / 127 if kind == "int8" else absmax,
+           nested_code if nested else no_nested, nested_absmax if nested else no_nested[:1],
+           torch.tensor([nested_offset], dtype=torch.float32, device=device), _TABLES[kind].to(device),
+           out.view(-1, row_length))
+    return out
+
+
+def tilelang_forward(x: Tensor, *weight_and_bias) -> Tensor:
+    """x · Wᵀ (+ b): W dequantized by the TileLang kernel, then linear.py's TileLang GEMM (bias added by PyTorch)."""
+    *weight, bias = weight_and_bias
+    return linear.tilelang_forward(x, tilelang_weight(*weight, dtype=x.dtype), bias)
+
+
+def tilelang_backward(dy: Tensor, *weight) -> Tensor:
+    """dX = dY · W: W dequantized again by the TileLang kernel, then the TileLang dX GEMM."""
+    return linear.tilelang_backward(dy, dy.new_empty(0), tilelang_weight(*weight, dtype=dy.dtype), False, False)[0]
 
 
 # ---- custom ops and module -----------------------------------------------------------------------
@@ -110,7 +226,26 @@ def _forward(site: Site, impl: str, strict: bool, current):
     return forward
 
 
-# Opt-in until its TileLang kernel lands: the QuantLinear module's own forward already runs the reference.
-define(Op("quant_linear", (Binding("quant_linear", "quantized_linear", _forward),), opt_in=True))
+def compile_key(module: QuantLinear) -> tuple:
+    """The static dimensions of a QuantLinear's kernels: format and features."""
+    return (module.kind, module.blocksize, module.nested_code is not None, module.out_features, module.in_features)
+
+
+def warm_weight(key: tuple, dtype: torch.dtype) -> QuantizedWeight:
+    """A random quantized weight on the GPU of the format and features `key` (compile_key) names."""
+    kind, blocksize, nested, out_features, in_features = key
+    return quantize(warm_tensor(out_features, in_features, dtype=dtype, grad=False), kind, blocksize=blocksize,
+                    double=nested)
+
+
+def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
+    return quant_linear(warm_tensor(1, key[-1], dtype=dtype), warm_weight(key, dtype), None, impl, True)
+
+
+define(Op("quant_linear", (Binding("quant_linear", "quantized_linear", _forward, compile_key=compile_key, warm=_warm),),
+          keeps_output=True, profile_pattern=r"dequantize_|linear_(fwd|dgrad)", lowering=lowering_kernels))
 add(Impl("quant_linear", "reference", reference_forward, reference_backward, accumulation="float32",
          description="PyTorch: the whole weight dequantized, then F.linear (as peft + bitsandbytes)"))
+add(Impl("quant_linear", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
+         tilelang_unsupported, "TileLang: the weight dequantized in one pass (codes, nested scales), then the TileLang "
+         "GEMM (fwd, dX)", accumulation="float32"))

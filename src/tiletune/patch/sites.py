@@ -51,14 +51,15 @@ def layer_sites(family: Family, index: int, layer: nn.Module) -> Iterator[Site]:
 def _linear_sites(family: Family, index: int, modules: dict[str, nn.Module]) -> Iterator[Site]:
     """`linear`: every Linear (a peft wrapper's base layer, reported at the wrapper's path) but routers and
     the adapters' own; `quantized_linear`: the same for Linears holding a quantized weight (a `quantized`
-    attribute); `lora_linear`: every peft LoRA Linear."""
+    attribute); `lora_linear`: every peft LoRA Linear over a plain Linear, `quantized_lora_linear` over a quantized one."""
     routers = {family.experts.router} if family.experts else set()
     wrappers = {p for p, m in modules.items() if isinstance(getattr(m, "base_layer", None), nn.Module)}
     for path, module in modules.items():
         if path in routers or any(path.startswith(r + ".") for r in routers):
             continue
         if path in wrappers and _is_lora_linear(module):
-            yield Site("lora_linear", index, path, module)
+            quantized = hasattr(module.base_layer, "quantized")
+            yield Site("quantized_lora_linear" if quantized else "lora_linear", index, path, module)
         if not isinstance(module, nn.Linear):
             continue
         role = "quantized_linear" if hasattr(module, "quantized") else "linear"

@@ -10,6 +10,11 @@ PRESETS: dict[str, dict] = {
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
         rms_norm_eps=1e-5, tie_word_embeddings=False,
     ),
+    "llama3-70b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
     "llama3-1b": dict(
         model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,

@@ -3,8 +3,9 @@
 The model is built without memory (accelerate's empty weights); the safetensors shards are read tensor by
 tensor, each Linear weight quantized on the target device as it arrives and every other tensor (embeddings,
 norms, lm_head: as bitsandbytes keeps them) placed in the compute dtype. The bf16 checkpoint is never whole
-in memory: a model loads where its quantized size fits. `dequantized` turns the quantized Linears back
-into plain ones (for export).
+in memory: a model loads where its quantized size fits. `random_quantized` builds a randomly initialised
+model the same way, tensor by tensor on the target device (bench presets up to the 70B shape, whose bf16
+weights would not fit). `dequantized` turns the quantized Linears back into plain ones (for export).
 """
 
 from __future__ import annotations
@@ -32,20 +33,13 @@ def load_quantized(path: str, config, dtype: torch.dtype, kind: str, double: boo
                    model_kwargs: dict, hub_kwargs: dict) -> nn.Module:
     """The causal LM at `path` with every Linear but the output head quantized to `kind` on `device`; a
     bitsandbytes 4-bit checkpoint (the "-bnb-4bit" folders) keeps its own quantized weights as saved."""
-    from accelerate import init_empty_weights
-    from accelerate.utils import set_module_tensor_to_device
     from safetensors import safe_open
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
 
     prequantized = is_bnb_4bit(config)
     if not prequantized:
         _refuse_prequantized(config, path)
-    config.quantization_config = None  # built plain: its Linears become QuantLinear here
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **model_kwargs)
-    head = model.get_output_embeddings()
-    targets = {name for name, module in model.named_modules() if isinstance(module, nn.Linear) and module is not head}
+    model, targets = _empty_model(config, dtype, model_kwargs)
     expected = set(model.state_dict())
     files = _checkpoint_files(path, hub_kwargs)
     saved_quantized: dict[str, dict[str, torch.Tensor]] = {}  # Linear -> its packed weight and quant state
@@ -55,30 +49,76 @@ def load_quantized(path: str, config, dtype: torch.dtype, kind: str, double: boo
                 owner = key.split(".weight")[0]
                 if prequantized and owner in targets and key.startswith(owner + ".weight"):
                     saved_quantized.setdefault(owner, {})[key] = shard.get_tensor(key)
-                elif key not in expected:
-                    continue  # e.g. a rotary inv_freq buffer some checkpoints carry
-                elif key.endswith(".weight") and owner in targets:
-                    quantized = quantize(shard.get_tensor(key).to(device), kind, double=double, dtype=dtype)
-                    _into_quant_linear(model, owner, quantized)
-                else:
-                    tensor = shard.get_tensor(key)
-                    set_module_tensor_to_device(model, key, device, value=tensor, dtype=dtype if tensor.is_floating_point() else None)
+                elif key in expected:  # not e.g. a rotary inv_freq buffer some checkpoints carry
+                    _place(model, targets, key, shard.get_tensor(key), kind, double, dtype, device)
     for owner, tensors in saved_quantized.items():  # as saved: no requantizing
         linear = model.get_submodule(owner)
         packed = tensors.pop(owner + ".weight")
         quantized = from_bnb(packed.to(device), {k: v.to(device) for k, v in tensors.items()},
                              (linear.out_features, linear.in_features), dtype)
         _into_quant_linear(model, owner, quantized)
-    for module in model.modules():  # the quantized base is frozen, biases included
-        if isinstance(module, QuantLinear) and module.bias is not None:
-            module.bias.requires_grad_(False)
-    if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()
+    _finish(model, config)
     missing = sorted(name for name, p in model.named_parameters() if p.device.type == "meta")
     if missing:
         raise UserError(f"{path}: the checkpoint lacks {len(missing)} weights the model needs (first: {missing[0]}); "
                         "is it a complete Hugging Face checkpoint of this model?")
     return model
+
+
+def random_quantized(config, dtype: torch.dtype, kind: str, double: bool, device: torch.device, seed: int = 0) -> nn.Module:
+    """A randomly initialised causal LM of `config` with every Linear but the output head quantized to `kind`,
+    built on `device` one tensor at a time (normal(0, initializer_range) matrices, unit norms, zero biases):
+    it fits where its quantized size does, never its bf16 size."""
+    from tqdm import tqdm
+
+    model, targets = _empty_model(config, dtype, {})
+    generator = torch.Generator(device).manual_seed(seed)
+    std = getattr(config, "initializer_range", 0.02)
+    for key, param in tqdm(list(model.named_parameters()), desc="building, quantizing", unit="tensor", leave=False):
+        tensor = torch.empty(param.shape, device=device, dtype=dtype)
+        if key.endswith("bias"):
+            tensor.zero_()
+        elif param.dim() == 1:
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, std, generator=generator)
+        _place(model, targets, key, tensor, kind, double, dtype, device)
+    _finish(model, config)
+    return model.to(device)  # the buffers built on the CPU (rotary frequencies)
+
+
+def _empty_model(config, dtype: torch.dtype, model_kwargs: dict) -> tuple[nn.Module, set[str]]:
+    """The model of `config` without memory, and the names of the Linears to quantize (all but the output head)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config.quantization_config = None  # built plain: its Linears become QuantLinear here
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **model_kwargs)
+    head = model.get_output_embeddings()
+    return model, {name for name, module in model.named_modules() if isinstance(module, nn.Linear) and module is not head}
+
+
+def _place(model: nn.Module, targets: set[str], key: str, tensor: torch.Tensor, kind: str, double: bool,
+           dtype: torch.dtype, device: torch.device) -> None:
+    """Put one tensor of the model in place: a target Linear's weight quantized on `device`, anything else
+    on `device` in `dtype` (integer tensors as they are)."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    owner = key.removesuffix(".weight")
+    if owner != key and owner in targets:
+        _into_quant_linear(model, owner, quantize(tensor.to(device), kind, double=double, dtype=dtype))
+    else:
+        set_module_tensor_to_device(model, key, device, value=tensor, dtype=dtype if tensor.is_floating_point() else None)
+
+
+def _finish(model: nn.Module, config) -> None:
+    """Freeze the quantized base's biases and tie the embeddings where the config says so."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear) and module.bias is not None:
+            module.bias.requires_grad_(False)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
 
 
 def is_bnb_4bit(config) -> bool:
