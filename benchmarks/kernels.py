@@ -1,7 +1,8 @@
 """Time tiletune's TileLang kernels (forward + backward) against eager PyTorch, Liger-Kernel, cuBLAS and SDPA.
 
 Llama-3-8B shapes: 8192 tokens (batch 4 x 2048), hidden 4096, intermediate 14336, 32 q / 8 kv heads of
-128, bf16. Each variant is timed two ways: `gpu` replays the forward + backward captured in a CUDA
+128, bf16; `--only quant`: NF4 dequantization (PyTorch, bitsandbytes, TileLang) and the QLoRA Linear. Each
+variant is timed two ways: `gpu` replays the forward + backward captured in a CUDA
 graph (triton.testing.do_bench_cudagraph), i.e. device time, what a training step pays when the CPU
 runs ahead of the GPU; `launch` calls it eagerly between CUDA events (triton.testing.do_bench), so
 Python dispatch shows when it exceeds the device time. Attention: causal, batch 4 x 2048, 32 q / 8 kv
@@ -193,6 +194,40 @@ def tune_linear():
                   flush=True)
 
 
+def quant_cases():
+    """(case, {variant: callable}): NF4 (double-quantized) dequantization of each Llama-3-8B weight, PyTorch
+    (tiletune.quant, the reference) against bitsandbytes' CUDA kernel (when installed) and the TileLang kernel;
+    then the QLoRA Linear forward + backward (r8) against the same layer with a bf16 weight (lora_linear)."""
+    from importlib.util import find_spec
+
+    from tiletune.kernels import lora_linear, quant_linear, quant_lora_linear
+    from tiletune.quant import dequantize, quantize, to_bnb
+
+    for name, (out_f, in_f) in LINEAR_SHAPES.items():
+        w = (torch.randn(out_f, in_f, device="cuda") / in_f**0.5).to(torch.bfloat16)
+        q = quantize(w, "nf4")
+        args = quant_linear.weight_args(q)
+        variants = {"eager": forward_only(lambda q=q: dequantize(q)),
+                    "tilelang": forward_only(lambda args=args: quant_linear.tilelang_weight(*args, dtype=torch.bfloat16))}
+        if find_spec("bitsandbytes"):
+            import bitsandbytes.functional as bnbf
+            from bitsandbytes.functional import QuantState
+
+            tensors = to_bnb(q, "w")
+            state = QuantState.from_dict({k[2:]: v for k, v in tensors.items() if k != "w"}, device="cuda")
+            variants["bnb"] = forward_only(lambda packed=tensors["w"], state=state: bnbf.dequantize_4bit(packed, state))
+        yield f"dequantize nf4 {name}", variants
+
+        x = torch.randn(TOKENS, in_f, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        a = (torch.randn(8, in_f, device="cuda") / in_f**0.5).requires_grad_()
+        b = (torch.randn(out_f, 8, device="cuda") / 8**0.5).requires_grad_()
+        dy = torch.randn(TOKENS, out_f, device="cuda", dtype=torch.bfloat16)
+        layers = {"eager": lambda x, q=q, a=a, b=b: quant_lora_linear.quant_lora_linear(x, q, None, a, b, 2.0),
+                  "tilelang": lambda x, q=q, a=a, b=b: quant_lora_linear.quant_lora_linear(x, q, None, a, b, 2.0, "tilelang", True),
+                  "bf16": lambda x, w=w, a=a, b=b: lora_linear.lora_linear(x, w, None, a, b, 2.0, "tilelang", True)}
+        yield f"qlora fwd+bwd {name}", {v: fwd_bwd(lambda f=f, x=x: f(x), (x, a, b), dy) for v, f in layers.items()}
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
@@ -200,7 +235,7 @@ def git_commit() -> str:
         return os.environ.get("TILETUNE_COMMIT", "unknown")
 
 
-GROUPS = {"elementwise": elementwise_cases, "linear": linear_cases, "attention": attention_cases}
+GROUPS = {"elementwise": elementwise_cases, "linear": linear_cases, "attention": attention_cases, "quant": quant_cases}
 BASELINES = ("eager", "cublas", "flash")  # the baseline of a case: the first of these among its variants
 
 

@@ -29,7 +29,14 @@ from tiletune.kernels import _tilelang, linear
 from tiletune.kernels.binding import Binding, Site, autocast, warm_tensor
 from tiletune.kernels.customop import Signature, make_custom_op
 from tiletune.kernels.registry import Impl, Op, add, define
-from tiletune.quant import FP4_CODE, NF4_CODE, NestedScales, QuantizedWeight, dequantize, quantize
+from tiletune.quant import (
+    FP4_CODE,
+    NF4_CODE,
+    NestedScales,
+    QuantizedWeight,
+    dequantize,
+    quantize,
+)
 
 # The weight as custom-op arguments: packed codes, scales, nested scales (or None) and the static format.
 WEIGHT_SCHEMA = ("Tensor data, Tensor absmax, Tensor? nested_code, Tensor? nested_absmax, float nested_offset, "
@@ -71,50 +78,58 @@ def reference_backward(dy: Tensor, *weight) -> Tensor:
 
 # ---- TileLang ------------------------------------------------------------------------------------
 
-# (rows, columns) of one tile of the dequantizing kernel, threads per block
-DEQUANT_TILE = (64, 64, 128)
+DEQUANT_VECTOR, DEQUANT_THREADS = 16, 256  # elements each thread writes (two 16-byte stores of bf16), threads per block
 
 
-def dequantize_kernel(kind: str, out_features: int, in_features: int, blocksize: int, nested: bool, dtype: str,
-                      tile=DEQUANT_TILE):
-    """PrimFunc writing the (out, in) weight in `dtype` from its packed form, everything static.
+def dequantize_kernel(kind: str, out_features: int, in_features: int, blocksize: int, nested: bool, dtype: str):
+    """PrimFunc writing the (out, in) weight in `dtype`, flattened, from its packed form; everything static.
 
-    Seen as rows of elements sharing one scale: 4-bit kinds have out·in/blocksize rows of `blocksize`
-    elements (a row's bytes hold two codes each, the first in the high nibble), int8 has `out` rows of
-    `in`. Value = table[code] · scale (4-bit) or code · scale (int8) in float32, rounded once, as
-    tiletune.quant.dequantize computes it. A 4-bit scale is the block's absmax, decoded from its nested
-    8-bit code (code_table[u8] · nested_absmax[block // 256] + offset, the product rounded before the sum,
-    as PyTorch does it: no fused multiply-add) when `nested`; an int8 scale is absmax / 127 (`Scale`).
+    Each thread decodes DEQUANT_VECTOR consecutive elements, which share one scale (a 4-bit block holds a
+    multiple of 16 elements; an int8 row too, tilelang_unsupported checks it): one vector load of their
+    bytes (two 4-bit codes a byte, the first in the high nibble), one scale, one vector store. Value =
+    table[code] · scale (4-bit) or code · scale (int8) in float32, rounded once, as tiletune.quant.dequantize
+    computes it. A 4-bit scale is the block's absmax, decoded from its nested 8-bit code
+    (code_table[u8] · nested_absmax[block // 256] + offset, the product rounded before the sum as PyTorch
+    does it: no fused multiply-add) when `nested`; an int8 scale is absmax / 127 (`Scale`).
     """
     import tilelang.language as T
 
-    tile_rows, tile_cols, threads = tile
     fourbit = kind != "int8"
-    rows, cols = (out_features * in_features // blocksize, blocksize) if fourbit else (out_features, in_features)
-    tile_cols = min(tile_cols, cols)
-    data_shape, data_dtype = ((rows, cols // 2), "uint8") if fourbit else ((rows, cols), "int8")
+    elements = out_features * in_features
+    per_scale = blocksize if fourbit else in_features  # consecutive elements sharing one scale
+    per_byte = 2 if fourbit else 1
+    data_dtype = "uint8" if fourbit else "int8"
     scale_dtype = "uint8" if nested else "float32"
-    nested_blocks = -(-rows // 256) if nested else 1
+    nested_blocks = -(-(elements // per_scale) // 256) if nested else 1
+    vector, threads = DEQUANT_VECTOR, DEQUANT_THREADS
 
     @T.prim_func
-    def dequantize_weight(Data: T.Tensor(data_shape, data_dtype), Scale: T.Tensor((rows,), scale_dtype),
-                          NestedCode: T.Tensor((256,), "float32"), NestedAbsmax: T.Tensor((nested_blocks,), "float32"),
-                          Offset: T.Tensor((1,), "float32"), Table: T.Tensor((16,), "float32"),
-                          Out: T.Tensor((rows, cols), dtype)):
-        with T.Kernel(T.ceildiv(cols, tile_cols), T.ceildiv(rows, tile_rows), threads=threads) as (bx, by):
-            for i, j in T.Parallel(tile_rows, tile_cols):
-                row, col = by * tile_rows + i, bx * tile_cols + j
-                if row < rows:
-                    if nested:
-                        scale = T.call_extern("float32", "__fmul_rn", NestedCode[Scale[row]],
-                                              NestedAbsmax[row // 256]) + Offset[0]
-                    else:
-                        scale = Scale[row]
+    def dequantize_weight(Data: T.Tensor((elements // per_byte,), data_dtype),
+                          Scale: T.Tensor((elements // per_scale,), scale_dtype), NestedCode: T.Tensor((256,), "float32"),
+                          NestedAbsmax: T.Tensor((nested_blocks,), "float32"), Offset: T.Tensor((1,), "float32"),
+                          Table: T.Tensor((16,), "float32"), Out: T.Tensor((elements,), dtype)):
+        with T.Kernel(T.ceildiv(elements, vector * threads), threads=threads) as bx:
+            table = T.alloc_shared((16,), "float32")
+            packed = T.alloc_local((vector // per_byte,), data_dtype)
+            values = T.alloc_local((vector,), dtype)
+            T.copy(Table, table)
+            start = (bx * threads + T.get_thread_binding()) * vector
+            if start < elements:
+                group = start // per_scale
+                if nested:
+                    scale = T.call_extern("float32", "__fmul_rn", NestedCode[Scale[group]],
+                                          NestedAbsmax[group // 256]) + Offset[0]
+                else:
+                    scale = Scale[group]
+                for v in T.vectorized(vector // per_byte):
+                    packed[v] = Data[start // per_byte + v]
+                for v in T.unroll(vector):
                     if fourbit:
-                        code = (Data[row, col // 2] >> (4 - 4 * (col % 2))) & T.uint8(15)
-                        Out[row, col] = T.cast(Table[code] * scale, dtype)
+                        values[v] = T.cast(table[(packed[v // 2] >> (4 - 4 * (v % 2))) & T.uint8(15)] * scale, dtype)
                     else:
-                        Out[row, col] = T.cast(T.cast(Data[row, col], "float32") * scale, dtype)
+                        values[v] = T.cast(T.cast(packed[v], "float32") * scale, dtype)
+                for v in T.vectorized(vector):
+                    Out[start + v] = values[v]
 
     return dequantize_weight.with_attr("global_symbol", f"dequantize_{kind}")
 
@@ -132,8 +147,10 @@ def tilelang_unsupported(x: Tensor, data: Tensor, absmax: Tensor, nested_code, n
         reason = "the quantized weight is on another device than the input"
     if reason is None and (out_features % 8 or in_features % 8):
         reason = f"features ({out_features}, {in_features}) are not multiples of 8"
-    if reason is None and kind != "int8" and in_features % blocksize:
-        reason = f"in_features {in_features} is not a multiple of the blocksize {blocksize} (blocks cross rows)"
+    if reason is None and kind != "int8" and (in_features % blocksize or blocksize % DEQUANT_VECTOR):
+        reason = f"blocksize {blocksize} does not divide in_features {in_features} or is not a multiple of {DEQUANT_VECTOR}"
+    if reason is None and kind == "int8" and in_features % DEQUANT_VECTOR:
+        reason = f"in_features {in_features} is not a multiple of {DEQUANT_VECTOR} (an int8 row per vector of threads)"
     return reason
 
 
@@ -148,13 +165,11 @@ def tilelang_weight(data: Tensor, absmax: Tensor, nested_code, nested_absmax, ne
     kernel = _tilelang.compiled(("dequantize", kind, out_features, in_features, blocksize, nested, name),
                                 lambda: dequantize_kernel(kind, out_features, in_features, blocksize, nested, name))
     device = data.device
-    row_length = in_features if kind == "int8" else blocksize  # elements sharing one scale
     no_nested = torch.zeros(256, device=device)  # the nested arguments of a kernel that does not read them
     out = torch.empty(out_features, in_features, device=device, dtype=dtype)
-    kernel(data.view(-1, row_length // (1 if kind == "int8" else 2)), absmax / 127 if kind == "int8" else absmax,
-           nested_code if nested else no_nested, nested_absmax if nested else no_nested[:1],
-           torch.tensor([nested_offset], dtype=torch.float32, device=device), _TABLES[kind].to(device),
-           out.view(-1, row_length))
+    kernel(data.view(-1), absmax / 127 if kind == "int8" else absmax, nested_code if nested else no_nested,
+           nested_absmax if nested else no_nested[:1], torch.tensor([nested_offset], dtype=torch.float32, device=device),
+           _TABLES[kind].to(device), out.view(-1))
     return out
 
 

@@ -18,7 +18,12 @@ from torch import Tensor, nn
 from tiletune.kernels import _tilelang, lora_linear, quant_linear
 from tiletune.kernels.binding import Binding, autocast, warm_tensor
 from tiletune.kernels.customop import Signature, make_custom_op
-from tiletune.kernels.quant_linear import WEIGHT_SCHEMA, reference_weight, tilelang_weight, weight_args
+from tiletune.kernels.quant_linear import (
+    WEIGHT_SCHEMA,
+    reference_weight,
+    tilelang_weight,
+    weight_args,
+)
 from tiletune.kernels.registry import Impl, Op, add, define
 from tiletune.quant import QuantizedWeight
 
@@ -44,7 +49,7 @@ def reference_backward(dy: Tensor, x: Tensor, xa: Tensor, *rest) -> tuple[Tensor
 
 def tilelang_unsupported(x: Tensor, *rest) -> str | None:
     """Why the TileLang path cannot run these inputs, or None."""
-    weight, bias, lora_a, lora_b, scaling = _split(rest)
+    weight, _, lora_a, lora_b, _ = _split(rest)
     return quant_linear.tilelang_unsupported(x, *weight) or lora_linear.adapter_unsupported(x, lora_a, lora_b)
 
 
