@@ -22,17 +22,19 @@
 #           (28.9 GiB) and at the lean budgets LEAN_GIB (default "17.5 18.7"), against stock and Liger
 #   engine: `tiletune verify` of every kernel (as in verify) and `tiletune bench` of the stock step against the
 #           fastest set (2 repeats), after a change of the patch engine: same numerics, same speed
-#   qlora:  the GPU tests of quant_linear and quant_lora_linear, then `tiletune bench` of the 8B QLoRA step: bf16
-#           LoRA stock (the baseline), peft + bitsandbytes QLoRA (bnb, when bitsandbytes is importable), tiletune's
-#           QLoRA without kernels and with every kernel, and with every kernel under `gradient_checkpointing: auto`
-#           within BUDGET_GIB (default 28.9, the stock step's peak)
+#   qlora:  the GPU tests of quant_linear and quant_lora_linear, benchmarks/kernels.py --only quant, then `tiletune
+#           bench` of the 8B QLoRA step: bf16 LoRA stock (the baseline), peft + bitsandbytes QLoRA (bnb, when
+#           bitsandbytes is importable), tiletune's QLoRA with every kernel, under `gradient_checkpointing: auto`
+#           within BUDGET_GIB (default 28.9, the stock step's peak), and with offload at the lean budgets LEAN_GIB
+#           (default "6.4 7.2"; a budget below what the step needs fails alone, named in the table)
+#   qlora-long: benchmarks/qlora_long_context.py: the longest sequence (of SEQS) an 8B QLoRA step trains in 24 GiB
 #   qlora70b: `tiletune bench` of the QLoRA step on the Llama-3-70B shape, all 80 layers built and quantized on the
 #           GPU tensor by tensor: tiletune's QLoRA without kernels (the baseline) and with every kernel
-#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora70b OUT_DIR [bench args...]
+#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b OUT_DIR [bench args...]
 # (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
 set -u
-PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora70b OUT_DIR [bench args]}
-OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora70b OUT_DIR [bench args]}
+PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b OUT_DIR [bench args]}
+OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b OUT_DIR [bench args]}
 shift 2
 CONFIG=examples/bench/llama3_8b_lora.yaml
 GOLDEN=/tmp/llama3-8b-2layers.golden.safetensors  # too large to bring back; its report is kept
@@ -61,12 +63,19 @@ engine)
         --variants baseline,rms_norm+rope+swiglu+linear_cross_entropy+lora_linear --out "$OUT/bench-fastest" 2>&1 | tail -8 ;;
 qlora)
     python3 -m pytest -q -m gpu tests/kernels/test_quant_linear.py tests/kernels/test_quant_lora_linear.py 2>&1 \
-        | tee "$OUT/gpu_tests_qlora.txt" | tail -5
+        | tee "$OUT/gpu_tests_qlora.txt" | tail -2
+    python3 benchmarks/kernels.py --only quant --rounds 3 --out "$OUT/kernels-quant" 2>&1 | grep -v Warning | tail -14
     Q=quantization_bit=4
+    AUTO=gradient_checkpointing=auto
+    OFF=gradient_checkpointing_offload=true
     BNB=$(python3 -c "import bitsandbytes" 2>/dev/null && echo "bnb:$Q,")
+    LEAN=""; for GIB in ${LEAN_GIB:-6.4 7.2}; do LEAN="$LEAN,all:$Q:$AUTO:$OFF:gradient_checkpointing_budget=$GIB"; done
     python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --steps 5 --warmup 2 --repeats 1 \
-        --variants "baseline,${BNB}baseline:$Q,all:$Q,all:$Q:gradient_checkpointing=auto:gradient_checkpointing_budget=${BUDGET_GIB:-28.9}" \
+        --variants "baseline,${BNB}all:$Q,all:$Q:$AUTO:gradient_checkpointing_budget=${BUDGET_GIB:-28.9}$LEAN" \
         --out "$OUT/bench-qlora-8b" 2>&1 | tail -10 ;;
+qlora-long)
+    python3 benchmarks/qlora_long_context.py --preset llama3-8b --cap 24 --seqs "${SEQS:-65536,98304,131072}" \
+        --out "$OUT/long-context-8b" 2>&1 | grep -v Warning | tail -8 ;;
 qlora70b)
     Q=quantization_bit=4
     python3 -m tiletune bench "$CONFIG" --model-preset llama3-70b --steps 3 --warmup 1 --repeats 1 \
@@ -95,5 +104,5 @@ offload)
     for GIB in ${LEAN_GIB:-17.5 18.7}; do SET="$SET,$FAST:$AUTO:$OFF:gradient_checkpointing_budget=$GIB"; done
     python3 -m tiletune bench "$CONFIG" "$@" --model-preset llama3-8b --steps 5 --warmup 2 --variants "$SET" \
         --out "$OUT/offload-${SPEED_NAME:-lora-qv}" 2>&1 | tail -20 ;;
-*) echo "unknown part $PART (verify, golden, attention, lora, bench, speed, offload, engine, qlora or qlora70b)"; exit 2 ;;
+*) echo "unknown part $PART (verify, golden, attention, lora, bench, speed, offload, engine, qlora, qlora-long or qlora70b)"; exit 2 ;;
 esac

@@ -86,3 +86,24 @@ def test_plot_labels_abbreviate_config_overrides_and_keep_the_ops():
     assert short_label("baseline") == "baseline"
     assert (short_label("rms_norm+lora_linear:gradient_checkpointing=auto:gradient_checkpointing_budget=28.9")
             == "rms_norm+lora_linear : gc auto : budget 28.9")
+
+
+def test_a_failing_variant_is_reported_and_the_others_go_on_qlora_variants_included(tmp_path):
+    """A variant over its memory budget fails alone (named in the table and bench.json); `quantization_bit=4`
+    builds the preset quantized, and `all` then binds the quantized ops; `bnb` needs bitsandbytes."""
+    config = tmp_path / "b.yaml"
+    config.write_text("model_name_or_path: unused\nfinetuning_type: lora\nlora_target: q_proj,v_proj\n")
+    out = tmp_path / "bench"
+    over_budget = "all:gradient_checkpointing=auto:gradient_checkpointing_budget=0.00001"
+    args = ["bench", str(config), "--model-preset", "tiny", "--variants", f"baseline,{over_budget},all:quantization_bit=4",
+            "--batch", "2", "--seq", "32", "--steps", "1", "--warmup", "1", "--repeats", "1", "--out", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "bench.json").read_text())
+    assert "below the" in data["failed"][over_budget] and f"{over_budget} failed:" in result.output
+    rows = {r["variant"]: r for r in data["variants"]}
+    ops = rows["all:quantization_bit=4"]["patched"]["ops"]
+    assert ops["quant_lora_linear"]["patched"] == 4 and ops["quant_linear"]["patched"] == 10
+    if importlib.util.find_spec("bitsandbytes") is None:
+        refused = CliRunner().invoke(main, [*args[:5], "baseline,bnb:quantization_bit=4", "--out", str(tmp_path / "o")])
+        assert refused.exit_code == 2 and "needs bitsandbytes" in refused.output

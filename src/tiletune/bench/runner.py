@@ -72,18 +72,27 @@ def run_bench(config: str, overrides: list[str], variants: list[str], out_dir: P
     common = dict(config=config, overrides=overrides, preset=preset, batch=batch, seq=seq,
                   steps=steps, warmup=warmup, seed=seed)  # fmt: skip
     runs: dict[str, list[dict]] = {v: [] for v in variants}
+    failed: dict[str, str] = {}  # variant -> why its process failed (over a memory budget, out of memory...)
     with tqdm(total=repeats * len(variants) + 1, desc="bench", dynamic_ncols=True) as bar, \
             (out_dir / "runs.jsonl").open("w") as log:  # every process's result as it lands: a cut-off run keeps them
         peak = _spawn({**common, "variant": "matmul_peak"})["matmul_peak_tflops"]
         bar.update(1)
         for repeat in range(repeats):
-            for variant in variants:
+            for variant in (v for v in variants if v not in failed):
                 bar.set_postfix(variant=variant, repeat=repeat + 1)
-                runs[variant].append(_spawn({**common, "variant": variant, "profile": profile and repeat == 0}))
+                try:
+                    runs[variant].append(_spawn({**common, "variant": variant, "profile": profile and repeat == 0}))
+                except UserError as err:
+                    if variant == "baseline":  # every ratio needs it
+                        raise
+                    failed[variant] = str(err)
+                    tqdm.write(f"{err}\n(the other variants go on)")
+                    continue
                 log.write(json.dumps({"repeat": repeat, **runs[variant][-1]}) + "\n")
                 log.flush()
                 bar.update(1)
-    result = summarise(runs, peak)
+    result = summarise({v: r for v, r in runs.items() if v not in failed}, peak)
+    result["failed"] = failed
     result["setting"] = {**common, "variants": variants, "repeats": repeats}
     result["environment"] = run_stamp()
     write_outputs(result, out_dir)
@@ -146,6 +155,8 @@ def table(result: dict) -> str:
     for row in result["variants"]:
         cells = [fmt.format(row[key]) if row[key] is not None else "-" for key, _, fmt in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
+    for variant, why in result.get("failed", {}).items():
+        lines.append(f"\n{variant} failed: {why.splitlines()[-1] if why else '?'}")
     env = result["environment"]
     lines.append(
         f"\n{env['device']}, torch {env['torch']}, {env['date']}, commit {env['commit']}; "

@@ -6,14 +6,15 @@ and no activation is kept for one; only the packed weight is saved for the backw
 again. Reference (PyTorch: dequantize the whole weight, then one matmul, the dequantized weight dropped
 right after, forward and backward alike), the TileLang path (a dequantizing kernel that decodes codes,
 nested scales and the code table in one pass into a transient weight, bit-exact with the reference's
-dequantization, then linear.py's TileLang GEMM), the custom ops ``tiletune::quant_linear`` /
+dequantization, then the platform's GEMM), the custom ops ``tiletune::quant_linear`` /
 ``tiletune::quant_linear_backward``, the `QuantLinear` module a quantized model holds in place of each
 nn.Linear, and its binding (role ``quantized_linear``).
 
 Why dequantize-then-GEMM and not the dequantization fused into the GEMM's main loop: at training shapes
 (8192 tokens) the fused form measured 3x slower than cuBLAS on the H200 (decoding every weight tile once
 per row block of the output, in the warps that feed wgmma), while the separate pass costs one read of the
-packed weight and one write of the bf16 weight, ~4% of the GEMM (docs/design.md, QLoRA).
+packed weight and one write of the bf16 weight: 0.087 ms for a 14336 x 4096 weight, bitsandbytes' CUDA
+kernel 0.076 ms, 3% of that layer's forward + backward (benchmarks/results/h200-2026-12-04/qlora).
 """
 
 # No `from __future__ import annotations` here: TileLang reads the kernel signature's shapes from the closure.
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tiletune.kernels import _tilelang, linear
+from tiletune.kernels import _tilelang
 from tiletune.kernels.binding import Binding, Site, autocast, warm_tensor
 from tiletune.kernels.customop import Signature, make_custom_op
 from tiletune.kernels.registry import Impl, Op, add, define
@@ -106,7 +107,7 @@ def dequantize_kernel(kind: str, out_features: int, in_features: int, blocksize:
     @T.prim_func
     def dequantize_weight(Data: T.Tensor((elements // per_byte,), data_dtype),
                           Scale: T.Tensor((elements // per_scale,), scale_dtype), NestedCode: T.Tensor((256,), "float32"),
-                          NestedAbsmax: T.Tensor((nested_blocks,), "float32"), Offset: T.Tensor((1,), "float32"),
+                          NestedAbsmax: T.Tensor((nested_blocks,), "float32"), offset: T.float32,
                           Table: T.Tensor((16,), "float32"), Out: T.Tensor((elements,), dtype)):
         with T.Kernel(T.ceildiv(elements, vector * threads), threads=threads) as bx:
             table = T.alloc_shared((16,), "float32")
@@ -118,7 +119,7 @@ def dequantize_kernel(kind: str, out_features: int, in_features: int, blocksize:
                 group = start // per_scale
                 if nested:
                     scale = T.call_extern("float32", "__fmul_rn", NestedCode[Scale[group]],
-                                          NestedAbsmax[group // 256]) + Offset[0]
+                                          NestedAbsmax[group // 256]) + offset
                 else:
                     scale = Scale[group]
                 for v in T.vectorized(vector // per_byte):
@@ -154,7 +155,12 @@ def tilelang_unsupported(x: Tensor, data: Tensor, absmax: Tensor, nested_code, n
     return reason
 
 
-_TABLES = {"nf4": NF4_CODE, "fp4": FP4_CODE, "int8": torch.zeros(16)}
+@functools.cache
+def _constants(kind: str, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The kind's code table, and zeros standing for the nested arguments of a kernel that does not read them,
+    on `device` once (no host-to-device copy per call)."""
+    table = {"nf4": NF4_CODE, "fp4": FP4_CODE}.get(kind, torch.zeros(16))
+    return table.to(device), torch.zeros(256, device=device)
 
 
 def tilelang_weight(data: Tensor, absmax: Tensor, nested_code, nested_absmax, nested_offset: float, kind: str,
@@ -164,24 +170,23 @@ def tilelang_weight(data: Tensor, absmax: Tensor, nested_code, nested_absmax, ne
     name = _tilelang.DTYPES[dtype]
     kernel = _tilelang.compiled(("dequantize", kind, out_features, in_features, blocksize, nested, name),
                                 lambda: dequantize_kernel(kind, out_features, in_features, blocksize, nested, name))
-    device = data.device
-    no_nested = torch.zeros(256, device=device)  # the nested arguments of a kernel that does not read them
-    out = torch.empty(out_features, in_features, device=device, dtype=dtype)
+    table, no_nested = _constants(kind, data.device)
+    out = torch.empty(out_features, in_features, device=data.device, dtype=dtype)
     kernel(data.view(-1), absmax / 127 if kind == "int8" else absmax, nested_code if nested else no_nested,
-           nested_absmax if nested else no_nested[:1], torch.tensor([nested_offset], dtype=torch.float32, device=device),
-           _TABLES[kind].to(device), out.view(-1))
+           nested_absmax if nested else no_nested[:1], float(nested_offset), table, out.view(-1))
     return out
 
 
 def tilelang_forward(x: Tensor, *weight_and_bias) -> Tensor:
-    """x · Wᵀ (+ b): W dequantized by the TileLang kernel, then linear.py's TileLang GEMM (bias added by PyTorch)."""
+    """x · Wᵀ (+ b): W dequantized by the TileLang kernel, then the platform's GEMM (cuBLAS / hipBLASLt: the
+    frozen Linear's own, faster than linear.py's TileLang GEMM at these shapes, benchmarks/results)."""
     *weight, bias = weight_and_bias
-    return linear.tilelang_forward(x, tilelang_weight(*weight, dtype=x.dtype), bias)
+    return F.linear(x, tilelang_weight(*weight, dtype=x.dtype), bias)
 
 
 def tilelang_backward(dy: Tensor, *weight) -> Tensor:
-    """dX = dY · W: W dequantized again by the TileLang kernel, then the TileLang dX GEMM."""
-    return linear.tilelang_backward(dy, dy.new_empty(0), tilelang_weight(*weight, dtype=dy.dtype), False, False)[0]
+    """dX = dY · W: W dequantized again by the TileLang kernel, then the platform's GEMM."""
+    return dy @ tilelang_weight(*weight, dtype=dy.dtype)
 
 
 # ---- custom ops and module -----------------------------------------------------------------------
@@ -258,9 +263,9 @@ def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
 
 
 define(Op("quant_linear", (Binding("quant_linear", "quantized_linear", _forward, compile_key=compile_key, warm=_warm),),
-          keeps_output=True, profile_pattern=r"dequantize_|linear_(fwd|dgrad)", lowering=lowering_kernels))
+          keeps_output=True, profile_pattern=r"dequantize_", lowering=lowering_kernels))
 add(Impl("quant_linear", "reference", reference_forward, reference_backward, accumulation="float32",
          description="PyTorch: the whole weight dequantized, then F.linear (as peft + bitsandbytes)"))
 add(Impl("quant_linear", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
-         tilelang_unsupported, "TileLang: the weight dequantized in one pass (codes, nested scales), then the TileLang "
-         "GEMM (fwd, dX)", accumulation="float32"))
+         tilelang_unsupported, "TileLang: the weight dequantized in one pass (codes, nested scales), then the "
+         "platform's GEMM (fwd, dX)", accumulation="float32"))

@@ -1,0 +1,91 @@
+"""The longest single sequence a QLoRA step trains within a GPU memory cap (Unsloth's long-context claim).
+
+The model (a preset, random init, built quantized on the GPU tensor by tensor) is built once with every
+tiletune kernel; for each sequence length, longest last, the process is capped at CAP GiB
+(torch.cuda.set_per_process_memory_fraction, so going over is an out-of-memory error as on a card of that
+size), activation checkpointing is planned within the cap (`gradient_checkpointing: auto` with offload
+of the saved layer inputs to host memory), and one warm-up step and one timed step run on random tokens,
+batch 1. Writes long_context.json (per length: fits or the error, step seconds, peak GiB, the plan) and
+prints a table; the longest length that fits is the answer.
+
+    python benchmarks/qlora_long_context.py --preset llama3-8b --cap 24 --seqs 32768,65536,98304 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from tiletune.bench.worker import build_model
+from tiletune.config import load_config
+from tiletune.env import run_stamp
+from tiletune.train.model import autocast
+from tiletune.train.recompute import plan_recomputation
+
+GIB = 2**30
+
+
+def one_length(model, seq: int, cap_gib: float, optimizer) -> dict:
+    """Plan within the cap at `seq` tokens, then a warm-up and a timed step; peak memory of the timed one."""
+    device = torch.device("cuda")
+    vocab = model.get_base_model().config.vocab_size
+    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    torch.cuda.empty_cache()
+    try:
+        plan = plan_recomputation(model, 1, seq, torch.bfloat16, cap_gib, True, True)
+        times = []
+        for _ in range(2):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            with autocast(device, torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return {"seq": seq, "fits": True, "step_s": times[-1], "peak_gib": torch.cuda.max_memory_allocated() / GIB,
+                "loss": loss.item(), "plan": plan.summary()}
+    except (torch.OutOfMemoryError, RuntimeError) as err:  # the planner's UserError is a RuntimeError too
+        return {"seq": seq, "fits": False, "error": str(err).splitlines()[0][:300]}
+    finally:
+        optimizer.zero_grad(set_to_none=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="llama3-8b")
+    parser.add_argument("--config", default="examples/bench/llama3_8b_lora.yaml")
+    parser.add_argument("--cap", type=float, default=24.0, help="GiB the process may allocate")
+    parser.add_argument("--seqs", default="32768,65536,98304")
+    parser.add_argument("--out", default="benchmarks/results/qlora-long-context")
+    args = parser.parse_args()
+    cfg = load_config(args.config, ["quantization_bit=4", "gradient_checkpointing=auto",
+                                    "gradient_checkpointing_offload=true", f"gradient_checkpointing_budget={args.cap}"])
+    torch.manual_seed(0)
+    model, report = build_model(cfg, args.preset, "all", torch.device("cuda"))
+    model.train()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap * GIB / total))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    rows = [one_length(model, seq, args.cap, optimizer) for seq in sorted(int(s) for s in args.seqs.split(","))]
+    os.makedirs(args.out, exist_ok=True)
+    result = {"preset": args.preset, "cap_gib": args.cap, "rows": rows, "environment": run_stamp(),
+              "kernels": report.to_dict()["ops"] if report else None}
+    with open(os.path.join(args.out, "long_context.json"), "w") as handle:
+        json.dump(result, handle, indent=1)
+    print(f"| {args.preset} QLoRA, cap {args.cap:g} GiB | fits | step s | peak GiB |\n|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['seq']:,} tokens | {'yes' if row['fits'] else 'no: ' + row['error'][:80]} | "
+              f"{row.get('step_s', float('nan')):.2f} | {row.get('peak_gib', float('nan')):.1f} |")
+    longest = max((r["seq"] for r in rows if r["fits"]), default=None)
+    print(f"longest that fits: {longest} tokens ({result['environment']['device']}, commit {result['environment']['commit']})")
+
+
+if __name__ == "__main__":
+    main()
