@@ -272,6 +272,12 @@ def verify(config, overrides, out_dir, batches, seq, random_tokens, k, floor_ulp
         conv = result["convergence"]
         click.echo(f"convergence over {conv['steps']} steps: largest relative loss gap {conv['max_relative_gap']:.2e} "
                    f"(tolerance {conv['tolerance']:.0e}) {'pass' if conv['passed'] else 'FAIL'}")  # fmt: skip
+    quantized = [row for row in result.get("quantization", []) if row["rel_l2"] is not None]
+    if quantized:
+        worst = max(quantized, key=lambda row: row["rel_l2"])
+        errs = sorted(row["rel_l2"] for row in quantized)
+        click.echo(f"quantization error of the {len(errs)} quantized layers against their original weights (not gated): "
+                   f"median {errs[len(errs) // 2]:.3g}, worst {worst['rel_l2']:.3g} ({worst['layer']}, {worst['kind']})")
     for note in result["accumulation"]:
         click.echo(f"accumulation: {note}")
     for warning in result.get("warnings", []):

@@ -92,6 +92,19 @@ def test_export_of_a_qlora_run_merges_into_the_dequantized_base(run_config, tmp_
     assert merged.model.layers[0].self_attn.q_proj.weight.dtype == merged.lm_head.weight.dtype
 
 
+def test_chat_keeps_the_base_quantized_with_the_adapter_unmerged(run_config, tmp_path):
+    from tiletune.train.chat import load_session, run_chat
+
+    run_train(run_config(quantization_bit=4, max_steps=2))
+    session, _ = load_session(run_config(quantization_bit=4, do_train=False, adapter_name_or_path=str(tmp_path / "out"),
+                                         max_new_tokens=4))
+    q_proj = session.model.get_base_model().model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj.base_layer, QuantLinear) and "default" in q_proj.lora_A and not q_proj.merged
+    said = []
+    run_chat(session, ["hello"], said.append)
+    assert "Assistant: " in said and len("".join(said[said.index("Assistant: ") + 1 :])) > 0
+
+
 VENDORED = Path(__file__).parent / "compat" / "examples"
 
 

@@ -126,6 +126,23 @@ def test_random_init_preset_with_fewer_layers(tmp_path):
     assert any("layers.0.mlp.output" in n for n in names) and not any("layers.1." in n for n in names)
 
 
+@pytest.mark.parametrize("bits, kind", [(4, "nf4"), (8, "int8")])
+def test_quantized_preset_is_gated_and_reports_each_layers_quantization_error(tmp_path, bits, kind):
+    """quantization_bit on a preset builds it quantized: the quantized ops are bound and gated, and each quantized
+    Linear's error against the weight it was quantized from is reported apart from the gate."""
+    config = REPO / "examples" / "bench" / "llama3_8b_lora.yaml"
+    args = ["verify", str(config), "kernels=all", "bf16=false", f"quantization_bit={bits}", f"output_dir={tmp_path}",
+            "--model-preset", "tiny", "--layers", "1", "--seq", "32", "--out", str(tmp_path / "v")]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    saved = json.loads((tmp_path / "v" / "verify.json").read_text())
+    ops = saved["patch"]["ops"]
+    assert ops["quant_lora_linear"]["patched"] == 2 and ops["quant_linear"]["patched"] == 5  # LoRA on q, v
+    errs = {row["layer"]: row["rel_l2"] for row in saved["quantization"] if row["kind"] == kind}
+    assert len(errs) == 7 and all(0 < e < (0.02 if bits == 8 else 0.2) for e in errs.values()), errs
+    assert "quantization error of the 7 quantized layers" in result.output and "verify: PASS" in result.output
+
+
 def test_verify_with_attention_selected(tmp_path):
     """attention (opt-in) under verify: its modules are captured and gated; off the GPU the reference runs."""
     config = REPO / "examples" / "bench" / "llama3_8b_lora.yaml"

@@ -59,7 +59,7 @@ def build_model(cfg: TuneConfig, preset: str | None, variant: str, device: torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tiletune.train.model import load_model, load_tokenizer
-    from tiletune.train.presets import preset_config
+    from tiletune.train.presets import preset_config, preset_model
 
     model_config = preset_config(preset) if preset else AutoConfig.from_pretrained(cfg.model_name_or_path)
     if variant == "liger":
@@ -68,19 +68,12 @@ def build_model(cfg: TuneConfig, preset: str | None, variant: str, device: torch
         getattr(liger, liger_patch(model_config))()  # patches the model classes: before building
     if variant == "bnb" and not cfg.quantization_bit:
         raise UserError("bench variant 'bnb' is peft + bitsandbytes QLoRA: give it quantization_bit=4 (bnb:quantization_bit=4)")
-    dtype = compute_dtype(cfg)
-    if preset and cfg.quantization_bit:
-        from tiletune.train.quantized import quantized_kind, random_quantized
-
-        model = random_quantized(model_config, dtype, quantized_kind(cfg.quantization_bit, cfg.quantization_type),
-                                 cfg.double_quantization, device, seed)
-    elif preset:
-        with device:
-            model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+    if preset:
+        model = preset_model(cfg, preset, device, seed=seed)
     elif cfg.quantization_bit:
         model = load_model(cfg, load_tokenizer(cfg), trainable=False).train()
     else:
-        model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=dtype).to(device)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=compute_dtype(cfg)).to(device)
     if variant == "bnb":
         bitsandbytes_linears(model)
     model = prepare_for_training(cfg, model)

@@ -222,6 +222,7 @@ class QuantLinear(nn.Linear):
         self.register_buffer("nested_absmax", q.nested.absmax if q.nested else None)
         self.nested_offset = q.nested.offset if q.nested else 0.0
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.quantization_error: float | None = None  # rel. L2 against the weight it was quantized from, if known
 
     @property
     def quantized(self) -> QuantizedWeight:

@@ -78,8 +78,9 @@ class ChatSession:
 
 
 def load_session(cfg: TuneConfig) -> tuple[ChatSession, str | None]:
-    """The chat session for `cfg` (adapters in `adapter_name_or_path` merged, the `kernels:` selection
-    patched in), and the kernel summary (None without kernels)."""
+    """The chat session for `cfg` (adapters in `adapter_name_or_path` merged, or over a quantized base one
+    adapter unmerged so that the base stays quantized; the `kernels:` selection patched in), and the kernel
+    summary (None without kernels)."""
     from tiletune.data.templates import get_template
     from tiletune.train.model import load_model, load_tokenizer
 
@@ -87,7 +88,7 @@ def load_session(cfg: TuneConfig) -> tuple[ChatSession, str | None]:
     template = get_template(cfg.template, tokenizer, cfg.stage, cfg.default_system)
     template.fix_tokenizer(tokenizer)
     device_map = "auto" if torch.cuda.is_available() else None
-    model = load_model(cfg, tokenizer, trainable=False, device_map=device_map)
+    model = load_model(cfg, tokenizer, trainable=False, device_map=device_map, keep_quantized=True)
     model.config.use_cache = True
     summary = None
     if cfg.kernels is not None:

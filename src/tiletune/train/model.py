@@ -74,11 +74,13 @@ def load_tokenizer(cfg: TuneConfig):
     )
 
 
-def load_model(cfg: TuneConfig, tokenizer, trainable: bool, device_map: str | None = None):
+def load_model(cfg: TuneConfig, tokenizer, trainable: bool, device_map: str | None = None, keep_quantized: bool = False):
     """The causal LM, resized to the tokenizer if needed, set up for `finetuning_type` when `trainable`.
 
     `device_map` ("auto" spreads the weights over the accelerators) is for inference; the Trainer places
-    a trainable model itself.
+    a trainable model itself. Not trainable, adapters are merged into the weights; a quantized base is
+    dequantized for that, unless `keep_quantized` (chat): then one adapter stays unmerged on the quantized
+    weights, which keep their size.
     """
     from transformers import AutoModelForCausalLM
 
@@ -106,8 +108,14 @@ def load_model(cfg: TuneConfig, tokenizer, trainable: bool, device_map: str | No
             log.warning("the template added tokens; resizing embeddings (set resize_vocab=true to train them)")
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
     if not trainable:
-        if cfg.adapter_name_or_path:
-            if cfg.quantization_bit or is_bnb_4bit(config):  # adapters merge into weights, not into packed codes
+        quantized = bool(cfg.quantization_bit or is_bnb_4bit(config))
+        adapters = _adapter_paths(cfg)
+        if quantized and keep_quantized and len(adapters) == 1:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, adapters[0], **_hub_kwargs(cfg))  # unmerged, over QuantLinear
+        elif adapters:
+            if quantized:  # adapters merge into weights, not into packed codes
                 from tiletune.train.quantized import dequantized
 
                 log.info("dequantizing the quantized base to %s to merge the adapters", dtype)
@@ -166,13 +174,19 @@ def set_checkpointing(model, enabled: bool, use_reentrant: bool = True) -> None:
         base.gradient_checkpointing_disable()
 
 
-def _load_adapters(cfg: TuneConfig, model, trainable: bool):
-    from peft import PeftModel
-
-    paths = [p.strip() for p in cfg.adapter_name_or_path.split(",") if p.strip()]
+def _adapter_paths(cfg: TuneConfig) -> list[str]:
+    """The adapters `adapter_name_or_path` lists (comma-separated); UserError for a folder that holds none."""
+    paths = [p.strip() for p in (cfg.adapter_name_or_path or "").split(",") if p.strip()]
     for path in paths:
         if not Path(path, "adapter_config.json").is_file() and Path(path).exists():
             raise UserError(f"adapter_name_or_path {path!r} has no adapter_config.json; it is not a PEFT adapter")
+    return paths
+
+
+def _load_adapters(cfg: TuneConfig, model, trainable: bool):
+    from peft import PeftModel
+
+    paths = _adapter_paths(cfg)
     # All adapters but the one that keeps training are merged into the base weights.
     keep_last = trainable and not cfg.create_new_adapter
     for path in paths[:-1] if keep_last else paths:

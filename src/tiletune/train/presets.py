@@ -43,3 +43,25 @@ def preset_config(name: str):
         raise UserError(f"model preset {name!r} is unknown; available: {', '.join(PRESETS)}")
     shape = dict(PRESETS[name])
     return AutoConfig.for_model(shape.pop("model_type"), **shape)
+
+
+def preset_model(cfg, name: str, device, layers: int | None = None, seed: int = 0):
+    """A random-init model of preset `name` (only its first `layers` decoder layers if given) in cfg's compute
+    dtype on `device`; with quantization_bit, its Linears quantized as they are built, tensor by tensor, so a
+    preset loads where its quantized size fits (the 70B shape on one GPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tiletune.train.model import compute_dtype
+
+    shape = preset_config(name)
+    if layers:
+        shape.num_hidden_layers = layers
+    dtype = compute_dtype(cfg)
+    if cfg.quantization_bit:
+        from tiletune.train.quantized import quantized_kind, random_quantized
+
+        return random_quantized(shape, dtype, quantized_kind(cfg.quantization_bit, cfg.quantization_type),
+                                cfg.double_quantization, torch.device(device), seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(shape, dtype=dtype)

@@ -107,9 +107,17 @@ def _place(model: nn.Module, targets: set[str], key: str, tensor: torch.Tensor, 
 
     owner = key.removesuffix(".weight")
     if owner != key and owner in targets:
-        _into_quant_linear(model, owner, quantize(tensor.to(device), kind, double=double, dtype=dtype))
+        original = tensor.to(device)
+        quantized = quantize(original, kind, double=double, dtype=dtype)
+        _into_quant_linear(model, owner, quantized).quantization_error = _relative_error(dequantize(quantized), original)
     else:
         set_module_tensor_to_device(model, key, device, value=tensor, dtype=dtype if tensor.is_floating_point() else None)
+
+
+def _relative_error(approximation: torch.Tensor, original: torch.Tensor) -> float:
+    """‖approximation - original‖ / ‖original‖ in float32 (0 for an all-zero original)."""
+    original = original.float()
+    return float((approximation.float() - original).norm() / original.norm().clamp_min(torch.finfo(torch.float32).tiny))
 
 
 def _finish(model: nn.Module, config) -> None:
@@ -133,12 +141,13 @@ def _quantization_settings(config) -> dict:
     return settings if isinstance(settings, dict) else settings.to_dict()
 
 
-def _into_quant_linear(model: nn.Module, name: str, quantized) -> None:
+def _into_quant_linear(model: nn.Module, name: str, quantized) -> QuantLinear:
     """Replace the Linear `name` by a QuantLinear of `quantized`, keeping its bias Parameter (loaded already, or
-    still empty and filled when its tensor arrives)."""
+    still empty and filled when its tensor arrives); returns it."""
     module = QuantLinear(quantized)
     module.bias = model.get_submodule(name).bias
     _replace(model, name, module)
+    return module
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -79,17 +79,10 @@ def _configured_model(cfg: TuneConfig):
 
 
 def _preset_model(cfg: TuneConfig, options: VerifyOptions, dtype, device):
-    from transformers import AutoModelForCausalLM
-
-    from tiletune.train.presets import preset_config
     from tiletune.train.model import prepare_for_training
+    from tiletune.train.presets import preset_model
 
-    shape = preset_config(options.preset)
-    if options.layers:
-        shape.num_hidden_layers = options.layers
-    with device:
-        model = AutoModelForCausalLM.from_config(shape, dtype=dtype)
-    return prepare_for_training(cfg, model)
+    return prepare_for_training(cfg, preset_model(cfg, options.preset, device, options.layers, options.seed))
 
 
 def _randomise_adapters(model, seed: int) -> None:
@@ -306,7 +299,7 @@ def run_verify(cfg: TuneConfig, options: VerifyOptions) -> dict:
     model_print = fingerprint(model)
     result = {"environment": {**run_stamp(), "dtype": str(dtype).removeprefix("torch."), "seed": options.seed},
               "fingerprint": model_print, "kernels": spec.to_dict(), "passed": True,
-              "accumulation": accumulation_differences(spec)}  # fmt: skip
+              "accumulation": accumulation_differences(spec), "quantization": quantization_errors(model)}  # fmt: skip
 
     if options.against is not None:
         batches, golden, meta = load_golden(options.against, model_print)
@@ -348,6 +341,15 @@ def run_verify(cfg: TuneConfig, options: VerifyOptions) -> dict:
     options.out_dir.mkdir(parents=True, exist_ok=True)
     (options.out_dir / "verify.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     return result
+
+
+def quantization_errors(model) -> list[dict]:
+    """Each quantized Linear's error against the original weight it was quantized from (relative L2, measured at
+    load; None for a checkpoint saved quantized): what quantization costs, apart from the kernels' gate."""
+    from tiletune.kernels.quant_linear import QuantLinear
+
+    return [{"layer": name.removeprefix("base_model.model."), "kind": module.kind, "rel_l2": module.quantization_error}
+            for name, module in model.named_modules() if isinstance(module, QuantLinear)]
 
 
 def _module_of(captured_name: str) -> str | None:
