@@ -68,9 +68,9 @@ def variants(bandwidth):
               ((4, 512), 128), ((1, 2048), 128), ((32, 128), 256)]
     fwd_args = (g, u, torch.empty_like(g))
     bwd_args = (torch.randn_like(g), g, u, torch.empty_like(g), torch.empty_like(g))
-    sweep("swiglu fwd", [(f"block={b} threads={t}", swiglu.forward_kernel(INTER, BF16, b, t), fwd_args)
+    sweep("swiglu fwd", [(f"block={b} threads={t}", swiglu.forward_kernel(swiglu.SILU, INTER, BF16, b, t), fwd_args)
                          for b, t in blocks], 3 * ib, bandwidth)
-    sweep("swiglu bwd", [(f"block={b} threads={t}", swiglu.backward_kernel(INTER, BF16, b, t), bwd_args)
+    sweep("swiglu bwd", [(f"block={b} threads={t}", swiglu.backward_kernel(swiglu.SILU, INTER, BF16, b, t), bwd_args)
                          for b, t in blocks], 5 * ib, bandwidth)
 
     q = torch.randn(TOKENS, 32 * 128, device=dev, dtype=dt)

@@ -13,9 +13,9 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 @pytest.fixture
 def scaled_plugin():
     @registry.register("rms_norm", "scaled_1_01")
-    def scaled(x, weight, eps):
+    def scaled(x, weight, eps, offset):
         """The reference scaled by 1.01: wrong by 1%."""
-        return rms_norm.reference_forward(x, weight, eps) * 1.01
+        return rms_norm.reference_forward(x, weight, eps, offset) * 1.01
 
     yield "scaled_1_01"
     registry._impls["rms_norm"].pop("scaled_1_01")

@@ -16,8 +16,10 @@ def rand(*shape, grad: bool = True):
 
 # Small CPU inputs per op (the reference implementation runs), awkward sizes included.
 CASES = {
-    "rms_norm": lambda: (rand(5, 16), rand(16), 1e-5),
+    "rms_norm": lambda: (rand(5, 16), rand(16), 1e-5, 0.0),
+    "rms_norm (Gemma's offset)": lambda: (rand(2, 3, 16), rand(16), 1e-6, 1.0),
     "swiglu": lambda: (rand(7, 24), rand(7, 24)),
+    "geglu": lambda: (rand(2, 5, 24), rand(2, 5, 24)),
     "rope": lambda: (rand(2, 3, 4, 16), rand(2, 3, 2, 16), rand(2, 3, 16, grad=False), rand(2, 3, 16, grad=False)),
     "linear": lambda: (rand(5, 16), rand(8, 16), rand(8)),
     "linear (frozen, no bias)": lambda: (rand(3, 5, 16), rand(8, 16, grad=False), None),

@@ -10,7 +10,7 @@ pytest.importorskip("tilelang", reason="TileLang is not installed (pip install t
 
 KERNELS = ["rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope_fwd", "rope_bwd",
            "linear_fwd", "linear_dgrad", "linear_wgrad", "lora_linear_fwd", "lora_linear_dgrad",
-           "attention_fwd", "attention_bwd_preprocess", "attention_bwd", "dequantize_nf4"]
+           "attention_fwd", "attention_bwd_preprocess", "attention_bwd", "dequantize_nf4", "geglu_fwd", "geglu_bwd"]
 
 
 @pytest.fixture(scope="module")

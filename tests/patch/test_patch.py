@@ -64,7 +64,7 @@ def test_parse_layers(layers, expected):
 
 
 @pytest.mark.parametrize("value,message", [
-    ({"rms_nrom": "tilelang"}, "unknown op 'rms_nrom'.*rms_norm, swiglu, rope, linear"),
+    ({"rms_nrom": "tilelang"}, "unknown op 'rms_nrom'.*rms_norm, swiglu, geglu, rope, linear"),
     ({"rms_norm": "cuda"}, "unknown implementation 'cuda'; rms_norm has: reference, tilelang"),
     ({"linear": {"impl": "tilelang", "layer": "1"}}, "unknown key 'layer'"),
     ({"linear": {"layers": "3-1"}}, "bad layer selector '3-1'"),
@@ -88,7 +88,7 @@ def test_apply_all_patches_every_op_and_keeps_parameters():
     report = apply_kernels(model, "all")
     counts = {op: info["patched"] for op, info in report.to_dict()["ops"].items()}
     assert counts == {"rms_norm": 4, "swiglu": 2, "rope": 2, "linear": 14, "lora_linear": 0, "linear_cross_entropy": 1,
-                      "quant_linear": 0, "quant_lora_linear": 0}
+                      "quant_linear": 0, "quant_lora_linear": 0, "geglu": 0}
     assert [(n, id(p)) for n, p in model.named_parameters()] == params
     with torch.no_grad():
         torch.testing.assert_close(model(tokens()).logits, before, rtol=1e-5, atol=1e-5)
@@ -157,12 +157,12 @@ def test_strict_turns_fallback_into_error():
 def test_plugin_registers_an_implementation(tmp_path, monkeypatch):
     (tmp_path / "my_kernels_plugin.py").write_text(textwrap.dedent("""
         import tiletune.kernels
-        from tiletune.kernels.swiglu import reference_forward
+        import torch.nn.functional as F
 
         @tiletune.kernels.register("swiglu", "doubled")
         def doubled(gate, up):
             '''Twice silu(gate) * up: visibly not the reference.'''
-            return 2 * reference_forward(gate, up)
+            return 2 * F.silu(gate) * up
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     model = tiny_llama()

@@ -71,14 +71,16 @@ def llama_with_an_offset_norm():
     families.register(llama)
 
 
-def test_offset_norms_in_a_record_are_reported_not_patched(llama_with_an_offset_norm):
+def test_an_offset_norm_in_a_record_binds_with_the_offset_form(llama_with_an_offset_norm):
+    """The record is what the engine knows of a model: a norm it calls x·(1 + w) gets rms_norm with offset 1."""
+    from tiletune.kernels.rms_norm import reference_forward
+
     model = tiny_llama()
     report = apply_kernels(model, "rms_norm")
-    by_path = {(e.layer, e.module): e for e in report.entries}
-    assert not by_path[(0, "input_layernorm")].installed and "x·(1 + w)" in by_path[(0, "input_layernorm")].fallback
-    assert by_path[(0, "post_attention_layernorm")].installed
-    assert "forward" not in model.model.layers[0].input_layernorm.__dict__
-    assert report.to_dict()["ops"]["rms_norm"]["patched"] == 2
+    assert all(e.installed for e in report.entries) and report.to_dict()["ops"]["rms_norm"]["patched"] == 4
+    norm, x = model.model.layers[0].input_layernorm, torch.randn(3, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x), reference_forward(x, norm.weight, norm.variance_epsilon, 1.0), rtol=0, atol=0)
 
 
 def tiny_qwen3_moe() -> Qwen3MoeForCausalLM:
@@ -96,7 +98,7 @@ def test_moe_router_is_not_a_linear_site_and_the_model_still_computes_the_same()
     report = apply_kernels(model, "all")
     counts = {op: info["patched"] for op, info in report.to_dict()["ops"].items()}
     assert counts == {"rms_norm": 8, "swiglu": 0, "rope": 2, "linear": 8, "lora_linear": 0, "linear_cross_entropy": 1,
-                      "quant_linear": 0, "quant_lora_linear": 0}
+                      "quant_linear": 0, "quant_lora_linear": 0, "geglu": 0}
     assert not any("gate" in e.module and "proj" not in e.module for e in report.entries)
     assert report.unbound_roles == {"experts": 2} and "experts: 2 modules no tiletune op binds yet" in report.summary()
     with torch.no_grad():

@@ -56,6 +56,8 @@ class Binding:
     warm(key, impl, dtype) -> a differentiable output of the op on one token with those dimensions, on
     the GPU, so that `tiletune kernels warmup` compiles forward and backward.
     supersedes: ops whose sites at the same (layer, path) this op takes when both are selected.
+    applies(site) -> whether the site is this op's at all (a SiLU op and a GELU op share the mlp role: each applies
+    to its own activation's MLPs); a site it does not apply to is no candidate and gets no report entry.
     """
 
     op: str
@@ -66,6 +68,7 @@ class Binding:
     compile_key: Callable[[nn.Module], tuple] | None = None
     warm: Callable[[tuple, str, torch.dtype], torch.Tensor] | None = None
     supersedes: tuple[str, ...] = ()
+    applies: Callable[[Site], bool] = lambda site: True
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -1,8 +1,9 @@
-"""RMSNorm as in Llama/Qwen: ``weight * (x * rsqrt(mean(x², -1) + eps)).to(x.dtype)``, fp32 statistics.
+"""RMSNorm as in Llama/Qwen, ``weight * (x * rsqrt(mean(x², -1) + eps)).to(x.dtype)``, and as in Gemma
+(offset 1), ``(x * rsqrt(mean(x², -1) + eps) * (1 + weight)).to(x.dtype)`` all in fp32; fp32 statistics.
 
 Reference (PyTorch) forward and backward, the TileLang forward and backward kernels, and the custom
 ops ``tiletune::rms_norm`` / ``tiletune::rms_norm_backward``. The token dimension is dynamic; the
-hidden size, eps and dtype are static per compiled kernel.
+hidden size, eps, offset and dtype are static per compiled kernel.
 """
 
 from __future__ import annotations
@@ -20,22 +21,26 @@ from tiletune.kernels.registry import Impl, Op, add, define
 # ---- reference -----------------------------------------------------------------------------------
 
 
-def reference_forward(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Llama/Qwen RMSNorm, exactly as transformers computes it."""
+def reference_forward(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
+    """RMSNorm exactly as transformers computes it: Llama/Qwen's (offset 0: the normalised x rounded to x's
+    dtype, then times the weight) or Gemma's (offset 1: times 1 + weight in fp32, rounded once)."""
     xf = x.to(_tilelang.accumulate_dtype(x))
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (normed * (offset + weight.to(normed.dtype))).to(x.dtype)
     return weight * normed.to(x.dtype)
 
 
-def reference_backward(dy: Tensor, x: Tensor, weight: Tensor, eps: float, weight_grad: bool):
+def reference_backward(dy: Tensor, x: Tensor, weight: Tensor, eps: float, offset: float, weight_grad: bool):
     """(dx, dweight or None), computed in fp32 (or float64) from the recomputed statistics."""
     acc = _tilelang.accumulate_dtype(x)
     xf, dyf = x.to(acc), dy.to(acc)
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     n = xf * rstd
-    dn = dyf * weight.to(acc)
+    dn = dyf * (offset + weight.to(acc))
     dx = rstd * (dn - n * (dn * n).mean(-1, keepdim=True))
-    dw = (dyf * n.to(x.dtype).to(acc)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype) if weight_grad else None
+    seen = n if offset else n.to(x.dtype).to(acc)  # what the forward multiplied the weight by
+    dw = (dyf * seen).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype) if weight_grad else None
     return dx.to(x.dtype), dw
 
 
@@ -43,9 +48,14 @@ def reference_backward(dy: Tensor, x: Tensor, weight: Tensor, eps: float, weight
 
 
 def _tiling(n: int) -> tuple[int, int]:
-    """(rows per block, threads): about 16 elements per thread, at least one row per block."""
+    """(rows per block, threads): about 16 elements per thread, at least one row per block; the threads a power
+    of two (64..512, the row reduction's butterfly needs one) that divides the block's elements (Gemma-3's
+    3840 and Qwen3-4B's 2560 hidden sizes included)."""
     rows = max(1, 4096 // n)
-    return rows, max(64, min(512, rows * n // 16))
+    threads = 64
+    while threads < min(512, rows * n // 16) and rows * n % (threads * 2) == 0:
+        threads *= 2
+    return rows, threads
 
 
 def _rstd_macro(rows: int, n: int, eps: float):
@@ -63,12 +73,15 @@ def _rstd_macro(rows: int, n: int, eps: float):
     return rstd_of
 
 
-def forward_kernel(n: int, eps: float, dtype: str, tiling: tuple[int, int] | None = None):
-    """PrimFunc Y = RMSNorm(X) * W for X of shape (m, n), m dynamic; tiling = (rows per block, threads)."""
+def forward_kernel(n: int, eps: float, dtype: str, tiling: tuple[int, int] | None = None, offset: float = 0.0):
+    """PrimFunc Y = RMSNorm(X) * (offset + W) for X of shape (m, n), m dynamic; tiling = (rows per block,
+    threads). Offset 0 rounds the normalised x to `dtype` before the product, as Llama does; otherwise one
+    rounding at the end, as Gemma does."""
     import tilelang.language as T
 
     rows, threads = tiling or _tiling(n)
     rstd_of = _rstd_macro(rows, n, eps)
+    round_normed = not offset  # Llama's rounding of the normalised x before the product
     m = T.dynamic("m")
 
     @T.prim_func
@@ -83,14 +96,17 @@ def forward_kernel(n: int, eps: float, dtype: str, tiling: tuple[int, int] | Non
             T.copy(X[bx * rows, 0], x)
             rstd_of(x, sq, rstd)
             for i, j in T.Parallel(rows, n):
-                normed = T.cast(T.cast(x[i, j], "float32") * rstd[i], dtype)
-                y[i, j] = T.cast(T.cast(normed, "float32") * T.cast(w[j], "float32"), dtype)
+                normed = T.cast(x[i, j], "float32") * rstd[i]
+                if round_normed:
+                    normed = T.cast(T.cast(normed, dtype), "float32")
+                y[i, j] = T.cast(normed * (T.cast(w[j], "float32") + offset), dtype)
             T.copy(y, Y[bx * rows, 0])
 
     return rms_norm_fwd
 
 
-def backward_kernel(n: int, eps: float, dtype: str, programs: int, tiling: tuple[int, int] | None = None):
+def backward_kernel(n: int, eps: float, dtype: str, programs: int, tiling: tuple[int, int] | None = None,
+                    offset: float = 0.0):
     """PrimFunc for dX and per-program partial dW (fp32, summed by the caller), m dynamic.
 
     A persistent grid of `programs` blocks strides over the rows, so the partial-dW buffer has a
@@ -100,6 +116,7 @@ def backward_kernel(n: int, eps: float, dtype: str, programs: int, tiling: tuple
 
     rows, threads = tiling or _tiling(n)
     rstd_of = _rstd_macro(rows, n, eps)
+    round_normed = not offset
     m = T.dynamic("m")
 
     @T.prim_func
@@ -127,13 +144,17 @@ def backward_kernel(n: int, eps: float, dtype: str, programs: int, tiling: tuple
                 T.copy(DY[row0, 0], dy)
                 rstd_of(x, tmp, rstd)
                 for i, j in T.Parallel(rows, n):
-                    tmp[i, j] = T.cast(dy[i, j], "float32") * T.cast(w[j], "float32") * T.cast(x[i, j], "float32") * rstd[i]
+                    tmp[i, j] = (T.cast(dy[i, j], "float32") * (T.cast(w[j], "float32") + offset)
+                                 * T.cast(x[i, j], "float32") * rstd[i])
                 T.reduce_sum(tmp, dot, dim=1)
                 for i, j in T.Parallel(rows, n):
                     normed = T.cast(x[i, j], "float32") * rstd[i]
-                    dnormed = T.cast(dy[i, j], "float32") * T.cast(w[j], "float32")
+                    dnormed = T.cast(dy[i, j], "float32") * (T.cast(w[j], "float32") + offset)
                     dx[i, j] = T.cast(rstd[i] * (dnormed - normed * dot[i] / n), dtype)
-                    dw[i, j] += T.cast(dy[i, j], "float32") * T.cast(T.cast(normed, dtype), "float32")
+                    if round_normed:
+                        dw[i, j] += T.cast(dy[i, j], "float32") * T.cast(T.cast(normed, dtype), "float32")
+                    else:
+                        dw[i, j] += T.cast(dy[i, j], "float32") * normed
                 T.copy(dx, DX[row0, 0])
             T.copy(dw, DWP[bx * rows, 0])
 
@@ -146,7 +167,7 @@ def lowering_kernels(arch: str) -> dict[str, Callable]:
             "rms_norm_bwd": lambda: backward_kernel(4096, 1e-5, "bfloat16", 264)}
 
 
-def tilelang_unsupported(x: Tensor, weight: Tensor, eps: float) -> str | None:
+def tilelang_unsupported(x: Tensor, weight: Tensor, eps: float, offset: float) -> str | None:
     """Why the TileLang kernels cannot run these inputs, or None."""
     reason = _tilelang.unsupported_inputs(x, weight)
     n = x.shape[-1]
@@ -159,10 +180,10 @@ def _programs(device: torch.device) -> int:
     return 2 * _tilelang.sm_count(device.index or 0)
 
 
-def tilelang_forward(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def tilelang_forward(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
     """RMSNorm through the TileLang forward kernel."""
     n, dtype = x.shape[-1], _tilelang.DTYPES[x.dtype]
-    kernel = _tilelang.compiled(("rms_norm_fwd", n, eps, dtype), lambda: forward_kernel(n, eps, dtype))
+    kernel = _tilelang.compiled(("rms_norm_fwd", n, eps, dtype, offset), lambda: forward_kernel(n, eps, dtype, offset=offset))
     x2 = x.reshape(-1, n).contiguous()
     y = torch.empty_like(x2)
     if x2.shape[0]:
@@ -170,10 +191,11 @@ def tilelang_forward(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return y.view(x.shape)
 
 
-def tilelang_backward(dy: Tensor, x: Tensor, weight: Tensor, eps: float, weight_grad: bool):
+def tilelang_backward(dy: Tensor, x: Tensor, weight: Tensor, eps: float, offset: float, weight_grad: bool):
     """(dx, dweight or None) through the TileLang backward kernel."""
     n, dtype, programs = x.shape[-1], _tilelang.DTYPES[x.dtype], _programs(x.device)
-    kernel = _tilelang.compiled(("rms_norm_bwd", n, eps, dtype, programs), lambda: backward_kernel(n, eps, dtype, programs))
+    kernel = _tilelang.compiled(("rms_norm_bwd", n, eps, dtype, programs, offset),
+                                lambda: backward_kernel(n, eps, dtype, programs, offset=offset))
     x2, dy2 = x.reshape(-1, n).contiguous(), dy.reshape(-1, n).contiguous()
     dx = torch.empty_like(x2)
     partial = torch.empty(programs * _tiling(n)[0], n, device=x.device, dtype=torch.float32)
@@ -188,19 +210,21 @@ def tilelang_backward(dy: Tensor, x: Tensor, weight: Tensor, eps: float, weight_
 # ---- custom ops and binding ------------------------------------------------------------------------
 
 rms_norm_op = make_custom_op(Signature(
-    "rms_norm", "Tensor x, Tensor weight, float eps", "Tensor",
-    backward_inputs="Tensor x, Tensor weight, float eps, bool weight_grad", backward_outputs="(Tensor, Tensor)",
-    fake=lambda x, weight, eps: x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
-    backward_fake=lambda dy, x, weight, eps, weight_grad: (torch.empty_like(x), weight.new_empty(weight.shape) if weight_grad else dy.new_empty(0)),
+    "rms_norm", "Tensor x, Tensor weight, float eps, float offset", "Tensor",
+    backward_inputs="Tensor x, Tensor weight, float eps, float offset, bool weight_grad", backward_outputs="(Tensor, Tensor)",
+    fake=lambda x, weight, eps, offset: x.new_empty(x.shape, dtype=x.dtype if offset else torch.promote_types(x.dtype, weight.dtype)),
+    backward_fake=lambda dy, x, weight, eps, offset, weight_grad: (
+        torch.empty_like(x), weight.new_empty(weight.shape) if weight_grad else dy.new_empty(0)),
     save=lambda inputs, outputs, needs: (*inputs, needs[1]),
-    judged_on=lambda grads, saved: saved[:3],
-    grad_of=(0, 1, None),
+    judged_on=lambda grads, saved: saved[:4],
+    grad_of=(0, 1, None, None),
 ))
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, impl: str = "reference", strict: bool = False) -> Tensor:
-    """RMSNorm through the custom op with implementation `impl` (falls back to the reference)."""
-    return torch.ops.tiletune.rms_norm(x, weight, eps, impl, strict)
+def rms_norm(x: Tensor, weight: Tensor, eps: float, impl: str = "reference", strict: bool = False,
+             offset: float = 0.0) -> Tensor:
+    """RMSNorm (Gemma's with offset 1) through the custom op with implementation `impl` (falls back to the reference)."""
+    return torch.ops.tiletune.rms_norm(x, weight, eps, offset, impl, strict)
 
 
 def _eps(module: nn.Module) -> float | None:
@@ -209,26 +233,28 @@ def _eps(module: nn.Module) -> float | None:
 
 
 def _fit(site: Site) -> str | None:
-    if site.part.offset:
-        return "x·(1 + w) RMSNorm has no kernel yet: stock forward kept"
     if not isinstance(getattr(site.module, "weight", None), Tensor) or _eps(site.module) is None:
         return f"{type(site.module).__name__} has no weight and eps to read: stock forward kept"
     return None
 
 
 def _forward(site: Site, impl: str, strict: bool, current):
+    offset = 1.0 if site.part.offset else 0.0
+
     def forward(self, hidden_states):
-        return rms_norm(hidden_states, self.weight, _eps(self), impl, strict)
+        return rms_norm(hidden_states, self.weight, _eps(self), impl, strict, offset)
     return forward
 
 
 def _compile_key(module: nn.Module) -> tuple:
+    # the offset is a family fact, not a module one: both forms are compiled for a hidden size (cheap, small kernels)
     return (module.weight.shape[-1], _eps(module))
 
 
 def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
     hidden, eps = key
-    return rms_norm(warm_tensor(1, hidden, dtype=dtype), warm_tensor(hidden, dtype=dtype), eps, impl, True)
+    x, w = warm_tensor(1, hidden, dtype=dtype), warm_tensor(hidden, dtype=dtype)
+    return rms_norm(x, w, eps, impl, True) + rms_norm(x, w, eps, impl, True, 1.0)
 
 
 define(Op("rms_norm", (Binding("rms_norm", "norm", _forward, _fit, compile_key=_compile_key, warm=_warm),),

@@ -1,13 +1,17 @@
-"""SwiGLU as in the Llama/Qwen MLP: ``silu(gate) * up``.
+"""SwiGLU as in the Llama/Qwen/Phi-3 MLP: ``silu(gate) * up``, and the machinery every gated MLP op shares.
 
-Reference (PyTorch) forward and backward, the TileLang forward and backward kernels (fp32 inside,
-one rounding per output), and the custom ops ``tiletune::swiglu`` / ``tiletune::swiglu_backward``.
-The token dimension is dynamic; the intermediate size and dtype are static per compiled kernel.
+A gated MLP op is one `Activation` record (its PyTorch forward and derivative, and the same two as TileLang
+expressions) given to `define_gated`, which writes the rest once: reference forward and backward, the
+TileLang forward and backward kernels (fp32 inside, one rounding per output), the custom ops
+``tiletune::<name>`` / ``tiletune::<name>_backward`` and the binding on the `mlp` role (separate gate_proj
+and up_proj, or Phi-3's fused gate_up_proj). This module defines ``swiglu``; geglu.py defines Gemma's
+GeGLU. The token dimension is dynamic; the intermediate size and dtype are static per compiled kernel.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,22 +22,52 @@ from tiletune.kernels.binding import Binding, Site, warm_tensor
 from tiletune.kernels.customop import Signature, make_custom_op
 from tiletune.kernels.registry import Impl, Op, add, define
 
+
+@dataclass(frozen=True)
+class Activation:
+    """A gated MLP's activation: y = act(gate) * up."""
+
+    name: str  # the family record's Mlp.activation
+    forward: Callable[[Tensor], Tensor]  # PyTorch, as the model computes it
+    grad: Callable[[Tensor], Tensor]  # d act / d gate, PyTorch, in the accumulation dtype
+    tl_forward: Callable  # the same two as TileLang expressions of a float32 gate
+    tl_grad: Callable
+    modules: tuple[str, ...]  # class names of the model's activation module this op stands in for
+
+
+def _silu_grad(g: Tensor) -> Tensor:
+    sig = torch.sigmoid(g)
+    return sig * (1 + g * (1 - sig))
+
+
+def _tl_silu(g):
+    import tilelang.language as T
+
+    return g / (1.0 + T.exp(-g))
+
+
+def _tl_silu_grad(g):
+    import tilelang.language as T
+
+    sig = 1.0 / (1.0 + T.exp(-g))
+    return sig * (1.0 + g * (1.0 - sig))
+
+
+SILU = Activation("silu", F.silu, _silu_grad, _tl_silu, _tl_silu_grad, ("SiLU", "SiLUActivation"))
+
 # ---- reference -----------------------------------------------------------------------------------
 
 
-def reference_forward(gate: Tensor, up: Tensor) -> Tensor:
-    """silu(gate) * up, as the transformers MLP computes it."""
-    return F.silu(gate) * up
+def reference_forward(act: Activation, gate: Tensor, up: Tensor) -> Tensor:
+    """act(gate) * up, as the transformers MLP computes it."""
+    return act.forward(gate) * up
 
 
-def reference_backward(dy: Tensor, gate: Tensor, up: Tensor):
+def reference_backward(act: Activation, dy: Tensor, gate: Tensor, up: Tensor):
     """(dgate, dup), computed in fp32 (or float64)."""
     acc = _tilelang.accumulate_dtype(gate)
     g, u, d = gate.to(acc), up.to(acc), dy.to(acc)
-    sig = torch.sigmoid(g)
-    silu = g * sig
-    dgate = d * u * sig * (1 + g * (1 - sig))
-    return dgate.to(gate.dtype), (d * silu).to(up.dtype)
+    return (d * u * act.grad(g)).to(gate.dtype), (d * act.forward(g)).to(up.dtype)
 
 
 # ---- TileLang kernels ----------------------------------------------------------------------------
@@ -42,15 +76,15 @@ _BLOCK = (8, 512)  # rows x columns per block: 16 elements for each of 256 threa
 _THREADS = 256
 
 
-def forward_kernel(n: int, dtype: str, block: tuple[int, int] = _BLOCK, threads: int = _THREADS):
-    """PrimFunc Y = silu(G) * U over (m, n), m dynamic; block = (rows, columns) per thread block."""
+def forward_kernel(act: Activation, n: int, dtype: str, block: tuple[int, int] = _BLOCK, threads: int = _THREADS):
+    """PrimFunc Y = act(G) * U over (m, n), m dynamic; block = (rows, columns) per thread block."""
     import tilelang.language as T
 
     bm, bn = block
     m = T.dynamic("m")
 
     @T.prim_func
-    def swiglu_fwd(G: T.Tensor((m, n), dtype), U: T.Tensor((m, n), dtype), Y: T.Tensor((m, n), dtype)):
+    def gated_fwd(G: T.Tensor((m, n), dtype), U: T.Tensor((m, n), dtype), Y: T.Tensor((m, n), dtype)):
         with T.Kernel(T.ceildiv(n, bn), T.ceildiv(m, bm), threads=threads) as (bx, by):
             g = T.alloc_fragment((bm, bn), dtype)
             u = T.alloc_fragment((bm, bn), dtype)
@@ -58,14 +92,13 @@ def forward_kernel(n: int, dtype: str, block: tuple[int, int] = _BLOCK, threads:
             T.copy(G[by * bm, bx * bn], g)
             T.copy(U[by * bm, bx * bn], u)
             for i, j in T.Parallel(bm, bn):
-                gf = T.cast(g[i, j], "float32")
-                y[i, j] = T.cast(gf / (1.0 + T.exp(-gf)) * T.cast(u[i, j], "float32"), dtype)
+                y[i, j] = T.cast(act.tl_forward(T.cast(g[i, j], "float32")) * T.cast(u[i, j], "float32"), dtype)
             T.copy(y, Y[by * bm, bx * bn])
 
-    return swiglu_fwd
+    return gated_fwd.with_attr("global_symbol", f"{act_op_name(act)}_fwd")
 
 
-def backward_kernel(n: int, dtype: str, block: tuple[int, int] = _BLOCK, threads: int = _THREADS):
+def backward_kernel(act: Activation, n: int, dtype: str, block: tuple[int, int] = _BLOCK, threads: int = _THREADS):
     """PrimFunc (dG, dU) from (dY, G, U) over (m, n), m dynamic."""
     import tilelang.language as T
 
@@ -73,7 +106,7 @@ def backward_kernel(n: int, dtype: str, block: tuple[int, int] = _BLOCK, threads
     m = T.dynamic("m")
 
     @T.prim_func
-    def swiglu_bwd(
+    def gated_bwd(
         DY: T.Tensor((m, n), dtype),
         G: T.Tensor((m, n), dtype),
         U: T.Tensor((m, n), dtype),
@@ -92,18 +125,17 @@ def backward_kernel(n: int, dtype: str, block: tuple[int, int] = _BLOCK, threads
             for i, j in T.Parallel(bm, bn):
                 gf = T.cast(g[i, j], "float32")
                 df = T.cast(dy[i, j], "float32")
-                sig = 1.0 / (1.0 + T.exp(-gf))
-                dg[i, j] = T.cast(df * T.cast(u[i, j], "float32") * sig * (1.0 + gf * (1.0 - sig)), dtype)
-                du[i, j] = T.cast(df * gf * sig, dtype)
+                dg[i, j] = T.cast(df * T.cast(u[i, j], "float32") * act.tl_grad(gf), dtype)
+                du[i, j] = T.cast(df * act.tl_forward(gf), dtype)
             T.copy(dg, DG[by * bm, bx * bn])
             T.copy(du, DU[by * bm, bx * bn])
 
-    return swiglu_bwd
+    return gated_bwd.with_attr("global_symbol", f"{act_op_name(act)}_bwd")
 
 
-def lowering_kernels(arch: str) -> dict[str, Callable]:
-    """Kernel name -> PrimFunc builder at the Llama-3-8B intermediate size, for `tiletune kernels lower`."""
-    return {"swiglu_fwd": lambda: forward_kernel(14336, "bfloat16"), "swiglu_bwd": lambda: backward_kernel(14336, "bfloat16")}
+def act_op_name(act: Activation) -> str:
+    """The op's name for an activation: swiglu for silu, geglu for the GELUs."""
+    return "swiglu" if act.name == "silu" else "geglu"
 
 
 def tilelang_unsupported(gate: Tensor, up: Tensor) -> str | None:
@@ -121,10 +153,10 @@ def _rows(*tensors: Tensor) -> list[Tensor]:
     return [t.reshape(-1, n).contiguous() for t in tensors]
 
 
-def tilelang_forward(gate: Tensor, up: Tensor) -> Tensor:
-    """silu(gate) * up through the TileLang forward kernel."""
+def tilelang_forward(act: Activation, gate: Tensor, up: Tensor) -> Tensor:
+    """act(gate) * up through the TileLang forward kernel."""
     n, dtype = gate.shape[-1], _tilelang.DTYPES[gate.dtype]
-    kernel = _tilelang.compiled(("swiglu_fwd", n, dtype), lambda: forward_kernel(n, dtype))
+    kernel = _tilelang.compiled((act.name, "fwd", n, dtype), lambda: forward_kernel(act, n, dtype))
     g, u = _rows(gate, up)
     y = torch.empty_like(g)
     if g.shape[0]:
@@ -132,10 +164,10 @@ def tilelang_forward(gate: Tensor, up: Tensor) -> Tensor:
     return y.view(gate.shape)
 
 
-def tilelang_backward(dy: Tensor, gate: Tensor, up: Tensor):
+def tilelang_backward(act: Activation, dy: Tensor, gate: Tensor, up: Tensor):
     """(dgate, dup) through the TileLang backward kernel."""
     n, dtype = gate.shape[-1], _tilelang.DTYPES[gate.dtype]
-    kernel = _tilelang.compiled(("swiglu_bwd", n, dtype), lambda: backward_kernel(n, dtype))
+    kernel = _tilelang.compiled((act.name, "bwd", n, dtype), lambda: backward_kernel(act, n, dtype))
     d, g, u = _rows(dy, gate, up)
     dg, du = torch.empty_like(g), torch.empty_like(u)
     if g.shape[0]:
@@ -145,55 +177,84 @@ def tilelang_backward(dy: Tensor, gate: Tensor, up: Tensor):
 
 # ---- custom ops and binding ------------------------------------------------------------------------
 
-swiglu_op = make_custom_op(Signature(
-    "swiglu", "Tensor gate, Tensor up", "Tensor",
-    backward_inputs="Tensor gate, Tensor up", backward_outputs="(Tensor, Tensor)",
-    fake=lambda gate, up: torch.empty_like(gate, dtype=torch.promote_types(gate.dtype, up.dtype),
-                                           memory_format=torch.contiguous_format),
-    backward_fake=lambda dy, gate, up: (torch.empty_like(gate, memory_format=torch.contiguous_format),
-                                        torch.empty_like(up, memory_format=torch.contiguous_format)),
-    save=lambda inputs, outputs, needs: inputs,
-    judged_on=lambda grads, saved: saved,
-    grad_of=(0, 1),
-))
+
+def _projections(mlp: nn.Module) -> str | None:
+    """Why this MLP module lacks the projections a gated MLP forward needs, or None."""
+    if hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj"):
+        return None
+    if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        return None
+    return f"{type(mlp).__name__} has neither gate_proj, up_proj nor a fused gate_up_proj with a down_proj"
 
 
-def swiglu(gate: Tensor, up: Tensor, impl: str = "reference", strict: bool = False) -> Tensor:
-    """silu(gate) * up through the custom op with implementation `impl` (falls back to the reference)."""
-    return torch.ops.tiletune.swiglu(gate, up, impl, strict)
+def _activation_module(mlp: nn.Module) -> nn.Module | None:
+    return getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
 
 
-def _is_silu(act) -> bool:
-    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+def define_gated(act: Activation) -> Callable:
+    """Define the gated MLP op for `act` (custom ops, binding on the mlp role, reference and TileLang
+    implementations); returns its public function op(gate, up, impl="reference", strict=False)."""
+    name = act_op_name(act)
+    make_custom_op(Signature(
+        name, "Tensor gate, Tensor up", "Tensor",
+        backward_inputs="Tensor gate, Tensor up", backward_outputs="(Tensor, Tensor)",
+        fake=lambda gate, up: torch.empty_like(gate, dtype=torch.promote_types(gate.dtype, up.dtype),
+                                               memory_format=torch.contiguous_format),
+        backward_fake=lambda dy, gate, up: (torch.empty_like(gate, memory_format=torch.contiguous_format),
+                                            torch.empty_like(up, memory_format=torch.contiguous_format)),
+        save=lambda inputs, outputs, needs: inputs,
+        judged_on=lambda grads, saved: saved,
+        grad_of=(0, 1),
+    ))
+    custom_op = getattr(torch.ops.tiletune, name)
+
+    def gated(gate: Tensor, up: Tensor, impl: str = "reference", strict: bool = False) -> Tensor:
+        return custom_op(gate, up, impl, strict)
+
+    gated.__name__ = name
+    gated.__doc__ = f"{act.name}(gate) * up through the custom op with implementation `impl` (falls back to the reference)."
+
+    def fit(site: Site) -> str | None:
+        reason = _projections(site.module)
+        module = _activation_module(site.module)
+        if reason is None and type(module).__name__ not in act.modules:
+            reason = f"activation {type(module).__name__} is not {act.name}"
+        return f"{reason}: stock forward kept" if reason else None
+
+    def forward(site: Site, impl: str, strict: bool, current):
+        if site.part.fused_gate_up:
+            def fused(self, x):
+                gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+                return self.down_proj(gated(gate, up, impl, strict))
+            return fused
+
+        def separate(self, x):
+            return self.down_proj(gated(self.gate_proj(x), self.up_proj(x), impl, strict))
+        return separate
+
+    def compile_key(mlp: nn.Module) -> tuple:
+        return (mlp.down_proj.in_features,)
+
+    def warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
+        (intermediate,) = key
+        return gated(warm_tensor(1, intermediate, dtype=dtype), warm_tensor(1, intermediate, dtype=dtype), impl, True)
+
+    def lowering(arch: str) -> dict[str, Callable]:
+        return {f"{name}_fwd": lambda: forward_kernel(act, 14336, "bfloat16"),
+                f"{name}_bwd": lambda: backward_kernel(act, 14336, "bfloat16")}
+
+    def bound(function: Callable) -> Callable:
+        def with_act(*args):
+            return function(act, *args)
+        return with_act
+
+    define(Op(name, (Binding(name, "mlp", forward, fit, compile_key=compile_key, warm=warm,
+                             applies=lambda site: site.part.activation == act.name),), lowering=lowering))
+    add(Impl(name, "reference", bound(reference_forward), bound(reference_backward),
+             description=f"PyTorch: {act.name}(gate) * up, as the model's MLP", accumulation="input dtype"))
+    add(Impl(name, "tilelang", bound(tilelang_forward), bound(tilelang_backward), _tilelang.machine_unavailable_reason,
+             tilelang_unsupported, "TileLang fused elementwise forward and backward, fp32 inside", accumulation="float32"))
+    return gated
 
 
-def _fit(site: Site) -> str | None:
-    mlp = site.part
-    if mlp.activation != "silu":
-        return f"{mlp.activation} MLP (GeGLU): no kernel yet: stock forward kept"
-    if mlp.fused_gate_up:
-        return "fused gate_up projection: no kernel yet: stock forward kept"
-    if not all(hasattr(site.module, n) for n in ("gate_proj", "up_proj", "down_proj")):
-        return f"{type(site.module).__name__} has no gate_proj, up_proj and down_proj: stock forward kept"
-    if not _is_silu(getattr(site.module, "act_fn", None)):
-        return f"activation {type(getattr(site.module, 'act_fn', None)).__name__} is not SiLU: stock forward kept"
-    return None
-
-
-def _forward(site: Site, impl: str, strict: bool, current):
-    def forward(self, x):
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), impl, strict))
-    return forward
-
-
-def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
-    (intermediate,) = key
-    return swiglu(warm_tensor(1, intermediate, dtype=dtype), warm_tensor(1, intermediate, dtype=dtype), impl, True)
-
-
-define(Op("swiglu", (Binding("swiglu", "mlp", _forward, _fit, compile_key=lambda mlp: (mlp.gate_proj.out_features,),
-                             warm=_warm),),
-          lowering=lowering_kernels))
-add(Impl("swiglu", "reference", reference_forward, reference_backward, description="PyTorch: F.silu(gate) * up", accumulation="input dtype"))
-add(Impl("swiglu", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
-         tilelang_unsupported, "TileLang fused elementwise forward and backward, fp32 inside", accumulation="float32"))
+swiglu = define_gated(SILU)

@@ -88,7 +88,8 @@ def _select(sel: OpSelection, sites: list[Site], num_layers: int) -> list[tuple[
     chosen, seen_paths, used = [], set(), set()
     for binding in registry.ops()[sel.op].bindings:
         for site in sites:
-            if site.role != binding.role or (sel.layers is not None and site.role not in MODEL_ROLES and site.layer not in sel.layers):
+            if site.role != binding.role or not binding.applies(site) or (
+                    sel.layers is not None and site.role not in MODEL_ROLES and site.layer not in sel.layers):
                 continue
             seen_paths.add(site.path)
             hits = [p for p in sel.modules if fnmatch.fnmatchcase(site.path, p)]
