@@ -30,11 +30,14 @@
 #   qlora-long: benchmarks/qlora_long_context.py: the longest sequence (of SEQS) an 8B QLoRA step trains in 24 GiB
 #   qlora70b: `tiletune bench` of the QLoRA step on the Llama-3-70B shape, all 80 layers built and quantized on the
 #           GPU tensor by tensor: tiletune's QLoRA without kernels (the baseline) and with every kernel
-#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b OUT_DIR [bench args...]
+#   families: the GPU tests of rms_norm (offset form included) and the gated MLP ops, then `tiletune verify` of every
+#           kernel on 2 decoder layers of each preset in FAMILY_PRESETS (default: qwen3-8b mistral-7b gemma3-12b
+#           phi3-mini)
+#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families OUT_DIR [bench args...]
 # (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
 set -u
-PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b OUT_DIR [bench args]}
-OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b OUT_DIR [bench args]}
+PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families OUT_DIR [bench args]}
+OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families OUT_DIR [bench args]}
 shift 2
 CONFIG=examples/bench/llama3_8b_lora.yaml
 GOLDEN=/tmp/llama3-8b-2layers.golden.safetensors  # too large to bring back; its report is kept
@@ -76,6 +79,13 @@ qlora)
 qlora-long)
     python3 benchmarks/qlora_long_context.py --preset llama3-8b --cap 24 --seqs "${SEQS:-65536,98304,131072}" \
         --out "$OUT/long-context-8b" 2>&1 | grep -v Warning | tail -8 ;;
+families)
+    python3 -m pytest -q -m gpu tests/kernels/test_rms_norm.py tests/kernels/test_swiglu.py 2>&1 \
+        | tee "$OUT/gpu_tests_families.txt" | tail -2
+    for PRESET in ${FAMILY_PRESETS:-qwen3-8b mistral-7b gemma3-12b phi3-mini}; do
+        python3 -m tiletune verify "$CONFIG" kernels=all --model-preset "$PRESET" --layers 2 --batches 1 --seq 2048 \
+            --out "$OUT/verify-$PRESET" 2>&1 | tail -3
+    done ;;
 qlora70b)
     Q=quantization_bit=4
     python3 -m tiletune bench "$CONFIG" --model-preset llama3-70b --steps 3 --warmup 1 --repeats 1 \
@@ -104,5 +114,5 @@ offload)
     for GIB in ${LEAN_GIB:-17.5 18.7}; do SET="$SET,$FAST:$AUTO:$OFF:gradient_checkpointing_budget=$GIB"; done
     python3 -m tiletune bench "$CONFIG" "$@" --model-preset llama3-8b --steps 5 --warmup 2 --variants "$SET" \
         --out "$OUT/offload-${SPEED_NAME:-lora-qv}" 2>&1 | tail -20 ;;
-*) echo "unknown part $PART (verify, golden, attention, lora, bench, speed, offload, engine, qlora, qlora-long or qlora70b)"; exit 2 ;;
+*) echo "unknown part $PART (verify, golden, attention, lora, bench, speed, offload, engine, qlora, qlora-long, qlora70b or families)"; exit 2 ;;
 esac

@@ -10,6 +10,7 @@ import sys
 import click
 
 from tiletune.errors import UserError
+from tiletune.train.presets import PRESETS
 
 
 class _Group(click.Group):
@@ -124,7 +125,8 @@ def env(ctx: click.Context, as_json: bool, strict: bool) -> None:
                    "config overrides as NAME:key=value[:key=value], e.g. all:gradient_checkpointing=auto.")
 @click.option("--ablation", is_flag=True, help="baseline, each op alone, all, and liger when installed; "
               "--variants adds more to the same run.")
-@click.option("--model-preset", help="Random-init model of a known shape: llama3-8b, llama3-1b, qwen3-4b, tiny.")
+@click.option("--model-preset", help=f"Random-init model of a known shape: {', '.join(PRESETS)}.")
+@click.option("--layers", type=int, help="With --model-preset: keep only this many decoder layers.")
 @click.option("--batch", type=int, help="Sequences per step (default: the config's per_device_train_batch_size).")
 @click.option("--seq", type=int, help="Tokens per sequence (default: the config's cutoff_len).")
 @click.option("--steps", default=10, show_default=True, help="Timed steps per run.")
@@ -132,7 +134,8 @@ def env(ctx: click.Context, as_json: bool, strict: bool) -> None:
 @click.option("--repeats", default=2, show_default=True, help="Fresh-process runs per variant, interleaved.")
 @click.option("--profile", is_flag=True, help="Profile one extra step per variant (GPU): profile.md, device time by kernel category.")
 @click.option("--out", "out_dir", default="bench", show_default=True, type=click.Path(file_okay=False))
-def bench(config, overrides, variants, ablation, model_preset, batch, seq, steps, warmup, repeats, profile, out_dir) -> None:
+def bench(config, overrides, variants, ablation, model_preset, layers, batch, seq, steps, warmup, repeats, profile,
+          out_dir) -> None:
     """Step time, tokens/s, memory and FLOP utilisation of kernel variants of the CONFIG's training step."""
     from pathlib import Path
 
@@ -145,7 +148,7 @@ def bench(config, overrides, variants, ablation, model_preset, batch, seq, steps
     result = run_bench(
         str(Path(config).resolve()), list(overrides), chosen, Path(out_dir), model_preset,
         batch or cfg.train_arg("per_device_train_batch_size"), seq or cfg.cutoff_len, steps, warmup, repeats,
-        profile=profile,
+        profile=profile, layers=layers,
     )  # fmt: skip
     click.echo(table(result))
 
@@ -244,7 +247,7 @@ def _floor_ulps() -> float:
 @click.option("--tolerance", type=float, help="Relative error allowed against a golden file / between loss curves.")
 @click.option("--steps", default=0, show_default=True, help="Also train stock and patched N steps and compare losses.")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--model-preset", help="Random-init model of a known shape (llama3-8b, llama3-1b, qwen3-4b, tiny).")
+@click.option("--model-preset", help=f"Random-init model of a known shape: {', '.join(PRESETS)}.")
 @click.option("--layers", type=int, help="With --model-preset: keep only this many decoder layers.")
 def verify(config, overrides, out_dir, batches, seq, random_tokens, k, floor_ulps, save_golden, against, tolerance, steps,
            seed, model_preset, layers):  # fmt: skip

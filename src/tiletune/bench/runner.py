@@ -63,13 +63,13 @@ def _spawn(job: dict) -> dict:
 
 def run_bench(config: str, overrides: list[str], variants: list[str], out_dir: Path, preset: str | None,
               batch: int, seq: int, steps: int, warmup: int, repeats: int, seed: int = 0,
-              profile: bool = False) -> dict:  # fmt: skip
+              profile: bool = False, layers: int | None = None) -> dict:  # fmt: skip
     """Measure every variant `repeats` times, interleaved; write bench.json/csv/png (and profile.md) into `out_dir`."""
     check_variants(variants)
     if out_dir.exists() and (any(out_dir.glob("bench.*")) or (out_dir / "runs.jsonl").exists()):
         raise UserError(f"{out_dir} already holds bench results; choose another --out or move them away")
     out_dir.mkdir(parents=True, exist_ok=True)
-    common = dict(config=config, overrides=overrides, preset=preset, batch=batch, seq=seq,
+    common = dict(config=config, overrides=overrides, preset=preset, layers=layers, batch=batch, seq=seq,
                   steps=steps, warmup=warmup, seed=seed)  # fmt: skip
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     failed: dict[str, str] = {}  # variant -> why its process failed (over a memory budget, out of memory...)

@@ -49,7 +49,8 @@ def liger_patch(model_config) -> str:
     return family.liger
 
 
-def build_model(cfg: TuneConfig, preset: str | None, variant: str, device: torch.device, seed: int = 0):
+def build_model(cfg: TuneConfig, preset: str | None, variant: str, device: torch.device, seed: int = 0,
+                layers: int | None = None):
     """The model for one variant: a random-init preset or `model_name_or_path`, set up to train.
 
     With quantization_bit, a preset is built quantized one tensor at a time on the device (tiletune's
@@ -61,7 +62,7 @@ def build_model(cfg: TuneConfig, preset: str | None, variant: str, device: torch
     from tiletune.train.model import load_model, load_tokenizer
     from tiletune.train.presets import preset_config, preset_model
 
-    model_config = preset_config(preset) if preset else AutoConfig.from_pretrained(cfg.model_name_or_path)
+    model_config = preset_config(preset) if preset else AutoConfig.from_pretrained(cfg.model_name_or_path)  # for Liger
     if variant == "liger":
         import liger_kernel.transformers as liger
 
@@ -69,7 +70,7 @@ def build_model(cfg: TuneConfig, preset: str | None, variant: str, device: torch
     if variant == "bnb" and not cfg.quantization_bit:
         raise UserError("bench variant 'bnb' is peft + bitsandbytes QLoRA: give it quantization_bit=4 (bnb:quantization_bit=4)")
     if preset:
-        model = preset_model(cfg, preset, device, seed=seed)
+        model = preset_model(cfg, preset, device, layers, seed)
     elif cfg.quantization_bit:
         model = load_model(cfg, load_tokenizer(cfg), trainable=False).train()
     else:
@@ -136,7 +137,7 @@ def run(job: dict) -> dict:
     cfg = load_config(job["config"], [*job.get("overrides", []), *variant_overrides])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(job["seed"])
-    model, report = build_model(cfg, job.get("preset"), name, device, job["seed"])
+    model, report = build_model(cfg, job.get("preset"), name, device, job["seed"], job.get("layers"))
     batch, seq = job["batch"], job["seq"]
     plan = None
     if cfg.checkpointing == "auto":

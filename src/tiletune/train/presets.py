@@ -27,6 +27,32 @@ PRESETS: dict[str, dict] = {
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
     ),
+    "qwen3-8b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
+    "mistral-7b": dict(
+        model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False,
+    ),
+    "gemma3-12b": dict(  # the text model of Gemma-3-12B
+        model_type="gemma3_text", vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256, sliding_window=1024,
+        max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    ),
+    "phi3-mini": dict(
+        model_type="phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rope_theta=10000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=32000,
+    ),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
     "tiny": dict(
         model_type="llama", vocab_size=1024, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
