@@ -12,6 +12,8 @@ quant_linear's site at the same path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -35,34 +37,32 @@ def _split(rest: tuple) -> tuple[tuple, Tensor | None, Tensor, Tensor, float]:
     return rest[:WEIGHT_ARGS], *rest[WEIGHT_ARGS:]
 
 
-def reference_forward(x: Tensor, *rest) -> tuple[Tensor, Tensor]:
-    """(y, xa): the weight dequantized to x's dtype by PyTorch, then lora_linear's reference."""
-    weight, bias, lora_a, lora_b, scaling = _split(rest)
-    return lora_linear.reference_forward(x, reference_weight(*weight, dtype=x.dtype), bias, lora_a, lora_b, scaling)
-
-
-def reference_backward(dy: Tensor, x: Tensor, xa: Tensor, *rest) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dA, dB): the weight dequantized again, then lora_linear's reference backward."""
-    weight, (lora_a, lora_b, scaling) = rest[:WEIGHT_ARGS], rest[WEIGHT_ARGS:]
-    return lora_linear.reference_backward(dy, x, xa, reference_weight(*weight, dtype=dy.dtype), lora_a, lora_b, scaling)
-
-
 def tilelang_unsupported(x: Tensor, *rest) -> str | None:
     """Why the TileLang path cannot run these inputs, or None."""
     weight, _, lora_a, lora_b, _ = _split(rest)
     return quant_linear.tilelang_unsupported(x, *weight) or lora_linear.adapter_unsupported(x, lora_a, lora_b)
 
 
-def tilelang_forward(x: Tensor, *rest) -> tuple[Tensor, Tensor]:
-    """(y, xa): the weight dequantized by the TileLang kernel, then lora_linear's GEMM with the rank-r epilogue."""
-    weight, bias, lora_a, lora_b, scaling = _split(rest)
-    return lora_linear.tilelang_forward(x, tilelang_weight(*weight, dtype=x.dtype), bias, lora_a, lora_b, scaling)
+def _over_dequantized(dequantized: Callable, lora_forward: Callable, lora_backward: Callable) -> tuple[Callable, Callable]:
+    """(forward, backward) of this op: the weight dequantized by `dequantized`, then lora_linear's pair; the
+    backward dequantizes again (nothing of the weight was kept)."""
+
+    def forward(x: Tensor, *rest) -> tuple[Tensor, Tensor]:
+        weight, bias, lora_a, lora_b, scaling = _split(rest)
+        return lora_forward(x, dequantized(*weight, dtype=x.dtype), bias, lora_a, lora_b, scaling)
+
+    def backward(dy: Tensor, x: Tensor, xa: Tensor, *rest) -> tuple[Tensor, Tensor, Tensor]:
+        weight, (lora_a, lora_b, scaling) = rest[:WEIGHT_ARGS], rest[WEIGHT_ARGS:]
+        return lora_backward(dy, x, xa, dequantized(*weight, dtype=dy.dtype), lora_a, lora_b, scaling)
+
+    return forward, backward
 
 
-def tilelang_backward(dy: Tensor, x: Tensor, xa: Tensor, *rest) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dA, dB): the weight dequantized again by the TileLang kernel, then lora_linear's dX GEMM and matmuls."""
-    weight, (lora_a, lora_b, scaling) = rest[:WEIGHT_ARGS], rest[WEIGHT_ARGS:]
-    return lora_linear.tilelang_backward(dy, x, xa, tilelang_weight(*weight, dtype=dy.dtype), lora_a, lora_b, scaling)
+# PyTorch: dequantize, then peft's arithmetic; TileLang: the dequantizing kernel, then the GEMM with the epilogue
+reference_forward, reference_backward = _over_dequantized(reference_weight, lora_linear.reference_forward,
+                                                          lora_linear.reference_backward)
+tilelang_forward, tilelang_backward = _over_dequantized(tilelang_weight, lora_linear.tilelang_forward,
+                                                        lora_linear.tilelang_backward)
 
 
 quant_lora_linear_op = make_custom_op(Signature(
