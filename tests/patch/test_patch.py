@@ -64,7 +64,7 @@ def test_parse_layers(layers, expected):
 
 
 @pytest.mark.parametrize("value,message", [
-    ({"rms_nrom": "tilelang"}, "unknown op 'rms_nrom'.*rms_norm, swiglu, geglu, rope, linear"),
+    ({"rms_nrom": "tilelang"}, "unknown op 'rms_nrom'.*rms_norm, swiglu, rope, linear"),
     ({"rms_norm": "cuda"}, "unknown implementation 'cuda'; rms_norm has: reference, tilelang"),
     ({"linear": {"impl": "tilelang", "layer": "1"}}, "unknown key 'layer'"),
     ({"linear": {"layers": "3-1"}}, "bad layer selector '3-1'"),
@@ -88,7 +88,7 @@ def test_apply_all_patches_every_op_and_keeps_parameters():
     report = apply_kernels(model, "all")
     counts = {op: info["patched"] for op, info in report.to_dict()["ops"].items()}
     assert counts == {"rms_norm": 4, "swiglu": 2, "rope": 2, "linear": 14, "lora_linear": 0, "linear_cross_entropy": 1,
-                      "quant_linear": 0, "quant_lora_linear": 0, "geglu": 0}
+                      "quant_linear": 0, "quant_lora_linear": 0}
     assert [(n, id(p)) for n, p in model.named_parameters()] == params
     with torch.no_grad():
         torch.testing.assert_close(model(tokens()).logits, before, rtol=1e-5, atol=1e-5)

@@ -44,4 +44,6 @@ def _tl_gelu_tanh_grad(g):
 GELU_TANH = Activation("gelu_tanh", _gelu_tanh, _gelu_tanh_grad, _tl_gelu_tanh, _tl_gelu_tanh_grad,
                        ("GELUTanh", "PytorchGELUTanh"))
 
-geglu = define_gated(GELU_TANH)
+# Opt-in until its TileLang kernels have passed their GPU tests (tests/kernels/test_swiglu.py -m gpu): lowered for
+# every target here, never run yet.
+geglu = define_gated(GELU_TANH, opt_in=True)

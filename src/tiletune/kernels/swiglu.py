@@ -191,9 +191,10 @@ def _activation_module(mlp: nn.Module) -> nn.Module | None:
     return getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
 
 
-def define_gated(act: Activation) -> Callable:
+def define_gated(act: Activation, opt_in: bool = False) -> Callable:
     """Define the gated MLP op for `act` (custom ops, binding on the mlp role, reference and TileLang
-    implementations); returns its public function op(gate, up, impl="reference", strict=False)."""
+    implementations); returns its public function op(gate, up, impl="reference", strict=False). `opt_in`: left
+    out of `kernels: all` until named."""
     name = act_op_name(act)
     make_custom_op(Signature(
         name, "Tensor gate, Tensor up", "Tensor",
@@ -249,7 +250,8 @@ def define_gated(act: Activation) -> Callable:
         return with_act
 
     define(Op(name, (Binding(name, "mlp", forward, fit, compile_key=compile_key, warm=warm,
-                             applies=lambda site: site.part.activation == act.name),), lowering=lowering))
+                             applies=lambda site: site.part.activation == act.name),), opt_in=opt_in,
+              lowering=lowering))
     add(Impl(name, "reference", bound(reference_forward), bound(reference_backward),
              description=f"PyTorch: {act.name}(gate) * up, as the model's MLP", accumulation="input dtype"))
     add(Impl(name, "tilelang", bound(tilelang_forward), bound(tilelang_backward), _tilelang.machine_unavailable_reason,
