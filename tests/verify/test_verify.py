@@ -18,8 +18,8 @@ from tiletune.kernels.rms_norm import reference_forward
 
 
 @register("rms_norm", "{name}")
-def rms_norm(x, weight, eps):
-    return reference_forward(x, weight, {eps}) * {scale}
+def rms_norm(x, weight, eps, offset):
+    return reference_forward(x, weight, {eps}, offset) * {scale}
 '''
 
 

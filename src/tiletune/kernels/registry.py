@@ -106,7 +106,7 @@ def register(op: str, name: str, *, backward: Callable | None = None,
     The function takes the op's reference forward arguments and returns the same outputs, e.g.::
 
         @tiletune.kernels.register("rms_norm", "mine")
-        def my_rms_norm(x, weight, eps): ...
+        def my_rms_norm(x, weight, eps, offset): ...
 
     Then ``kernels: {rms_norm: mine, plugins: [my_pkg.kernels]}`` uses it.
     """

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,8 +144,28 @@ def capture_three(model, spec, batches, device, dtype, watch_extra: list[str]):
         report.revert()
     reference_dtype = torch.float32 if device.type == "cuda" else torch.float64
     model.to(reference_dtype)
-    reference = run_and_capture(model, batches, watch, reference_dtype, device)
+    with _experts_running(model, reference_dtype):
+        reference = run_and_capture(model, batches, watch, reference_dtype, device)
     return stock, patched, reference, report
+
+
+@contextmanager
+def _experts_running(model, dtype: torch.dtype):
+    """MoE experts through transformers' eager loop for a float64 run (its default grouped_mm takes no float64;
+    the arithmetic is the same), restored afterwards; nothing for other models or dtypes."""
+    from tiletune.patch.sites import causal_lm
+
+    base = causal_lm(model)[0]
+    current = getattr(base.config, "_experts_implementation", None)
+    if dtype != torch.float64 or current in (None, "eager") or not hasattr(base, "set_experts_implementation"):
+        yield
+        return
+    saved = base.get_experts_implementation()
+    base.set_experts_implementation("eager")
+    try:
+        yield
+    finally:
+        base.set_experts_implementation(saved)
 
 
 def dtype_warnings(captured: dict, dtype: torch.dtype) -> list[str]:

@@ -1,0 +1,71 @@
+"""Every family end to end on the CPU, as a user runs it: a tiny random-init model of the family saved with the
+demo tokenizer, then `tiletune train` with every kernel (the PatchReport in kernels.json names what took which
+modules), `tiletune verify` of every kernel, `tiletune export` of the adapter and one `tiletune chat` turn."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from test_records import EVERY_KERNEL, MODELS, MOE
+
+from tiletune.config import build_config
+from tiletune.families import family_of
+from tiletune.train.chat import load_session, run_chat
+from tiletune.train.export import run_export
+from tiletune.train.trainer import run_train
+from tiletune.verify.run import VerifyOptions, run_verify
+
+RECORDS = [{"instruction": f"say {w}", "input": "", "output": f"{w} {w}"} for w in "abcdefgh"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    data = tmp_path_factory.mktemp("data")
+    (data / "t.json").write_text(json.dumps(RECORDS))
+    (data / "dataset_info.json").write_text(json.dumps({"t": {"file_name": "t.json"}}))
+    return data
+
+
+def saved_model(model_type: str, folder, tokenizer_dir):
+    """A 2-layer random-init model of the family with the demo tokenizer, saved in `folder`."""
+    from transformers import AutoTokenizer
+
+    config_class, model_class, extra = MODELS[model_type]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.save_pretrained(folder)
+    shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                 pad_token_id=tokenizer.pad_token_id)
+    config = getattr(transformers, config_class)(**shape, **{k: v for k, v in extra.items() if k in MOE})
+    torch.manual_seed(0)
+    getattr(transformers, model_class)(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_train_verify_export_chat(model_type, tmp_path, tokenizer_dir, data_dir):
+    model_dir = saved_model(model_type, tmp_path / "model", tokenizer_dir)
+    keys = {"model_name_or_path": str(model_dir), "stage": "sft", "do_train": True, "finetuning_type": "lora",
+            "lora_target": "all", "dataset": "t", "dataset_dir": str(data_dir), "template": "chatml", "cutoff_len": 32,
+            "per_device_train_batch_size": 4, "learning_rate": 1e-3, "max_steps": 2, "logging_steps": 1,
+            "report_to": "none", "output_dir": str(tmp_path / "out"), "kernels": EVERY_KERNEL}
+    run_train(build_config(keys))
+    patched = json.loads((tmp_path / "out" / "kernels.json").read_text())
+    assert patched["family"] == family_of(transformers.AutoConfig.from_pretrained(model_dir)).name
+    assert patched["ops"]["rms_norm"]["patched"] > 0 and patched["ops"]["lora_linear"]["patched"] >= 8  # LoRA on all linears
+    log = [json.loads(line) for line in (tmp_path / "out" / "trainer_log.jsonl").read_text().splitlines()]
+    assert len(log) == 2 and all(torch.isfinite(torch.tensor(row["loss"])) for row in log)
+
+    result = run_verify(build_config({**keys, "do_train": False}),
+                        VerifyOptions(out_dir=tmp_path / "verify", seq=16, random_tokens=True))
+    assert result["passed"] and result["tensors"]
+
+    inference = {**keys, "do_train": False, "adapter_name_or_path": str(tmp_path / "out")}
+    exported = run_export(build_config({**inference, "export_dir": str(tmp_path / "merged")}))
+    assert transformers.AutoModelForCausalLM.from_pretrained(exported).config.model_type == model_type
+    session, _ = load_session(build_config({**inference, "max_new_tokens": 3}))
+    said = []
+    run_chat(session, ["hello"], said.append)
+    assert "Assistant: " in said
