@@ -468,6 +468,7 @@ def test_warmup_plans_one_compile_per_kernel_shape_and_none_for_the_loss(monkeyp
     done = patch.warmup_kernels(model, "all", torch.bfloat16)
     assert len(done) == len(compiled) == len(set(compiled))  # one compile per (op, static shapes)
     assert sorted({op for op, _ in compiled}) == ["linear", "rms_norm", "rope", "swiglu"]  # the loss is PyTorch
+    assert [shapes for op, shapes in compiled if op == "rms_norm"] == [(64, 1e-6, 0.0)]  # Llama's x·w form only
     compiled.clear()
     patch.warmup_kernels(model, "attention", torch.bfloat16)
     assert compiled == [("attention", (4, 2, 16, 0.25))]  # heads q/kv, head_dim, scale: the static parameters

@@ -485,7 +485,8 @@ def _attention_function(stock: Callable, impl: str, strict: bool) -> Callable:
     return attention_function
 
 
-def _compile_key(module: nn.Module) -> tuple:
+def _compile_key(site: Site) -> tuple:
+    module = site.module
     d = module.head_dim
     return (module.q_proj.out_features // d, module.k_proj.out_features // d, d, module.scaling)
 

@@ -52,7 +52,7 @@ class Binding:
     fit(site) -> why the op can never stand in at this site (not installed; the reason is reported).
     unfit_now(module) -> why the installed forward runs the stock path right now (it re-checks every call,
     as for a LoRA Linear whose adapters are disabled later); reported as the patch-time fallback.
-    compile_key(module) -> the static dimensions its kernels are compiled for (None: nothing to compile);
+    compile_key(site) -> the static dimensions its kernels are compiled for (None: nothing to compile);
     warm(key, impl, dtype) -> a differentiable output of the op on one token with those dimensions, on
     the GPU, so that `tiletune kernels warmup` compiles forward and backward.
     supersedes: ops whose sites at the same (layer, path) this op takes when both are selected.
@@ -65,7 +65,7 @@ class Binding:
     forward: Callable[[Site, str, bool, Callable], Callable]
     fit: Callable[[Site], str | None] = lambda site: None
     unfit_now: Callable[[nn.Module], str | None] | None = None
-    compile_key: Callable[[nn.Module], tuple] | None = None
+    compile_key: Callable[[Site], tuple] | None = None
     warm: Callable[[tuple, str, torch.dtype], torch.Tensor] | None = None
     supersedes: tuple[str, ...] = ()
     applies: Callable[[Site], bool] = lambda site: True

@@ -234,7 +234,7 @@ def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
 
 
 define(Op("linear", (Binding("linear", "linear", _forward, lambda site: plain_linear_reason(site.module),
-                             compile_key=lambda module: (module.out_features, module.in_features), warm=_warm),),
+                             compile_key=lambda site: (site.module.out_features, site.module.in_features), warm=_warm),),
           keeps_output=True, profile_pattern=r"(?<!lora_)linear_(fwd|dgrad|wgrad)", lowering=lowering_kernels))
 add(Impl("linear", "reference", reference_forward, reference_backward, description="PyTorch: F.linear (cuBLAS on GPU)", accumulation="float32"))
 add(Impl("linear", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,

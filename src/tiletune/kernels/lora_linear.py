@@ -178,7 +178,8 @@ def _run(module: nn.Module, x: Tensor, adapter: str, impl: str, strict: bool) ->
                        module.scaling[adapter], impl, strict)
 
 
-def _compile_key(module: nn.Module) -> tuple:
+def _compile_key(site: Site) -> tuple:
+    module = site.module
     return (module.base_layer.out_features, module.base_layer.in_features, module.lora_A[active_adapter(module)].out_features)
 
 

@@ -247,13 +247,13 @@ def _forward(site: Site, impl: str, strict: bool, current):
     return forward
 
 
-def compile_key(module: QuantLinear) -> tuple:
+def weight_key(module: QuantLinear) -> tuple:
     """The static dimensions of a QuantLinear's kernels: format and features."""
     return (module.kind, module.blocksize, module.nested_code is not None, module.out_features, module.in_features)
 
 
 def warm_weight(key: tuple, dtype: torch.dtype) -> QuantizedWeight:
-    """A random quantized weight on the GPU of the format and features `key` (compile_key) names."""
+    """A random quantized weight on the GPU of the format and features `key` (weight_key) names."""
     kind, blocksize, nested, out_features, in_features = key
     return quantize(warm_tensor(out_features, in_features, dtype=dtype, grad=False), kind, blocksize=blocksize,
                     double=nested)
@@ -263,7 +263,7 @@ def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
     return quant_linear(warm_tensor(1, key[-1], dtype=dtype), warm_weight(key, dtype), None, impl, True)
 
 
-define(Op("quant_linear", (Binding("quant_linear", "quantized_linear", _forward, compile_key=compile_key, warm=_warm),),
+define(Op("quant_linear", (Binding("quant_linear", "quantized_linear", _forward, compile_key=lambda site: weight_key(site.module), warm=_warm),),
           keeps_output=True, profile_pattern=r"dequantize_", lowering=lowering_kernels))
 add(Impl("quant_linear", "reference", reference_forward, reference_backward, accumulation="float32",
          description="PyTorch: the whole weight dequantized, then F.linear (as peft + bitsandbytes)"))

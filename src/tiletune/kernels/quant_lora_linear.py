@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from tiletune.kernels import _tilelang, lora_linear, quant_linear
-from tiletune.kernels.binding import Binding, autocast, warm_tensor
+from tiletune.kernels.binding import Binding, Site, autocast, warm_tensor
 from tiletune.kernels.customop import Signature, make_custom_op
 from tiletune.kernels.quant_linear import (
     WEIGHT_SCHEMA,
@@ -94,8 +94,9 @@ def _run(module: nn.Module, x: Tensor, adapter: str, impl: str, strict: bool) ->
                              module.scaling[adapter], impl, strict)
 
 
-def _compile_key(module: nn.Module) -> tuple:
-    return (*quant_linear.compile_key(module.base_layer), module.lora_A[lora_linear.active_adapter(module)].out_features)
+def _compile_key(site: Site) -> tuple:
+    module = site.module
+    return (*quant_linear.weight_key(module.base_layer), module.lora_A[lora_linear.active_adapter(module)].out_features)
 
 
 def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:

@@ -248,15 +248,13 @@ def _forward(site: Site, impl: str, strict: bool, current):
     return forward
 
 
-def _compile_key(module: nn.Module) -> tuple:
-    # the offset is a family fact, not a module one: both forms are compiled for a hidden size (cheap, small kernels)
-    return (module.weight.shape[-1], _eps(module))
+def _compile_key(site: Site) -> tuple:
+    return (site.module.weight.shape[-1], _eps(site.module), 1.0 if site.part.offset else 0.0)
 
 
 def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
-    hidden, eps = key
-    x, w = warm_tensor(1, hidden, dtype=dtype), warm_tensor(hidden, dtype=dtype)
-    return rms_norm(x, w, eps, impl, True) + rms_norm(x, w, eps, impl, True, 1.0)
+    hidden, eps, offset = key
+    return rms_norm(warm_tensor(1, hidden, dtype=dtype), warm_tensor(hidden, dtype=dtype), eps, impl, True, offset)
 
 
 define(Op("rms_norm", (Binding("rms_norm", "norm", _forward, _fit, compile_key=_compile_key, warm=_warm),),

@@ -16,7 +16,7 @@ import functools
 from collections.abc import Callable
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from tiletune.kernels import _tilelang
 from tiletune.kernels.binding import Binding, Site, calls_global, replacing_global, warm_tensor
@@ -210,7 +210,8 @@ def _rope_function(original: Callable, impl: str, strict: bool) -> Callable:
     return apply_rotary_pos_emb
 
 
-def _compile_key(attention: nn.Module) -> tuple:
+def _compile_key(site: Site) -> tuple:
+    attention = site.module
     d = attention.head_dim
     return (attention.q_proj.out_features // d, attention.k_proj.out_features // d, d)
 

@@ -233,8 +233,8 @@ def define_gated(act: Activation, opt_in: bool = False) -> Callable:
             return self.down_proj(gated(self.gate_proj(x), self.up_proj(x), impl, strict))
         return separate
 
-    def compile_key(mlp: nn.Module) -> tuple:
-        return (mlp.down_proj.in_features,)
+    def compile_key(site: Site) -> tuple:
+        return (site.module.down_proj.in_features,)
 
     def warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
         (intermediate,) = key

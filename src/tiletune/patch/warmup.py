@@ -36,7 +36,7 @@ def warmup_kernels(model: nn.Module, spec: Any, dtype: torch.dtype) -> list[str]
         wanted = {}  # (op, impl, key) -> binding; ops with no compile key run on PyTorch: nothing to compile
         for entry, binding, site in report.bindings:
             if entry.installed and binding.compile_key is not None:
-                wanted.setdefault((entry.op, entry.impl, binding.compile_key(site.module)), binding)
+                wanted.setdefault((entry.op, entry.impl, binding.compile_key(site)), binding)
     finally:
         report.revert()
     done = []
