@@ -5,7 +5,7 @@
 #           stock step (non-re-entrant and re-entrant)
 #   golden: golden save with a 3-step convergence check, then the kernel-patched model against that file
 #   attention: the GPU tests of the attention op and the kernel warm-up, then TileLang attention
-#           against SDPA's flash and cuDNN backends (benchmarks/kernels.py --only attention)
+#           against SDPA's flash and cuDNN backends (benchmarks/kernel_bench.py --only attention)
 #   lora:   the GPU tests of lora_linear, benchmarks/lora_dynamics.py at the reference shape (2 layers:
 #           float32 vs stock bf16 vs the kernel's arithmetic vs the kernel) and `tiletune verify` of every
 #           kernel with LoRA on all 7 linear layers
@@ -22,7 +22,7 @@
 #           (28.9 GiB) and at the lean budgets LEAN_GIB (default "17.5 18.7"), against stock and Liger
 #   engine: `tiletune verify` of every kernel (as in verify) and `tiletune bench` of the stock step against the
 #           fastest set (2 repeats), after a change of the patch engine: same numerics, same speed
-#   qlora:  the GPU tests of quant_linear and quant_lora_linear, benchmarks/kernels.py --only quant, then `tiletune
+#   qlora:  the GPU tests of quant_linear and quant_lora_linear, benchmarks/kernel_bench.py --only quant, then `tiletune
 #           bench` of the 8B QLoRA step: bf16 LoRA stock (the baseline), peft + bitsandbytes QLoRA (bnb, when
 #           bitsandbytes is importable), tiletune's QLoRA with every kernel, under `gradient_checkpointing: auto`
 #           within BUDGET_GIB (default 28.9, the stock step's peak), and with offload at the lean budgets LEAN_GIB
@@ -55,7 +55,7 @@ golden)
     ls -l "$GOLDEN" ;;
 attention)
     python3 -m pytest -q -m gpu tests/kernels/test_attention.py tests/patch/test_patch.py 2>&1 | tee "$OUT/gpu_tests_attention.txt" | tail -15
-    python3 benchmarks/kernels.py --only attention --out "$OUT" 2>&1 | tail -15 ;;
+    python3 benchmarks/kernel_bench.py --only attention --out "$OUT" 2>&1 | tail -15 ;;
 lora)
     python3 -m pytest -q -m gpu tests/kernels/test_lora_linear.py 2>&1 | tee "$OUT/gpu_tests_lora_linear.txt" | tail -5
     python3 benchmarks/lora_dynamics.py --vocab 128256 --batch 4 --seq 2048 2>&1 | grep -v -i warn | tee "$OUT/lora_dynamics.md"
@@ -67,7 +67,7 @@ engine)
 qlora)
     python3 -m pytest -q -m gpu tests/kernels/test_quant_linear.py tests/kernels/test_quant_lora_linear.py 2>&1 \
         | tee "$OUT/gpu_tests_qlora.txt" | tail -2
-    python3 benchmarks/kernels.py --only quant --rounds 3 --out "$OUT/kernels-quant" 2>&1 | grep -v Warning | tail -14
+    python3 benchmarks/kernel_bench.py --only quant --rounds 3 --out "$OUT/kernels-quant" 2>&1 | grep -v Warning | tail -14
     Q=quantization_bit=4
     AUTO=gradient_checkpointing=auto
     OFF=gradient_checkpointing_offload=true

@@ -34,10 +34,6 @@ import time
 import zipfile
 from pathlib import Path
 
-# Run as a script, this folder leads sys.path, and its kernels.py would shadow the `kernels` package transformers
-# imports when it finds one: leave it out.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
 # Everything is local: no hub look-ups; and no progress bars (tqdm reads this when imported), here or in the runs.
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TQDM_DISABLE="1")
 

@@ -4,7 +4,7 @@ Reference (PyTorch) forward and backward, TileLang GEMM kernels (one factory, th
 grad-input, grad-weight; `lora_linear` adds a low-rank epilogue to the first two), and the custom ops ``tiletune::linear`` / ``tiletune::linear_backward``.
 The token dimension is dynamic (it is the reduction dimension of dW); in/out features, dtype and tile
 configuration are static. Tile configurations come from `TUNED` (per-shape autotuning on the GPU,
-see benchmarks/kernels.py --tune), else a per-architecture default.
+see benchmarks/kernel_bench.py --tune), else a per-architecture default.
 """
 
 # No `from __future__ import annotations` here: TileLang reads the kernel signature's shapes

@@ -11,7 +11,7 @@ include attention only if it beats both). Variants are interleaved (A B C A B C 
 --rounds rounds; the table shows the median over rounds with min and max. Ratios are baseline time /
 variant time from the same run (> 1 is faster).
 
-    python benchmarks/kernels.py [--tune] [--rounds 5] [--out benchmarks/results] [--only attention]
+    python benchmarks/kernel_bench.py [--tune] [--rounds 5] [--out benchmarks/results] [--only attention]
 
 --tune autotunes the linear GEMM tile configuration per shape first (linear.CANDIDATES) and prints
 the entries for linear.TUNED. Writes kernels_<gpu>.json and .csv (GPU, date, git commit, medians,
@@ -247,7 +247,7 @@ def main() -> None:
     parser.add_argument("--only", choices=list(GROUPS), help="run one group")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels.py needs a GPU")
+        sys.exit("benchmarks/kernel_bench.py needs a GPU")
     if args.tune:
         print("tuned linear configs (paste into linear.TUNED):")
         tune_linear()
