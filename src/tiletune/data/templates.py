@@ -5,6 +5,10 @@ family's own chat format). A message renders to a list of pieces: text (encoded 
 special tokens added) or the tokenizer's BOS/EOS. `encode_pairs` returns one (prompt ids, response ids)
 pair per turn; the caller masks prompts from the loss.
 
+Most formats give the system prompt a slot of its own before the first user message; some (gemma,
+mistral, llama2: LLaMA-Factory's `Llama2Template`) write it inside the first user message instead, which
+a template says with `system_in_user`.
+
 The `tokenizer` template uses the tokenizer's own jinja chat template instead.
 """
 
@@ -42,6 +46,10 @@ class Template:
     stop_words: tuple[str, ...] = ()
     replace_eos: bool = False
     thought_words: tuple[str, str] | None = None  # a reasoning template adds an empty thought to answers
+    # True: the system text (system prompt + tool descriptions, written through the `system` slot, which
+    # must then be text only) is put in front of the first user message's content, inside the `user`
+    # slot, instead of before it (LLaMA-Factory's Llama2Template: gemma, mistral, llama2).
+    system_in_user: bool = False
 
     def fix_tokenizer(self, tokenizer) -> int:
         """Make EOS the template's stop word and give the tokenizer a pad token; returns tokens added."""
@@ -83,12 +91,14 @@ class Template:
         rendered = []
         for index, message in enumerate(messages):
             pieces: list[Piece] = []
+            role, content = message["role"], message["content"]
             if index == 0:
                 pieces += list(self.prefix)
                 tool_text = format_tools(self.tool_format, tools) if tools else ""
-                if system or tool_text:
+                if (system or tool_text) and not self.system_in_user:
                     pieces += _fill(self.system, system + tool_text)
-            role, content = message["role"], message["content"]
+                elif (system or tool_text) and role == USER:
+                    content = "".join(_fill(self.system, system + tool_text)) + content
             if role == FUNCTION:
                 pieces += _fill(self.function or self.assistant, format_function_call(self.tool_format, content))
             else:
@@ -117,6 +127,12 @@ class Template:
             elif piece:
                 ids += tokenizer.encode(piece, add_special_tokens=False)
         return ids
+
+
+def _check(template: Template) -> Template:
+    if template.system_in_user and not all(isinstance(p, str) for p in template.system):
+        raise ValueError(f"template {template.name}: system_in_user needs a text-only system slot")
+    return template
 
 
 def _fill(slot: tuple, content: str) -> list[Piece]:
@@ -197,8 +213,19 @@ QWEN = dict(
     tool_format="qwen",
 )
 
+GEMMA = {
+    "user": ("<start_of_turn>user\n{content}<end_of_turn>\n<start_of_turn>model\n",),
+    "assistant": ("{content}<end_of_turn>\n",),
+    "system": ("{content}\n\n",),
+    "observation": ("<start_of_turn>tool\n{content}<end_of_turn>\n<start_of_turn>model\n",),
+    "prefix": (BOS,),
+    "stop_words": ("<end_of_turn>",),
+    "replace_eos": True,
+    "system_in_user": True,
+}
+
 TEMPLATES: dict[str, Template] = {
-    t.name: t
+    t.name: _check(t)
     for t in [
         Template("empty", assistant=("{content}",)),
         Template(
@@ -234,6 +261,41 @@ TEMPLATES: dict[str, Template] = {
             replace_eos=True,
         ),
         Template("chatml", **CHATML),
+        Template("gemma", **GEMMA),
+        Template("gemma3", **GEMMA),  # Gemma 3 writes text as Gemma (1 and 2) does
+        Template(
+            "llama2",
+            user=(BOS, "[INST] {content} [/INST]"),
+            system=("<<SYS>>\n{content}\n<</SYS>>\n\n",),
+            system_in_user=True,
+        ),
+        Template(
+            "mistral",
+            user=("[INST] {content}[/INST]",),
+            assistant=(" {content}", EOS),
+            system=("{content}\n\n",),
+            function=("[TOOL_CALLS] {content}", EOS),
+            observation=('[TOOL_RESULTS] {"content": {content}}[/TOOL_RESULTS]',),
+            prefix=(BOS,),
+            tool_format="mistral",
+            system_in_user=True,
+        ),
+        Template(
+            "phi",
+            user=("<|user|>\n{content}<|end|>\n<|assistant|>\n",),
+            assistant=("{content}<|end|>\n",),
+            system=("<|system|>\n{content}<|end|>\n",),
+            stop_words=("<|end|>",),
+            replace_eos=True,
+        ),
+        Template(
+            "phi4",
+            user=("<|im_start|>user<|im_sep|>{content}<|im_end|><|im_start|>assistant<|im_sep|>",),
+            assistant=("{content}<|im_end|>",),
+            system=("<|im_start|>system<|im_sep|>{content}<|im_end|>",),
+            stop_words=("<|im_end|>",),
+            replace_eos=True,
+        ),
         Template("qwen", default_system="You are Qwen, created by Alibaba Cloud. You are a helpful assistant.", **QWEN),
         Template("qwen3", thought_words=("<think>\n", "\n</think>\n\n"), **QWEN),
         Template("qwen3_nothink", **QWEN),

@@ -38,7 +38,7 @@ QWEN_TOOL_PROMPT = (
     '"arguments": <args-json-object>}}\n</tool_call>'
 )
 
-TOOL_FORMATS = ("default", "llama3", "qwen")
+TOOL_FORMATS = ("default", "llama3", "mistral", "qwen")
 
 
 def _as_function(tool: dict[str, Any]) -> dict[str, Any]:
@@ -74,6 +74,10 @@ def _qwen_tools(tools: list[dict[str, Any]]) -> str:
     return QWEN_TOOL_PROMPT.format(tool_text=tool_text)
 
 
+def _mistral_tools(tools: list[dict[str, Any]]) -> str:
+    return "[AVAILABLE_TOOLS] " + json.dumps([_wrapped(t) for t in tools], ensure_ascii=False) + "[/AVAILABLE_TOOLS]"
+
+
 def format_tools(tool_format: str, tools_json: str) -> str:
     """The system-prompt text describing `tools_json` (a JSON list of function schemas), or ''."""
     try:
@@ -82,7 +86,8 @@ def format_tools(tool_format: str, tools_json: str) -> str:
         raise UserError(f"tool description is not valid JSON ({err.msg}): {tools_json[:80]!r}") from None
     if not tools:
         return ""
-    return {"default": _default_tools, "llama3": _llama3_tools, "qwen": _qwen_tools}[tool_format](tools)
+    formats = {"default": _default_tools, "llama3": _llama3_tools, "mistral": _mistral_tools, "qwen": _qwen_tools}
+    return formats[tool_format](tools)
 
 
 def format_function_call(tool_format: str, content: str) -> str:
@@ -96,6 +101,8 @@ def format_function_call(tool_format: str, content: str) -> str:
     if tool_format == "llama3":
         objects = [{"name": name, "parameters": args} for name, args in pairs]
         return json.dumps(objects[0] if len(objects) == 1 else objects, ensure_ascii=False)
+    if tool_format == "mistral":  # always a list, even for one call
+        return json.dumps([{"name": name, "arguments": args} for name, args in pairs], ensure_ascii=False)
     if tool_format == "qwen":
         return "\n".join(
             "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
