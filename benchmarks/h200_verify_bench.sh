@@ -26,10 +26,13 @@
 #           bench` of the 8B QLoRA step: bf16 LoRA stock (the baseline), peft + bitsandbytes QLoRA (bnb, when
 #           bitsandbytes is importable), tiletune's QLoRA with every kernel, under `gradient_checkpointing: auto`
 #           within BUDGET_GIB (default 28.9, the stock step's peak), and with offload at the lean budgets LEAN_GIB
-#           (default "6.4 7.2"; a budget below what the step needs fails alone, named in the table)
-#   qlora-long: benchmarks/qlora_long_context.py: the longest sequence (of SEQS) an 8B QLoRA step trains in 24 GiB
+#           (default "6.0 6.4"; a budget below what the step needs fails alone, named in the table); KERNELS=0 skips
+#           the kernel timings
+#   qlora-long: benchmarks/qlora_long_context.py: the longest sequence (of SEQS) an 8B QLoRA step trains in 24 GiB,
+#           then `tiletune verify` of every kernel on 2 quantized decoder layers of the 8B
 #   qlora70b: `tiletune bench` of the QLoRA step on the Llama-3-70B shape, all 80 layers built and quantized on the
-#           GPU tensor by tensor: tiletune's QLoRA without kernels (the baseline) and with every kernel
+#           GPU tensor by tensor: tiletune's QLoRA without kernels (the baseline) and with every kernel under
+#           `gradient_checkpointing: auto` with offload within BUDGET_GIB (default 38)
 #   families: the GPU tests of rms_norm (offset form included) and the gated MLP ops, then `tiletune verify` of every
 #           kernel on 2 decoder layers of each preset in FAMILY_PRESETS (default: qwen3-8b mistral-7b gemma3-12b
 #           phi3-mini)
@@ -65,20 +68,23 @@ engine)
     python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --steps 5 --warmup 2 --repeats 2 \
         --variants baseline,rms_norm+rope+swiglu+linear_cross_entropy+lora_linear --out "$OUT/bench-fastest" 2>&1 | tail -8 ;;
 qlora)
-    python3 -m pytest -q -m gpu tests/kernels/test_quant_linear.py tests/kernels/test_quant_lora_linear.py 2>&1 \
+    python3 -m pytest -q -m gpu tests/kernels/test_quant_linear.py tests/kernels/test_quant_lora_linear.py \
+        tests/train/test_tiled_mlp.py tests/train/test_host_embedding.py tests/train/test_recompute.py 2>&1 \
         | tee "$OUT/gpu_tests_qlora.txt" | tail -2
-    python3 benchmarks/kernel_bench.py --only quant --rounds 3 --out "$OUT/kernels-quant" 2>&1 | grep -v Warning | tail -14
+    [ "${KERNELS:-1}" = 1 ] && python3 benchmarks/kernel_bench.py --only quant --rounds 3 --out "$OUT/kernels-quant" 2>&1 \
+        | grep -v Warning | tail -14
     Q=quantization_bit=4
     AUTO=gradient_checkpointing=auto
     OFF=gradient_checkpointing_offload=true
     BNB=$(python3 -c "import bitsandbytes" 2>/dev/null && echo "bnb:$Q,")
-    LEAN=""; for GIB in ${LEAN_GIB:-6.4 7.2}; do LEAN="$LEAN,all:$Q:$AUTO:$OFF:gradient_checkpointing_budget=$GIB"; done
+    LEAN=""; for GIB in ${LEAN_GIB:-6.0 6.4}; do LEAN="$LEAN,all:$Q:$AUTO:$OFF:gradient_checkpointing_budget=$GIB"; done
     python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --steps 5 --warmup 2 --repeats 1 \
         --variants "baseline,${BNB}all:$Q,all:$Q:$AUTO:gradient_checkpointing_budget=${BUDGET_GIB:-28.9}$LEAN" \
         --out "$OUT/bench-qlora-8b" 2>&1 | tail -10 ;;
 qlora-long)
     python3 benchmarks/qlora_long_context.py --preset llama3-8b --cap 24 --seqs "${SEQS:-65536,98304,131072}" \
-        --out "$OUT/long-context-8b" 2>&1 | grep -v Warning | tail -8 ;;
+        --out "$OUT/long-context-8b" 2>&1 | grep -v Warning | tail -8
+    "${VERIFY[@]}" quantization_bit=4 --seq 2048 --out "$OUT/verify-llama3-8b-qlora" 2>&1 | tail -30 ;;
 families)
     python3 -m pytest -q -m gpu tests/kernels/test_rms_norm.py tests/kernels/test_swiglu.py 2>&1 \
         | tee "$OUT/gpu_tests_families.txt" | tail -2
@@ -89,7 +95,8 @@ families)
 qlora70b)
     Q=quantization_bit=4
     python3 -m tiletune bench "$CONFIG" --model-preset llama3-70b --steps 3 --warmup 1 --repeats 1 \
-        --variants "baseline:$Q,all:$Q" --out "$OUT/bench-qlora-70b" 2>&1 | tail -8 ;;
+        --variants "baseline:$Q,all:$Q:gradient_checkpointing=auto:gradient_checkpointing_offload=true:gradient_checkpointing_budget=${BUDGET_GIB:-38}" \
+        --out "$OUT/bench-qlora-70b" 2>&1 | tail -8 ;;
 bench)
     python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --out "$OUT/bench" "$@" 2>&1 | tail -20 ;;
 speed)

@@ -136,3 +136,48 @@ def test_bench_variant_with_overrides_records_the_plan(tmp_path):
     runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     plan = next(r["recompute"] for r in runs if r["variant"].startswith("rms_norm"))
     assert plan["treatments"] == ["keep", "keep"] and runs[0]["recompute"] is None
+
+
+@pytest.mark.gpu
+def test_levers_are_pulled_in_order_when_recomputation_is_not_enough():
+    """A budget below the all-recomputed step moves the input embeddings to the host; a lower one also chunks the
+    MLPs; each plan's step stays within its budget and computes the same loss."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from tiletune.train.recompute import MARGIN
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)  # fmt: skip
+    torch.manual_seed(0)
+    cfg = build_config({"model_name_or_path": "x", "finetuning_type": "lora", "lora_target": "q_proj,v_proj",
+                        "gradient_checkpointing": "auto"})  # fmt: skip
+    model = prepare_for_training(cfg, LlamaForCausalLM(config).to("cuda", torch.bfloat16))
+    tokens = torch.randint(0, 32000, (1, 8192), device="cuda")
+
+    def step():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return loss.detach(), torch.cuda.max_memory_allocated()
+
+    unconstrained = plan_recomputation(model, 1, 8192, torch.bfloat16, budget_gib=None, use_reentrant=True)
+    assert unconstrained.levers == []
+    reference, _ = step()
+    table = 32000 * 1024 * 2
+    first = (unconstrained.base_bytes - table // 2) / (1 - MARGIN) / 2**30
+    plan = plan_recomputation(model, 1, 8192, torch.bfloat16, budget_gib=first, use_reentrant=True)
+    assert plan.levers == ["the input embeddings in host memory"], plan.summary()
+    loss, peak = step()
+    assert peak <= first * 2**30 and torch.equal(loss, reference)
+    second = (plan.base_bytes - 48 * 2**20) / (1 - MARGIN) / 2**30
+    plan = plan_recomputation(model, 1, 8192, torch.bfloat16, budget_gib=second, use_reentrant=True)
+    assert plan.levers == ["the MLPs in 4 chunks of tokens"], plan.summary()
+    loss, peak = step()
+    assert peak <= second * 2**30, (peak, plan.to_dict())
+    torch.testing.assert_close(loss, reference, rtol=1e-2, atol=0)
+    with pytest.raises(UserError, match="with every layer recomputed"):
+        plan_recomputation(model, 1, 8192, torch.bfloat16, budget_gib=plan.base_bytes / 2 / 2**30, use_reentrant=True)

@@ -31,7 +31,7 @@ from tiletune.patch.sites import causal_lm, layer_sites, layers_of, model_sites
 from tiletune.patch.spec import KernelSpec, OpSelection, parse_kernel_spec, parse_layers
 
 __all__ = ["KernelSpec", "OpSelection", "PatchEntry", "PatchReport", "apply_kernels", "decoder_layers",
-           "parse_kernel_spec", "parse_layers", "revert_kernels"]
+           "layer_modules", "parse_kernel_spec", "parse_layers", "revert_kernels"]
 
 
 def apply_kernels(model: nn.Module, spec: Any) -> PatchReport:
@@ -117,6 +117,15 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     if family is None:
         raise UserError(f"{_no_record(causal)}: tiletune cannot find its decoder layers")
     return path, layers
+
+
+def layer_modules(model: nn.Module, role: str) -> list[nn.Module]:
+    """The modules of every decoder layer's sites of `role` (e.g. ``mlp``: the dense MLPs), first layer first;
+    UserError for a model whose family has no record."""
+    causal, family, _, layers = _locate(model)
+    if family is None:
+        raise UserError(f"{_no_record(causal)}: tiletune cannot find its {role} modules")
+    return [site.module for i, layer in enumerate(layers) for site in layer_sites(family, i, layer) if site.role == role]
 
 
 def _locate(model: nn.Module):

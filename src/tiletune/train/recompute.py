@@ -1,6 +1,6 @@
 """Recomputation on a memory budget: `gradient_checkpointing: auto`.
 
-Each decoder layer gets one of three treatments:
+Each decoder layer gets one of four treatments:
 
 - ``keep``: not checkpointed; what its backward needs stays in memory from its forward.
 - ``selective``: PyTorch's selective activation checkpointing; the outputs of matmuls and attention are
@@ -22,6 +22,13 @@ tensors while the layers after it compute: the probe also times one layer's forw
 every n-th layer is offloaded, n = ceil(copy time / forward time), so the copies keep pace with the
 compute in both directions (a layer's tensors go out during the forward of the n layers above it, and
 come back during their backward). The other layers share the budget less that one layer in flight.
+
+When even every layer recomputed does not fit (a budget below the weights plus one layer's working set,
+or a long sequence), the planner pulls `LEVERS`, cheapest first, and probes again after each: the frozen
+input embedding table to host memory (`tiletune.train.host_embedding`: a CPU gather and a 64 MiB copy per
+step at 8,192 tokens), then the MLPs in chunks of tokens (`tiletune.train.tiled_mlp`: one more MLP forward
+per layer). A probe that itself runs out of memory (its two spared layers at a long sequence) counts as
+not fitting; once no lever is left it runs again with every layer recomputed.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ import functools
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -60,6 +68,7 @@ class RecomputePlan:
     offload_bytes: int = 0  # what one offloaded layer moves each way (its saved tensors and its input)
     layer_forward_ms: float = 0.0
     host_link_gb_s: float = 0.0
+    levers: list[str] = field(default_factory=list)  # what else was done to fit the budget (`LEVERS`)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -80,7 +89,8 @@ class RecomputePlan:
             offload = (f"; offloaded layers move {self.offload_bytes / GIB:.2f} GiB each way over a "
                        f"{self.host_link_gb_s:.0f} GB/s host link, a layer's forward takes {self.layer_forward_ms:.1f} ms"
                        + (", recomputed layers' inputs wait on the host" if self.offload_inputs else ""))  # fmt: skip
-        return (f"gradient_checkpointing auto: {counts} (layer holds {self.keep_bytes / GIB:.2f} GiB kept, "
+        levers = f"; to fit: {', '.join(self.levers)}" if self.levers else ""
+        return (f"gradient_checkpointing auto: {counts}{levers} (layer holds {self.keep_bytes / GIB:.2f} GiB kept, "
                 f"{self.selective_bytes / GIB:.2f} GiB selective{offload}; peak {self.predicted_peak_bytes / GIB:.1f} GiB "
                 f"predicted of a {self.budget_bytes / GIB:.1f} GiB budget)")  # fmt: skip
 
@@ -194,7 +204,9 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
     """Probe one step at (batch, seq), choose each layer's treatment within the budget, and apply it.
 
     With `offload`, layers that would be recomputed may have their saved tensors (and, under re-entrant
-    checkpointing, their inputs) wait in pinned host memory instead; GPU only.
+    checkpointing, their inputs) wait in pinned host memory instead; GPU only. When the step does not fit
+    the budget even with every layer recomputed, the levers of `LEVERS` are pulled one by one, cheapest
+    first, until it does.
     """
     from tiletune.patch import decoder_layers
 
@@ -210,18 +222,30 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
         budget = int(torch.cuda.get_device_properties(device).total_memory * 0.9)
     else:
         budget = int(budget_gib * GIB)
-    probe_treatments = ["recompute"] * len(layers)
-    if len(layers) >= 2:
-        probe_treatments[-2:] = ["selective", "keep"]
-    apply_treatments(layers, probe_treatments, use_reentrant)
-    probe = _probe(model, layers, batch, seq, dtype, device)
-    keep_bytes = probe.held.get(len(layers) - 1, 0)
-    selective_bytes = probe.held.get(len(layers) - 2, keep_bytes) if on_gpu else keep_bytes
-    # on a GPU: the peak while the two spared layers were held, less them, or the peak after their backward
-    base = _optimizer_state_bytes(model) + (max(probe.peak - keep_bytes - selective_bytes, probe.peak_below)
-                                            if on_gpu else probe.peak)  # fmt: skip
+    offload_inputs = offload and use_reentrant  # a non-re-entrant checkpoint holds its inputs outside autograd's hooks
+    levers = [lever for lever in LEVERS if on_gpu and budget is not None and lever.why_not(model) is None]
+    pulled: list[str] = []
+    spare = min(2, len(layers))
+    while True:
+        probe = _probe_spared(model, layers, spare, batch, seq, dtype, device, use_reentrant)
+        base = probe.base(model, len(layers), offload_inputs) if probe else None
+        if budget is None or (base is not None and base <= budget * (1 - MARGIN)):
+            break
+        if levers:
+            lever = levers.pop(0)
+            lever.pull(model)
+            pulled.append(lever.summary(model))
+        elif spare and probe is None:  # the probe's spared layers alone do not fit: recompute them too
+            spare = 0
+        else:
+            break
+    if probe is None:
+        raise UserError(f"the step at batch {batch} x {seq} tokens runs out of GPU memory even with every layer "
+                        f"recomputed{' and ' + ', '.join(pulled) if pulled else ''}; lower per_device_train_batch_size "
+                        "or cutoff_len")  # fmt: skip
+    keep_bytes, selective_bytes = probe.spared_bytes(len(layers), on_gpu)
     plan = RecomputePlan([], 0, base, keep_bytes, selective_bytes, "cuda memory" if on_gpu else "saved tensors (CPU)",
-                         input_bytes=probe.input_bytes, layer_forward_ms=probe.forward_ms)  # fmt: skip
+                         input_bytes=probe.input_bytes, layer_forward_ms=probe.forward_ms, levers=pulled)  # fmt: skip
     if budget is None:  # on the CPU, with no budget given, memory is not what limits: recompute nothing
         plan.treatments, plan.budget_bytes = ["keep"] * len(layers), base + len(layers) * keep_bytes
         apply_treatments(layers, plan.treatments, use_reentrant)
@@ -230,23 +254,25 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
     plan.budget_bytes = budget
     offload_every, max_offloaded = 0, 0
     if offload:
-        plan.offload_inputs = use_reentrant  # a non-re-entrant checkpoint holds its inputs outside autograd's hooks
-        if plan.offload_inputs:
-            plan.base_bytes -= (len(layers) - 1) * probe.input_bytes
+        plan.offload_inputs = offload_inputs
         plan.offload_bytes = keep_bytes + probe.input_bytes
         plan.host_link_gb_s = _host_link_bytes_per_s(device, min(plan.offload_bytes, 256 * 2**20)) / 1e9
         copy_ms = plan.offload_bytes / (plan.host_link_gb_s * 1e9) * 1e3
-        offload_every = max(1, math.ceil(copy_ms / max(probe.forward_ms, 1e-3)))
+        offload_every = max(1, math.ceil(copy_ms / max(probe.forward_ms, 1e-3))) if spare else 0
         max_offloaded = int(_host_available_bytes() * HOST_SHARE) // max(plan.offload_bytes, 1)
     if budget < plan.base_bytes:
         raise UserError(
             f"gradient_checkpointing_budget={budget / GIB:.1f} GiB is below the {plan.base_bytes / GIB:.1f} GiB this step "
-            "needs with every layer recomputed; raise the budget, or lower per_device_train_batch_size or cutoff_len"
+            f"needs with every layer recomputed{' and ' + ', '.join(pulled) if pulled else ''}; raise the budget, "
+            "or lower per_device_train_batch_size or cutoff_len"
         )
     extra = probe.input_bytes if plan.offload_inputs else 0
     free = int(budget * (1 - MARGIN)) - plan.base_bytes
-    plan.treatments = choose_treatments(len(layers), keep_bytes + extra, selective_bytes + extra, free,
-                                        offload_every, plan.offload_bytes, max_offloaded)  # fmt: skip
+    if spare:
+        plan.treatments = choose_treatments(len(layers), keep_bytes + extra, selective_bytes + extra, free,
+                                            offload_every, plan.offload_bytes, max_offloaded)  # fmt: skip
+    else:
+        plan.treatments = ["recompute"] * len(layers)
     activation_offload = None
     if offload:
         from tiletune.train.offload import ActivationOffload
@@ -258,6 +284,82 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
     return plan
 
 
+@dataclass(frozen=True)
+class Lever:
+    """A way to lower the step's memory at some cost in time, pulled only when recomputation is not enough."""
+
+    name: str
+    why_not: Callable  # model -> the reason it cannot be pulled, or None
+    pull: Callable  # model -> None
+    summary: Callable  # model -> what was done, for the plan's summary
+
+
+def _why_not_tile(model) -> str | None:
+    from tiletune.patch import layer_modules
+    from tiletune.train.tiled_mlp import is_tiled
+
+    mlps = layer_modules(model, "mlp")
+    if not mlps:
+        return "the model has no dense MLP"
+    return "the MLPs are chunked already" if all(is_tiled(m) for m in mlps) else None
+
+
+def _tile(model) -> None:
+    from tiletune.patch import layer_modules
+    from tiletune.train.tiled_mlp import mlp_chunks, tile_mlp
+
+    chunks = mlp_chunks(_causal_config(model))
+    for mlp in layer_modules(model, "mlp"):
+        tile_mlp(mlp, chunks)
+
+
+def _causal_config(model):
+    from tiletune.patch.sites import causal_lm
+
+    return causal_lm(model)[0].config
+
+
+def _tile_summary(model) -> str:
+    from tiletune.train.tiled_mlp import mlp_chunks
+
+    return f"the MLPs in {mlp_chunks(_causal_config(model))} chunks of tokens"
+
+
+def _why_not_host(model) -> str | None:
+    from tiletune.train.host_embedding import why_not_on_host
+
+    return why_not_on_host(model)
+
+
+def _to_host(model) -> None:
+    from tiletune.train.host_embedding import embedding_to_host
+
+    embedding_to_host(model)
+
+
+LEVERS = (
+    Lever("embedding on host", _why_not_host, _to_host,  # a CPU gather and one copy per step: a few ms
+          lambda model: "the input embeddings in host memory"),
+    Lever("chunked MLP", _why_not_tile, _tile, _tile_summary),  # one more MLP forward per layer and step
+)
+
+
+def _probe_spared(model, layers, spare: int, batch, seq, dtype, device, use_reentrant) -> _ProbeResult | None:
+    """`_probe` with the last `spare` layers spared (the last kept, the one below selective), the rest
+    recomputed; None when that step runs out of memory."""
+    treatments = ["recompute"] * len(layers)
+    treatments[len(layers) - spare:] = ["selective", "keep"][2 - spare:]
+    apply_treatments(layers, treatments, use_reentrant)
+    try:
+        return _probe(model, layers, spare, batch, seq, dtype, device)
+    except torch.OutOfMemoryError:
+        pass  # out of the except block, so the failed step's frames (and the tensors they hold) are gone
+    for param in model.parameters():
+        param.grad = None
+    torch.cuda.empty_cache()
+    return None
+
+
 @dataclass
 class _ProbeResult:
     held: dict[int, int]  # bytes each spared layer holds
@@ -265,10 +367,25 @@ class _ProbeResult:
     peak_below: int  # the peak after the backward has left the spared layers (GPU)
     input_bytes: int  # one layer's input
     forward_ms: float  # the last layer's forward
+    on_gpu: bool
+
+    def spared_bytes(self, layers: int, on_gpu: bool) -> tuple[int, int]:
+        """What the kept and the selective layer held (0, 0 when none was spared)."""
+        keep = self.held.get(layers - 1, 0)
+        return keep, self.held.get(layers - 2, keep) if on_gpu else keep
+
+    def base(self, model, layers: int, offload_inputs: bool) -> int:
+        """The step's peak with every layer recomputed, optimizer state included; with `offload_inputs` the
+        recomputed layers' inputs wait on the host (all but the one in use)."""
+        keep, selective = self.spared_bytes(layers, self.on_gpu)
+        # on a GPU: the peak while the spared layers were held, less them, or the peak after their backward
+        peak = max(self.peak - keep - selective, self.peak_below) if self.on_gpu else self.peak
+        return _optimizer_state_bytes(model) + peak - (layers - 1) * self.input_bytes * offload_inputs
 
 
-def _probe(model, layers, batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> _ProbeResult:
-    """One forward + backward on random tokens: what each spared layer holds, the peak, the last layer's forward."""
+def _probe(model, layers, spare: int, batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> _ProbeResult:
+    """One forward + backward on random tokens: what each of the last `spare` layers holds, the peak, the last
+    layer's forward."""
     from tiletune.train.model import autocast
 
     on_gpu = device.type == "cuda"
@@ -276,13 +393,13 @@ def _probe(model, layers, batch: int, seq: int, dtype: torch.dtype, device: torc
     timing: dict = {}  # the last layer's input bytes and its forward's start and end
     peaks: dict[str, int] = {}
     hooks = _timing_hooks(layers[-1], timing, device)
-    spared = range(max(0, len(layers) - 2), len(layers))
+    spared = range(len(layers) - spare, len(layers))
     for index in spared:
         if on_gpu:
             hooks += _memory_hooks(layers[index], index, held, device)
         elif index == len(layers) - 1:  # the kept one; a selective layer's saves happen inside its checkpoint
             hooks += _saved_tensor_hooks(layers[index], index, held)
-    if on_gpu:
+    if on_gpu and spare:
         hooks.append(layers[spared[0]].register_forward_pre_hook(_split_peak_hook(peaks, device), with_kwargs=True))
     vocab = model.get_input_embeddings().num_embeddings
     tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
@@ -311,7 +428,7 @@ def _probe(model, layers, batch: int, seq: int, dtype: torch.dtype, device: torc
     if on_gpu:
         end.synchronize()  # recorded in the forward; elapsed_time needs it complete
     forward_ms = start.elapsed_time(end) if on_gpu else (end - start) * 1e3
-    return _ProbeResult(held, peak, peak_below, int(timing["input_bytes"]), forward_ms)
+    return _ProbeResult(held, peak, peak_below, int(timing["input_bytes"]), forward_ms, on_gpu)
 
 
 def _split_peak_hook(peaks: dict, device):

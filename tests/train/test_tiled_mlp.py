@@ -1,0 +1,112 @@
+"""Token-chunked MLP: the same loss and gradients as the whole MLP, LoRA and dropout included, and undone."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tiletune.patch import layer_modules
+from tiletune.train.tiled_mlp import _ChunkedMlp, is_tiled, mlp_chunks, tile_mlp, untile_mlp
+
+
+def _model(dropout: float = 0.0):
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["q_proj", "gate_proj", "down_proj"])
+    model = get_peft_model(LlamaForCausalLM(config), lora)
+    for name, param in model.named_parameters():  # LoRA B starts at zero: give the adapters something to say
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    return model
+
+
+def _loss_and_grads(model, tokens, seed=3):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _split_in_autograd(mlp, chunk):
+    """The reference with dropout: the same chunks (so the same random draws), all recorded by autograd."""
+    def forward(hidden):
+        return torch.cat([type(mlp).forward(mlp, piece) for piece in hidden.split(chunk, dim=-2)], dim=-2)
+
+    mlp.forward = forward
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_chunked_mlp_gives_the_whole_mlps_loss_and_gradients(dropout):
+    """Without dropout the whole MLP is the reference; with it, the same chunks recorded by autograd (dropout
+    draws per chunk), so the backward's replay must reproduce the forward's draws."""
+    model = _model(dropout)
+    model.train()
+    tokens = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1))  # 37: chunks of unequal size
+    mlps = layer_modules(model, "mlp")
+    if dropout:
+        for mlp in mlps:
+            _split_in_autograd(mlp, 13)
+    reference_loss, reference_grads = _loss_and_grads(model, tokens)
+    for mlp in mlps:
+        mlp.__dict__.pop("forward", None)
+    assert len(mlps) == 2
+    calls = []
+    original = _ChunkedMlp.apply
+    _ChunkedMlp.apply = lambda *args: calls.append(args[1]) or original(*args)
+    try:
+        for mlp in mlps:
+            tile_mlp(mlp, mlp_chunks(model.config))  # ceil(72 / 32) = 3 chunks
+        loss, grads = _loss_and_grads(model, tokens)
+    finally:
+        _ChunkedMlp.apply = staticmethod(original)
+    assert calls == [13, 13]  # both layers ran chunked, 37 tokens in chunks of 13
+    torch.testing.assert_close(loss, reference_loss, rtol=1e-6, atol=0)
+    assert {n for n in grads if "mlp" in n}, "no MLP adapter trained"
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_wrong_chunk_replay_is_caught():
+    """Dropout drawn afresh in the backward (no RNG replay) gives other gradients: the check above can fail."""
+    model = _model(dropout=0.3)
+    model.train()
+    tokens = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1))
+    for mlp in layer_modules(model, "mlp"):
+        _split_in_autograd(mlp, 13)
+    _, reference_grads = _loss_and_grads(model, tokens)
+    for mlp in layer_modules(model, "mlp"):
+        mlp.__dict__.pop("forward")
+        tile_mlp(mlp, 3)
+    from tiletune.train import tiled_mlp
+
+    replay = tiled_mlp._set_rng_state
+    tiled_mlp._set_rng_state = lambda device, state: torch.manual_seed(1234)
+    try:
+        _, grads = _loss_and_grads(model, tokens)
+    finally:
+        tiled_mlp._set_rng_state = replay
+    name = next(n for n in grads if "mlp.gate_proj.lora_A" in n)
+    assert not torch.allclose(grads[name], reference_grads[name], rtol=1e-3, atol=1e-6)
+
+
+def test_chunked_mlp_under_autocast_and_undo():
+    model = _model()
+    model.train()
+    tokens = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = model(input_ids=tokens, labels=tokens).loss
+    mlp = layer_modules(model, "mlp")[0]
+    tile_mlp(mlp, 4)
+    assert is_tiled(mlp)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()  # the chunks' replay runs under the forward's autocast (bf16 activations, fp32 adapters)
+    torch.testing.assert_close(loss, reference, rtol=2e-2, atol=0)
+    untile_mlp(mlp)
+    assert not is_tiled(mlp) and "forward" not in mlp.__dict__
+    with torch.no_grad():  # evaluation never chunks
+        tile_mlp(mlp, 4)
+        hidden = torch.randn(1, 40, 32)
+        assert torch.equal(mlp(hidden), type(mlp).forward(mlp, hidden))
