@@ -23,6 +23,7 @@ import torch
 from tiletune.bench.worker import build_model
 from tiletune.config import load_config
 from tiletune.env import run_stamp
+from tiletune.errors import UserError
 from tiletune.train.model import autocast
 from tiletune.train.recompute import plan_recomputation
 
@@ -51,7 +52,7 @@ def one_length(model, seq: int, cap_gib: float, optimizer) -> dict:
             times.append(time.perf_counter() - start)
         return {"seq": seq, "fits": True, "step_s": times[-1], "peak_gib": torch.cuda.max_memory_allocated() / GIB,
                 "loss": loss.item(), "plan": plan.summary()}
-    except (torch.OutOfMemoryError, RuntimeError) as err:  # the planner's UserError is a RuntimeError too
+    except (torch.OutOfMemoryError, RuntimeError, UserError) as err:  # the planner's: nothing fits at this length
         return {"seq": seq, "fits": False, "error": str(err).splitlines()[0][:300]}
     finally:
         optimizer.zero_grad(set_to_none=True)

@@ -74,3 +74,18 @@ def test_an_interrupted_export_leaves_nothing_that_looks_complete(tmp_path, monk
     result = export(f"export_dir={tmp_path / 'merged'}")
     assert isinstance(result.exception, OSError)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_auto_dtype_is_the_one_the_base_checkpoint_was_saved_in(tmp_path):
+    """infer_dtype auto: a bfloat16 checkpoint, loaded in float32 (the compute dtype here), is written in bfloat16."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    base = tmp_path / "bf16-base"
+    AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.bfloat16).save_pretrained(base)
+    AutoTokenizer.from_pretrained(BASE).save_pretrained(base)
+    result = export(f"model_name_or_path={base}", f"export_dir={tmp_path / 'merged'}", "infer_dtype=auto")
+    assert result.exit_code == 0, result.output
+    assert AutoConfig.from_pretrained(tmp_path / "merged").dtype == torch.bfloat16
+    with safe_open(str(tmp_path / "merged" / "model.safetensors"), "pt") as saved:
+        assert {saved.get_tensor(name).dtype for name in saved.keys()} == {torch.bfloat16}

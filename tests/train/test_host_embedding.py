@@ -5,7 +5,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tiletune.train.host_embedding import embedding_on_host, embedding_to_host, why_not_on_host
+from tiletune.train.host_embedding import embedding_on_host, embedding_to_device, embedding_to_host, why_not_on_host
 
 gpu = pytest.mark.gpu
 
@@ -55,3 +55,7 @@ def test_on_the_gpu_the_step_is_the_same_and_the_table_stays_on_the_host():
     torch.testing.assert_close(loss, reference[0], rtol=0, atol=0)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, reference[1][name], rtol=0, atol=0, msg=name)
+    embedding_to_device(model)  # for generation: back where it was, forward and moves as stock
+    assert not embedding_on_host(model) and model.get_input_embeddings().weight.device.type == "cuda"
+    assert "forward" not in model.get_input_embeddings().__dict__
+    torch.testing.assert_close(step()[0], reference[0], rtol=0, atol=0)

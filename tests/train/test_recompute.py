@@ -172,7 +172,8 @@ def test_levers_are_pulled_in_order_when_recomputation_is_not_enough():
     plan = plan_recomputation(model, 1, 8192, torch.bfloat16, budget_gib=first, use_reentrant=True)
     assert plan.levers == ["the input embeddings in host memory"], plan.summary()
     loss, peak = step()
-    assert peak <= first * 2**30 and torch.equal(loss, reference)
+    assert peak <= first * 2**30, (peak, unconstrained.to_dict(), plan.to_dict())
+    assert torch.equal(loss, reference)
     second = (plan.base_bytes - 48 * 2**20) / (1 - MARGIN) / 2**30
     plan = plan_recomputation(model, 1, 8192, torch.bfloat16, budget_gib=second, use_reentrant=True)
     assert plan.levers == ["the MLPs in 4 chunks of tokens"], plan.summary()

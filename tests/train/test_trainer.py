@@ -2,6 +2,7 @@
 atomic checkpoints, and a dry run of every LLaMA-Factory example config."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -141,3 +142,14 @@ def test_kernels_block_is_applied_reported_and_saved(run_config, tmp_path, capsy
 def test_bad_kernels_block_fails_before_loading_anything(run_config):
     with pytest.raises(UserError, match="rms_nrom"):
         run_train(run_config(kernels={"rms_nrom": "tilelang"}))
+
+
+@pytest.mark.parametrize("packing", ["neat_packing", "packing"])
+def test_packed_sft_run_trains_and_reports_the_packing(run_config, tmp_path, caplog, packing):
+    with caplog.at_level("INFO", logger="tiletune"):
+        metrics = run_train(run_config(max_steps=2, save_steps=10, do_eval=True, eval_dataset="t", **{packing: True}))
+    found = re.search(rf"train: packed {len(RECORDS)} examples into (\d+) sequences of at most 64 tokens", caplog.text)
+    assert found and 1 < int(found.group(1)) < len(RECORDS) / 2, caplog.text
+    log = [json.loads(line) for line in (tmp_path / "out" / "trainer_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "loss" in r] == [1, 2] and all(r["loss"] > 0 for r in log if "loss" in r)
+    assert metrics["eval_loss"] > 0

@@ -37,11 +37,16 @@ def check_export_dir(cfg: TuneConfig) -> Path:
     return target
 
 
-def output_dtype(cfg: TuneConfig, model) -> torch.dtype:
-    """The dtype written: `infer_dtype`, or with `auto` the dtype the base model was saved in."""
+def output_dtype(cfg: TuneConfig) -> torch.dtype:
+    """The dtype written: `infer_dtype`, or with `auto` the dtype the base checkpoint was saved in (its config's
+    `dtype`, `torch_dtype` before transformers 5; not the dtype it was loaded in), float32 if it names none."""
+    from transformers import AutoConfig
+
+    from tiletune.train.model import _hub_kwargs
+
     if cfg.infer_dtype != "auto":
         return getattr(torch, cfg.infer_dtype)
-    saved = getattr(model.config, "dtype", None)
+    saved = AutoConfig.from_pretrained(cfg.model_name_or_path, **_hub_kwargs(cfg)).dtype
     return getattr(torch, saved) if isinstance(saved, str) else saved or torch.float32
 
 
@@ -56,7 +61,7 @@ def run_export(cfg: TuneConfig) -> Path:
     template.fix_tokenizer(tokenizer)  # the same tokens (and vocabulary size) as in training
     device_map = "auto" if cfg.export_device == "auto" else None
     model = load_model(cfg, tokenizer, trainable=False, device_map=device_map)  # adapters merged
-    dtype = output_dtype(cfg, model)
+    dtype = output_dtype(cfg)
     model = model.to(dtype)
     model.config.dtype = dtype
     stops = model.generation_config.eos_token_id

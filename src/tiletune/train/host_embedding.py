@@ -52,6 +52,16 @@ def embedding_on_host(model: nn.Module) -> bool:
     return hasattr(model.get_input_embeddings(), "_tiletune_host_device")
 
 
+def embedding_to_device(model: nn.Module) -> None:
+    """Undo `embedding_to_host` (generation wants the whole model on its device); no-op if the table is there."""
+    embedding = model.get_input_embeddings()
+    if not embedding_on_host(model):
+        return
+    device = embedding.__dict__.pop("_tiletune_host_device")
+    del embedding.forward, embedding._apply
+    embedding.to(device)
+
+
 def _stay_on_host(self, fn, recurse=True):
     """`nn.Module._apply` for a table kept on the host: `model.to(device)` and dtype casts pass it by."""
     return self

@@ -197,14 +197,19 @@ def _load_adapters(cfg: TuneConfig, model, trainable: bool):
 
 
 def linear_module_names(model) -> list[str]:
-    """Names of the Linear layers inside the decoder (what `lora_target: all` means), lm_head excluded."""
+    """Names of the Linear layers inside the decoder (what `lora_target: all` means), lm_head excluded, and MoE
+    routers (they route tokens; the family record names them), which LoRA would break (Llama 4's returns a tuple)."""
+    from tiletune.families import family_of
+
     output = model.get_output_embeddings()
+    family = family_of(model.config)
+    routers = {family.experts.router.rsplit(".", 1)[-1]} if family and family.experts else set()
     names = {
         name.rsplit(".", 1)[-1]
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.Linear) and module is not output
     }
-    return sorted(names)
+    return sorted(names - routers)
 
 
 def _setup_lora(cfg: TuneConfig, model):

@@ -211,7 +211,7 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
     from tiletune.patch import decoder_layers
 
     _, layers = decoder_layers(model)
-    device = next(model.parameters()).device
+    device = next(layers.parameters()).device  # not the model's first parameter: the embeddings may be on the host
     on_gpu = device.type == "cuda"
     if offload and not on_gpu:
         log.warning("gradient_checkpointing_offload moves activations from a GPU to host memory; on %s it is off", device.type)
@@ -223,12 +223,18 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
     else:
         budget = int(budget_gib * GIB)
     offload_inputs = offload and use_reentrant  # a non-re-entrant checkpoint holds its inputs outside autograd's hooks
+    activation_offload = None
+    if offload:
+        from tiletune.train.offload import ActivationOffload
+
+        activation_offload = ActivationOffload(device, model.parameters())
     levers = [lever for lever in LEVERS if on_gpu and budget is not None and lever.why_not(model) is None]
     pulled: list[str] = []
     spare = min(2, len(layers))
     while True:
-        probe = _probe_spared(model, layers, spare, batch, seq, dtype, device, use_reentrant)
-        base = probe.base(model, len(layers), offload_inputs) if probe else None
+        probe = _probe_spared(model, layers, spare, batch, seq, dtype, device, use_reentrant, activation_offload,
+                              offload_inputs)  # fmt: skip
+        base = probe.base(model, len(layers), spare * offload_inputs) if probe else None
         if budget is None or (base is not None and base <= budget * (1 - MARGIN)):
             break
         if levers:
@@ -273,11 +279,6 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
                                             offload_every, plan.offload_bytes, max_offloaded)  # fmt: skip
     else:
         plan.treatments = ["recompute"] * len(layers)
-    activation_offload = None
-    if offload:
-        from tiletune.train.offload import ActivationOffload
-
-        activation_offload = ActivationOffload(device, model.parameters())
     apply_treatments(layers, plan.treatments, use_reentrant, activation_offload, plan.offload_inputs,
                      prefetch_distance=offload_every)  # fmt: skip
     log.info("%s", plan.summary())
@@ -344,12 +345,13 @@ LEVERS = (
 )
 
 
-def _probe_spared(model, layers, spare: int, batch, seq, dtype, device, use_reentrant) -> _ProbeResult | None:
+def _probe_spared(model, layers, spare: int, batch, seq, dtype, device, use_reentrant, offload=None,
+                  offload_inputs: bool = False) -> _ProbeResult | None:  # fmt: skip
     """`_probe` with the last `spare` layers spared (the last kept, the one below selective), the rest
-    recomputed; None when that step runs out of memory."""
+    recomputed (their inputs on the host with `offload_inputs`); None when that step runs out of memory."""
     treatments = ["recompute"] * len(layers)
     treatments[len(layers) - spare:] = ["selective", "keep"][2 - spare:]
-    apply_treatments(layers, treatments, use_reentrant)
+    apply_treatments(layers, treatments, use_reentrant, offload, offload_inputs)
     try:
         return _probe(model, layers, spare, batch, seq, dtype, device)
     except torch.OutOfMemoryError:
@@ -374,13 +376,13 @@ class _ProbeResult:
         keep = self.held.get(layers - 1, 0)
         return keep, self.held.get(layers - 2, keep) if on_gpu else keep
 
-    def base(self, model, layers: int, offload_inputs: bool) -> int:
-        """The step's peak with every layer recomputed, optimizer state included; with `offload_inputs` the
-        recomputed layers' inputs wait on the host (all but the one in use)."""
+    def base(self, model, layers: int, spared_inputs_offloaded: int) -> int:
+        """The step's peak with every layer recomputed, optimizer state included, less the inputs of
+        `spared_inputs_offloaded` spared layers (held in the probe; on the host once recomputed)."""
         keep, selective = self.spared_bytes(layers, self.on_gpu)
         # on a GPU: the peak while the spared layers were held, less them, or the peak after their backward
         peak = max(self.peak - keep - selective, self.peak_below) if self.on_gpu else self.peak
-        return _optimizer_state_bytes(model) + peak - (layers - 1) * self.input_bytes * offload_inputs
+        return _optimizer_state_bytes(model) + peak - spared_inputs_offloaded * self.input_bytes
 
 
 def _probe(model, layers, spare: int, batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> _ProbeResult:
@@ -435,6 +437,8 @@ def _split_peak_hook(peaks: dict, device):
     """A forward pre-hook: once the backward has passed this layer, note the peak so far and start a new one."""
 
     def passed(grad):
+        if "above" in peaks:  # a selective layer's recomputation hooked the same input again
+            return
         peaks["above"] = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
 

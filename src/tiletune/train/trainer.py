@@ -89,10 +89,12 @@ def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
         trainer.save_metrics("eval", eval_metrics)
         metrics.update(eval_metrics)
     if do_predict and splits.predict is not None and main_process:
+        from tiletune.train.host_embedding import embedding_to_device
         from tiletune.train.predict import run_predict
 
         if do_train and cfg.checkpointing != "off":
             set_checkpointing(model, enabled=False)
+            embedding_to_device(model)  # `gradient_checkpointing: auto` may have left it on the host
         predict_metrics = run_predict(cfg, model, tokenizer, template, splits.predict, output_dir)
         _merge_all_results(output_dir, predict_metrics)
         print(json.dumps(predict_metrics, indent=2))
@@ -235,11 +237,12 @@ def _deepspeed_config(value):
 
 
 def _make_trainer(cfg: TuneConfig, model, tokenizer, splits, output_dir: Path):
-    from transformers import DataCollatorForSeq2Seq, Trainer
+    from transformers import Trainer
     from transformers.trainer_callback import PrinterCallback
     from transformers.trainer_callback import ProgressCallback as PlainProgress
     from transformers.trainer_utils import rotate_checkpoints
 
+    from tiletune.data.collator import data_collator
     from tiletune.train.callbacks import JsonlLogCallback, ProgressCallback
 
     class TuneTrainer(Trainer):
@@ -272,17 +275,12 @@ def _make_trainer(cfg: TuneConfig, model, tokenizer, splits, output_dir: Path):
 
     if cfg.train_arg("eval_strategy") not in (None, "no") and splits.eval is None:
         raise UserError("eval_strategy is set but there is no eval data; set eval_dataset or val_size")
-    collator = DataCollatorForSeq2Seq(
-        tokenizer,
-        pad_to_multiple_of=8 if torch.cuda.is_available() else None,
-        label_pad_token_id=-100 if cfg.ignore_pad_token_for_loss else tokenizer.pad_token_id,
-    )
     trainer = TuneTrainer(
         model=model,
         args=training_arguments(cfg, output_dir),
         train_dataset=splits.train,
         eval_dataset=splits.eval,
-        data_collator=collator,
+        data_collator=data_collator(cfg, tokenizer),
         processing_class=tokenizer,
         callbacks=[JsonlLogCallback(output_dir)],
     )
