@@ -14,7 +14,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA or ROCm GPU; torch sees none")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA or ROCm GPU; torch sees none (on a machine with one, its torch: "
+                                       "pip install torch --index-url https://download.pytorch.org/whl/cu128, or rocm6.4)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
@@ -28,7 +29,9 @@ COMPAT = REPO.parent / "shared" / "compat" / "llamafactory"
 def compat_dir() -> Path:
     """LLaMA-Factory's shipped example configs and demo data (shared/compat/llamafactory beside the repo)."""
     if not COMPAT.is_dir():
-        pytest.skip(f"LLaMA-Factory compat files not found at {COMPAT}")
+        commit = (REPO / "tests" / "train" / "compat" / "SOURCE_COMMIT").read_text().split()[0]
+        pytest.skip(f"LLaMA-Factory's example configs and data not found at {COMPAT}: git clone "
+                    f"https://github.com/hiyouga/LLaMA-Factory {COMPAT} && git -C {COMPAT} checkout {commit}")
     return COMPAT
 
 
@@ -97,3 +100,17 @@ def demo_adapter(tmp_path_factory) -> Path:
                  "do_predict=false", "plot_loss=false"]  # fmt: skip
     run_train(load_config(examples / "demo.yaml", overrides))
     return out
+
+
+@pytest.fixture
+def no_kernel_runs(monkeypatch):
+    """Every implementation but the PyTorch references unavailable ("no GPU here"), as on a machine without a GPU."""
+    import dataclasses
+
+    from tiletune.kernels import registry
+
+    registry.load_ops()
+    for impls in registry._impls.values():
+        for name, impl in impls.items():
+            if name != registry.REFERENCE:
+                monkeypatch.setitem(impls, name, dataclasses.replace(impl, unavailable=lambda: "no GPU here"))

@@ -1,5 +1,6 @@
 """Bad input gets one clear line on stderr and exit code 2, never a traceback (unless --debug)."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -49,6 +50,16 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_model_dir, keys, expect
     message = one_line_error(CliRunner().invoke(main, ["train", str(path)]))
     assert expected in message
 
+
+
+@pytest.mark.parametrize("keys, missing", [({"optim": "adamw_8bit"}, "bitsandbytes"), ({"report_to": "wandb"}, "wandb")])
+def test_a_value_whose_package_is_missing_fails_the_dry_run(tmp_path, tiny_model_dir, monkeypatch, keys, missing):
+    """Caught by the config check, before anything loads: not a traceback once training starts."""
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == missing else found(name, *args))
+    path = write_config(tmp_path, tiny_model_dir, **keys)
+    message = one_line_error(CliRunner().invoke(main, ["train", str(path), "--dry-run"]))
+    assert f"needs {missing}, which is not installed; pip install {missing}" in message
 
 def test_malformed_dataset_json_names_file_and_line(tmp_path, tiny_model_dir):
     path = write_config(tmp_path, tiny_model_dir)

@@ -1,6 +1,7 @@
 """The config: every LLaMA-Factory example key accepted, clear errors for everything else."""
 
 import dataclasses
+import importlib.util
 
 import pytest
 import yaml
@@ -113,3 +114,30 @@ def test_malformed_json_config_reports_line(tmp_path):
 def test_missing_config_file(tmp_path):
     with pytest.raises(UserError, match="not found"):
         load_config(tmp_path / "nope.yaml")
+
+
+
+def packages(monkeypatch, missing=(), present=()):
+    """importlib.util.find_spec as if the modules `missing` were not installed and `present` were."""
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: (
+        None if name in missing else found("pytest") if name in present else found(name, *args)))
+
+
+@pytest.mark.parametrize("key, value, missing, message", [
+    ("flash_attn", "fa2", ["flash_attn"], "flash_attn=fa2 needs flash-attn, which is not installed; pip install flash-attn"),
+    ("report_to", "tensorboard", ["tensorboard", "tensorboardX"],
+     "report_to=tensorboard needs tensorboard, which is not installed; pip install tensorboard"),
+    ("report_to", ["none", "wandb"], ["wandb"], "report_to=wandb needs wandb, which is not installed; pip install wandb"),
+    ("optim", "adamw_8bit", ["bitsandbytes"], "optim=adamw_8bit needs bitsandbytes, which is not installed; pip install bitsandbytes"),
+    ("optim", "paged_lion_32bit", ["bitsandbytes"], "optim=paged_lion_32bit needs bitsandbytes"),
+])  # fmt: skip
+def test_a_value_whose_package_is_missing_names_key_package_and_install_line(monkeypatch, key, value, missing, message):
+    packages(monkeypatch, missing=missing)
+    with pytest.raises(UserError, match=message):
+        build_config({**BASE, key: value})
+
+
+def test_a_value_whose_package_is_installed_passes(monkeypatch):
+    packages(monkeypatch, missing=["tensorboard"], present=["tensorboardX"])  # either provides the tensorboard logger
+    assert build_config({**BASE, "report_to": "tensorboard"}).training["report_to"] == "tensorboard"

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from tiletune.env import (
     known_bad_checks,
     nvidia_smi_gpus,
     package_checks,
+    required_minimums,
     requirement_checks,
     tilelang_target,
 )
@@ -76,6 +78,20 @@ def test_matrix_is_well_formed():
             "liger-kernel"} <= matrix["packages"].keys()
     for rule in matrix["known_bad"]:
         assert rule["level"] in ("warn", "fail") and rule["message"] and rule["fix"] and rule["when"]
+
+
+def test_floors_of_tiletunes_own_requirements_come_from_pyproject():
+    """One place for a floor: pyproject.toml (read from the installed metadata), no second copy in the matrix."""
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    for name in ("torch", "transformers", "peft", "accelerate", "datasets", "deepspeed", "tilelang"):
+        floor = re.search(rf'"{name}(?:>=|==)([0-9.]+)"', pyproject).group(1)
+        assert compat_matrix()["packages"][name]["min"] == floor, name
+    assert compat_matrix()["packages"]["triton"]["min"] == "3.0"  # not a requirement of tiletune: the matrix's own
+
+
+def test_required_minimums_read_every_lower_bound():
+    requirements = ["torch>=2.4", 'tilelang==0.1.15; extra == "tilelang"', "Foo_Bar~=1.2", "pytest", "x<3"]
+    assert required_minimums(requirements) == {"torch": "2.4", "tilelang": "0.1.15", "foo-bar": "1.2"}
 
 
 @pytest.mark.parametrize(("facts", "fired"), [

@@ -313,7 +313,8 @@ def test_from_bnb_errors():
 
 @pytest.fixture(scope="module")
 def bnb():
-    return pytest.importorskip("bitsandbytes.functional", reason="bitsandbytes does not import", exc_type=ImportError)
+    return pytest.importorskip("bitsandbytes.functional", reason="bitsandbytes does not import: pip install bitsandbytes",
+                               exc_type=ImportError)
 
 
 def test_tables_equal_bitsandbytes(bnb):

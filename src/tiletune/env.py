@@ -80,9 +80,25 @@ class EnvReport:
 
 @cache
 def compat_matrix() -> dict:
-    """The compatibility matrix shipped with tiletune (compat_matrix.yaml)."""
+    """The compatibility matrix shipped with tiletune (compat_matrix.yaml), each package's `min` taken from
+    tiletune's own requirement on it where it has one (pyproject.toml, as installed), not from a second copy."""
     text = importlib.resources.files("tiletune").joinpath("compat_matrix.yaml").read_text(encoding="utf-8")
-    return yaml.safe_load(text)
+    matrix = yaml.safe_load(text)
+    floors = required_minimums(importlib.metadata.requires("tiletune") or [])
+    for name, entry in matrix["packages"].items():
+        entry["min"] = floors.get(canonicalize_name(name), entry.get("min"))
+    return matrix
+
+
+def required_minimums(requirements: list[str]) -> dict[str, str]:
+    """The lowest version each requirement (extras' included) allows, by canonical name: its `>=`, `==` or `~=`."""
+    floors = {}
+    for text in requirements:
+        requirement = Requirement(text)
+        for spec in requirement.specifier:
+            if spec.operator in (">=", "==", "~="):
+                floors[canonicalize_name(requirement.name)] = spec.version
+    return floors
 
 
 def gpu_arch(device: int = 0) -> str | None:

@@ -215,7 +215,8 @@ def real_templates() -> dict[str, str]:
                     check=True, capture_output=True, timeout=600,
                 )  # fmt: skip
             except (subprocess.SubprocessError, OSError) as err:
-                pytest.skip(f"real chat templates need the {LLAMA_CPP_SDIST} sdist from PyPI (pip download failed: {err})")
+                pytest.skip(f"real chat templates need the {LLAMA_CPP_SDIST} sdist (pip download failed: {err}); "
+                            f"fetch it with pip download --no-deps --no-binary :all: {LLAMA_CPP_SDIST} -d {CACHE}")
             sdist = str(next(CACHE.glob("llama_cpp_python-*.tar.gz")))
         with tarfile.open(sdist) as tar:
             for member in tar:

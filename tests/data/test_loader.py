@@ -122,3 +122,29 @@ def test_eval_dataset_and_prediction_prompts(tmp_path, demo_tokenizer):
 def test_val_size_and_eval_dataset_together_are_refused(tmp_path, demo_tokenizer):
     with pytest.raises(UserError, match="either eval_dataset or val_size"):
         splits_for(tmp_path, demo_tokenizer, dataset="d", eval_dataset="e", val_size=0.2)
+
+
+@pytest.mark.parametrize("formatting, records, message", [
+    ("alpaca", [{"instruction": "q", "output": "a"}, {"instruction": "q", "output": 5}],
+     r"dataset 'rows' record 1: column 'output' holds int 5 where text belongs"),
+    ("alpaca", [{"instruction": "q", "input": "", "output": "a"}, {"instruction": ["q"], "input": None, "output": "a"}],
+     r"dataset 'rows' record 1: column 'instruction' holds list \['q'\] where text belongs"),
+    ("sharegpt", [{"conversations": [{"from": "system", "value": 7}, {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}],
+     r"dataset 'rows' record 0: column 'conversations', the 'value' of the system message holds int 7"),
+    ("sharegpt", [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": None}]}],
+     r"dataset 'rows' record 0: column 'conversations', the 'value' of message 1 holds null where text belongs"),
+])  # fmt: skip
+def test_a_value_of_the_wrong_type_names_dataset_record_and_column(tmp_path, formatting, records, message):
+    """Text columns hold strings; null stands for a missing alpaca column, as datasets fills absent keys with it."""
+    (tmp_path / "rows.json").write_text(json.dumps(records))
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"rows": {"file_name": "rows.json", "formatting": formatting}}))
+    with pytest.raises(UserError, match=message):
+        load("rows", tmp_path)
+
+
+def test_null_in_an_alpaca_column_is_an_empty_one(tmp_path):
+    records = [{"instruction": "q", "input": None, "output": "a", "system": None}, {"instruction": "p", "output": None}]
+    (tmp_path / "rows.json").write_text(json.dumps(records))
+    [dataset] = load(str(tmp_path / "rows.json"), tmp_path)
+    assert dataset[0]["messages"] == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert dataset[1]["messages"] == [{"role": "user", "content": "p"}] and dataset[0]["system"] == ""

@@ -1,13 +1,14 @@
 """Every family end to end on the CPU, as a user runs it: a tiny random-init model of the family saved with the
 demo tokenizer, then `tiletune train` with every kernel (the PatchReport in kernels.json names what took which
-modules), `tiletune verify` of every kernel, `tiletune export` of the adapter and one `tiletune chat` turn."""
+modules), `tiletune verify` of every kernel's reference (the TileLang kernels cannot run on a CPU), `tiletune
+export` of the adapter and one `tiletune chat` turn."""
 
 import json
 
 import pytest
 import torch
 import transformers
-from test_records import EVERY_KERNEL, MODELS, MOE
+from test_records import EVERY_KERNEL, MODELS
 
 from tiletune.config import build_config
 from tiletune.families import family_of
@@ -38,7 +39,7 @@ def saved_model(model_type: str, folder, tokenizer_dir):
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                  pad_token_id=tokenizer.pad_token_id)
-    config = getattr(transformers, config_class)(**shape, **{k: v for k, v in extra.items() if k in MOE})
+    config = getattr(transformers, config_class)(**shape, **{k: v for k, v in extra.items() if k not in shape})
     torch.manual_seed(0)
     getattr(transformers, model_class)(config).save_pretrained(folder)
     return folder
@@ -58,9 +59,10 @@ def test_train_verify_export_chat(model_type, tmp_path, tokenizer_dir, data_dir)
     log = [json.loads(line) for line in (tmp_path / "out" / "trainer_log.jsonl").read_text().splitlines()]
     assert len(log) == 2 and all(torch.isfinite(torch.tensor(row["loss"])) for row in log)
 
-    result = run_verify(build_config({**keys, "do_train": False}),
+    references = "all=reference,geglu=reference"  # what runs on a CPU: verify says NOT VERIFIED for TileLang here
+    result = run_verify(build_config({**keys, "do_train": False, "kernels": references}),
                         VerifyOptions(out_dir=tmp_path / "verify", seq=16, random_tokens=True))
-    assert result["passed"] and result["tensors"]
+    assert result["outcome"] == "pass" and result["tensors"]
 
     inference = {**keys, "do_train": False, "adapter_name_or_path": str(tmp_path / "out")}
     exported = run_export(build_config({**inference, "export_dir": str(tmp_path / "merged")}))

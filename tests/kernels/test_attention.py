@@ -133,7 +133,7 @@ def test_wrong_kernel_fails_the_gate_and_the_reference_passes(wrong_plugin, dtyp
 @pytest.mark.parametrize("head_dim,dtype", [(64, "bfloat16"), (64, "float16"), (128, "float16")])
 def test_kernels_lower_for_every_head_dim_and_dtype(target, head_dim, dtype):
     """Forward and backward lower for the head dims and dtypes the op accepts (Llama's 128/bf16: test_lowering)."""
-    pytest.importorskip("tilelang")
+    pytest.importorskip("tilelang", reason="TileLang is not installed: pip install -e '.[test]'")
     arch = target.partition(":")[2]
     scale = head_dim**-0.5
     fwd = _tilelang.lower_source(op.forward_kernel(8, 2, head_dim, scale, dtype, op.config_for(arch, "fwd")), target)

@@ -19,7 +19,7 @@ from port_corpus import CORPUS
 def _hipcc_problem() -> str:
     hipcc = find_hipcc()
     if hipcc is None:
-        return "hipcc not installed (CI installs it with .ci/install-hipcc.sh)"
+        return "hipcc not installed: sh .ci/install-hipcc.sh"
     with tempfile.TemporaryDirectory() as scratch:
         return probe_arch(hipcc, "gfx90a", Path(scratch))
 
@@ -83,7 +83,8 @@ def test_inplace_diagnostics_point_at_the_rewritten_file(tmp_path):
 def test_target_the_compiler_cannot_build_is_reported_not_crashed(tmp_path):
     version = hipcc_version(find_hipcc()) or "0"
     if int(version.split(".")[0]) >= 6:
-        pytest.skip(f"hipcc {version} supports gfx942")
+        pytest.skip(f"hipcc {version} supports gfx942; this test needs a pre-ROCm-6 one: apt-get install hipcc "
+                    "(Debian's, ROCm 5.2)")
     check = compile_units([], {}, "gfx942")
     assert "gfx942" in check.skipped and check.results == []
 

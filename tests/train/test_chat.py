@@ -53,3 +53,28 @@ def test_history_is_encoded_with_the_template_and_clear_forgets_it(tiny_model_di
 
     run_chat(session, ["clear\n", "exit\n", "not read\n"], written.append)
     assert session.history == [] and "(conversation cleared)" in "".join(written)
+
+
+def test_kernel_fallback_warnings_come_before_the_chat_not_inside_an_answer(tiny_model_dir, monkeypatch, no_kernel_runs):
+    """A fallback is logged at the first call that takes it: load_session makes those calls (one short generation,
+    prefill and a decoding step), so its warnings come with the kernel summary, before the first prompt line."""
+    import logging
+
+    from tiletune.kernels import registry
+    from tiletune.train.chat import load_session, run_chat
+
+    monkeypatch.setattr(registry, "runtime_fallbacks", {})  # as in a fresh process: no reason said yet
+    events = []
+    handler = logging.Handler()
+    handler.emit = lambda record: events.append(("warning", record.getMessage()))
+    logging.getLogger("tiletune.kernels").addHandler(handler)
+    try:
+        cfg = build_config({"model_name_or_path": str(tiny_model_dir), "template": "llama3", "max_new_tokens": 3,
+                            "do_sample": False, "kernels": "all"})  # fmt: skip
+        session, _ = load_session(cfg)
+        run_chat(session, ["hello\n", "again\n"], lambda text: events.append(("chat", text)))
+    finally:
+        logging.getLogger("tiletune.kernels").removeHandler(handler)
+    first_chat = next(i for i, (kind, _) in enumerate(events) if kind == "chat")
+    assert ("warning", "tiletune: rms_norm falls back from tilelang: no GPU here") in events[:first_chat]
+    assert all(kind == "chat" for kind, _ in events[first_chat:]), events[first_chat:]

@@ -66,7 +66,8 @@ def test_without_llamafactory_one_line_with_the_install_command(tmp_path, monkey
 
 
 def test_llamafactory_trains_with_tiletune_kernels(tmp_path, capfd):
-    pytest.importorskip("llamafactory", reason="LLaMA-Factory is not installed here (.ci/llamafactory-env.sh runs this)")
+    pytest.importorskip("llamafactory",
+                        reason="LLaMA-Factory is not installed here: bash .ci/llamafactory-env.sh runs this in its own venv")
     import llamafactory.model.loader as loader
 
     original = loader.load_model

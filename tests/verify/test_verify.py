@@ -34,7 +34,11 @@ def registry_restored():
     registry._impls.update(before)
 
 
-def verify(tmp_path, *args, kernels="kernels=all", model=REPO / "examples" / "tiny-llama"):
+# every op's PyTorch reference: what can be verified on a CPU (the TileLang kernels cannot run there)
+REFERENCES = "kernels=all=reference"
+
+
+def verify(tmp_path, *args, kernels=REFERENCES, model=REPO / "examples" / "tiny-llama"):
     base = [str(REPO / "examples" / "demo.yaml"), kernels, f"model_name_or_path={model}",
             f"dataset_dir={REPO / 'examples' / 'data'}", f"output_dir={tmp_path / 'run'}"]  # fmt: skip
     return CliRunner().invoke(main, ["verify", *base, *args])
@@ -118,7 +122,7 @@ def test_verify_without_kernels_is_refused(tmp_path):
 
 def test_random_init_preset_with_fewer_layers(tmp_path):
     config = REPO / "examples" / "bench" / "llama3_8b_lora.yaml"
-    args = ["verify", str(config), "kernels=all", "bf16=false", f"output_dir={tmp_path}", "--model-preset", "tiny",
+    args = ["verify", str(config), REFERENCES, "bf16=false", f"output_dir={tmp_path}", "--model-preset", "tiny",
             "--layers", "1", "--seq", "32", "--out", str(tmp_path / "v")]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
@@ -131,7 +135,7 @@ def test_quantized_preset_is_gated_and_reports_each_layers_quantization_error(tm
     """quantization_bit on a preset builds it quantized: the quantized ops are bound and gated, and each quantized
     Linear's error against the weight it was quantized from is reported apart from the gate."""
     config = REPO / "examples" / "bench" / "llama3_8b_lora.yaml"
-    args = ["verify", str(config), "kernels=all", "bf16=false", f"quantization_bit={bits}", f"output_dir={tmp_path}",
+    args = ["verify", str(config), REFERENCES, "bf16=false", f"quantization_bit={bits}", f"output_dir={tmp_path}",
             "--model-preset", "tiny", "--layers", "1", "--seq", "32", "--out", str(tmp_path / "v")]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
@@ -144,9 +148,9 @@ def test_quantized_preset_is_gated_and_reports_each_layers_quantization_error(tm
 
 
 def test_verify_with_attention_selected(tmp_path):
-    """attention (opt-in) under verify: its modules are captured and gated; off the GPU the reference runs."""
+    """attention (opt-in) under verify: its modules are captured and gated (its reference, which runs on a CPU)."""
     config = REPO / "examples" / "bench" / "llama3_8b_lora.yaml"
-    args = ["verify", str(config), "kernels={attention: tilelang}", "bf16=false", f"output_dir={tmp_path}",
+    args = ["verify", str(config), "kernels={attention: reference}", "bf16=false", f"output_dir={tmp_path}",
             "--model-preset", "tiny", "--layers", "1", "--seq", "32", "--out", str(tmp_path / "v")]  # fmt: skip
     from tiletune.kernels import registry
 
@@ -161,10 +165,35 @@ def test_verify_with_attention_selected(tmp_path):
     assert "b0.layers.0.self_attn.output" in names and "b0.layers.0.self_attn.input_grad" in names
 
 
+def test_nothing_verified_where_no_selected_kernel_can_run(tmp_path, no_kernel_runs):
+    """Not a PASS of the reference against the stock model: exit 3, which kernels and why, and no run at all."""
+    result = verify(tmp_path, "--out", str(tmp_path / "v"), kernels="kernels=rms_norm,swiglu")
+    assert result.exit_code == 3, result.output
+    assert "not verified: rms_norm, swiglu (tilelang: no GPU here) cannot run on this machine" in result.output
+    assert result.output.strip().splitlines()[-1].startswith("verify: NOT VERIFIED")
+    assert "PASS" not in result.output and "accumulation" not in result.output
+    report = json.loads((tmp_path / "v" / "verify.json").read_text())
+    assert report["outcome"] == "not verified" and not report["passed"] and "tensors" not in report
+
+
+def test_a_selected_kernel_that_cannot_run_leaves_the_others_compared_and_the_run_not_verified(tmp_path, monkeypatch,
+                                                                                              no_kernel_runs):
+    plugin(tmp_path, monkeypatch, "exact_norm_beside", 1.0)
+    kernels = "kernels={rms_norm: exact_norm_beside, swiglu: tilelang, plugins: [exact_norm_beside]}"
+    result = verify(tmp_path, "--out", str(tmp_path / "v"), kernels=kernels)
+    assert result.exit_code == 3, result.output
+    assert "not verified: swiglu (tilelang: no GPU here)" in result.output and "verify: NOT VERIFIED" in result.output
+    report = json.loads((tmp_path / "v" / "verify.json").read_text())
+    assert all(t["passed"] for t in report["tensors"]) and report["patch"]["ops"]["rms_norm"]["patched"] > 0
+    assert [note.split(":")[0] for note in report["accumulation"]] == ["rms_norm"]  # none for swiglu, which did not run
+
+
 def test_accumulation_dtype_differences_are_reported():
     from tiletune.patch import parse_kernel_spec
     from tiletune.verify.run import accumulation_differences
 
     notes = accumulation_differences(parse_kernel_spec("all"))
-    assert sorted(n.split(":")[0] for n in notes) == ["rope", "swiglu"]
+    assert sorted(n.split(":")[0] for n in notes) == ["geglu", "rope", "swiglu"]
+    bound = accumulation_differences(parse_kernel_spec("all"), bound={"rms_norm", "swiglu", "rope", "linear"})
+    assert sorted(n.split(":")[0] for n in bound) == ["rope", "swiglu"]  # a Llama has no GeGLU MLP to note
     assert "swiglu: tilelang computes in float32, the stock implementation in input dtype" in notes

@@ -227,18 +227,19 @@ class _AlpacaConverter:
         return [self.col["prompt"]]
 
     def __call__(self, record: dict[str, Any], index: int) -> dict[str, Any]:
-        col = self.col
+        col, attr = self.col, self.attr
         messages = []
         for old_prompt, old_response in (record.get(col["history"]) or []) if col.get("history") else []:
-            messages += [{"role": USER, "content": old_prompt}, {"role": ASSISTANT, "content": old_response}]
-        query = [record[c] for c in (col["prompt"], col.get("query")) if c and record.get(c)]
+            where = f"column {col['history']!r}"
+            messages += [{"role": USER, "content": _text(attr, index, where, old_prompt)},
+                         {"role": ASSISTANT, "content": _text(attr, index, where, old_response)}]
+        query = [text for c in (col["prompt"], col.get("query")) if (text := _column_text(attr, record, index, c))]
         messages.append({"role": USER, "content": "\n".join(query)})
-        response = record.get(col["response"]) if col.get("response") else None
-        if isinstance(response, str):
-            messages.append({"role": ASSISTANT, "content": response})
+        if col.get("response") and record.get(col["response"]) is not None:
+            messages.append({"role": ASSISTANT, "content": _column_text(attr, record, index, col["response"])})
         return {
             "messages": messages,
-            "system": (record.get(col["system"]) or "") if col.get("system") else "",
+            "system": _column_text(attr, record, index, col.get("system")),
             "tools": _tools_text(record.get(col["tools"])) if col.get("tools") else "",
         }
 
@@ -261,9 +262,11 @@ class _SharegptConverter:
     def __call__(self, record: dict[str, Any], index: int) -> dict[str, Any]:
         t = self.tags
         turns = record[self.col["messages"]] or []
-        system = (record.get(self.col["system"]) or "") if self.col.get("system") else ""
+        where = f"column {self.col['messages']!r}, the {t['content_tag']!r} of"  # + which message
+        system = _column_text(self.attr, record, index, self.col.get("system"))
         if turns and turns[0].get(t["role_tag"]) == t["system_tag"]:
-            system, turns = turns[0][t["content_tag"]], turns[1:]
+            system = _text(self.attr, index, f"{where} the system message", turns[0][t["content_tag"]])
+            turns = turns[1:]
         messages = []
         for position, turn in enumerate(turns):
             role = self.roles.get(turn.get(t["role_tag"]))
@@ -274,7 +277,8 @@ class _SharegptConverter:
                     f"{turn.get(t['role_tag'])!r} where a {' or '.join(repr(self._tag_of(r)) for r in expected)} "
                     f"message is expected; fix the record or the `tags` in dataset_info.json"
                 )
-            messages.append({"role": role, "content": turn[t["content_tag"]]})
+            content = _text(self.attr, index, f"{where} message {position}", turn[t["content_tag"]])
+            messages.append({"role": role, "content": content})
         if len(messages) % 2:
             raise UserError(
                 f"dataset {self.attr.name!r} record {index}: the conversation ends with a "
@@ -288,6 +292,21 @@ class _SharegptConverter:
 
     def _tag_of(self, role: str) -> str:
         return next(tag for tag, r in self.roles.items() if r == role)
+
+
+def _text(attr: DatasetAttr, index: int, where: str, value: Any) -> str:
+    """`value`, where record `index` must hold text; a UserError naming the dataset, the record and where otherwise."""
+    if not isinstance(value, str):
+        held = "null" if value is None else f"{type(value).__name__} {value!r:.40}"
+        raise UserError(f"dataset {attr.name!r} record {index}: {where} holds {held} where text belongs; "
+                        "make it a string in the data")
+    return value
+
+
+def _column_text(attr: DatasetAttr, record: dict[str, Any], index: int, column: str | None) -> str:
+    """The text in `column` of record `index`; '' where the format has no such column or the record holds null."""
+    value = record.get(column) if column else None
+    return "" if value is None else _text(attr, index, f"column {column!r}", value)
 
 
 def _tools_text(value: Any) -> str:

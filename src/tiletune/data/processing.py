@@ -5,10 +5,19 @@ Supervised (`sft`): each turn is (prompt, response); prompts are masked from the
 longer than `cutoff_len` is cut turn by turn, each turn sharing its budget between prompt and response
 in proportion to their lengths (the response keeps its length when it is short), as LLaMA-Factory does.
 Pre-training (`pt`): texts + EOS are concatenated and cut into blocks of `cutoff_len` (`packing`).
+
+Supervised packing (`packing`, `neat_packing`), as LLaMA-Factory packs: the encoded examples of each
+`preprocessing_batch_size` batch go greedily, longest first, into sequences of at most `cutoff_len` tokens.
+A packed sequence keeps per-example `position_ids` (0, 1, ... for each example) and the label of each
+example's first token is -100, so the tokens in the loss are those of the unpacked examples and none is
+predicted from the previous example's last token. Whether the examples of a sequence see each other is
+the collator's choice (data/collator.py).
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import itertools
 import logging
 from dataclasses import dataclass
@@ -60,6 +69,45 @@ def encode_supervised(pairs, cutoff_len: int, train_on_prompt: bool, mask_histor
     return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels}
 
 
+def packing_enabled(cfg: TuneConfig) -> bool:
+    """LLaMA-Factory's rule: `packing` as set, on by default for `pt` only; `neat_packing` implies it."""
+    return cfg.neat_packing or (cfg.packing if cfg.packing is not None else cfg.stage == "pt")
+
+
+def greedy_knapsack(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of `lengths` in bins of at most `capacity`, each bin filled with the longest item that still
+    fits until none does (LLaMA-Factory's greedy_knapsack; equal lengths by index, so deterministic)."""
+    if max(lengths, default=0) > capacity:
+        raise ValueError(f"an item of length {max(lengths)} does not fit in a bin of {capacity}")
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    sizes = [lengths[i] for i in order]
+    bins = []
+    while order:
+        room, members = capacity, []
+        while (fits := bisect.bisect_right(sizes, room)) > 0:
+            room -= sizes.pop(fits - 1)
+            members.append(order.pop(fits - 1))
+        bins.append(members)
+    return bins
+
+
+def pack_supervised(batch: dict[str, list], cutoff_len: int) -> dict[str, list]:
+    """Encoded examples (input_ids, labels) -> packed sequences with per-example position ids (and an
+    attention mask of ones, as every row has)."""
+    packed: dict[str, list] = {"input_ids": [], "attention_mask": [], "labels": [], "position_ids": []}
+    for members in greedy_knapsack([len(ids) for ids in batch["input_ids"]], cutoff_len):
+        input_ids, labels, position_ids = [], [], []
+        for i in members:
+            input_ids += batch["input_ids"][i]
+            labels += [IGNORE_INDEX] + batch["labels"][i][1:]  # the first token has no prediction of its own
+            position_ids += range(len(batch["input_ids"][i]))
+        packed["input_ids"].append(input_ids)
+        packed["attention_mask"].append([1] * len(input_ids))
+        packed["labels"].append(labels)
+        packed["position_ids"].append(position_ids)
+    return packed
+
+
 @dataclass
 class DataSplits:
     """What the trainer and the predictor consume, plus counts for the run summary."""
@@ -88,11 +136,9 @@ def build_splits(cfg: TuneConfig, tokenizer, template: Template) -> DataSplits:
 
     splits = DataSplits(stats={})
     if train_raw is not None:
-        splits.train = _tokenise(cfg, tokenizer, template, train_raw, "train")
-        splits.stats["train_examples"] = len(splits.train)
+        splits.train = _tokenise(cfg, tokenizer, template, train_raw, "train", splits.stats)
     if eval_raw is not None:
-        splits.eval = _tokenise(cfg, tokenizer, template, eval_raw, "eval")
-        splits.stats["eval_examples"] = len(splits.eval)
+        splits.eval = _tokenise(cfg, tokenizer, template, eval_raw, "eval", splits.stats)
         if cfg.train_arg("do_predict") and cfg.stage == "sft":
             splits.predict = _prompts(cfg, tokenizer, template, eval_raw)
     return splits
@@ -137,16 +183,34 @@ def _map(cfg: TuneConfig, dataset, function, desc: str, batched: bool = False):
     )
 
 
-def _tokenise(cfg: TuneConfig, tokenizer, template: Template, raw, name: str):
+def _tokenise(cfg: TuneConfig, tokenizer, template: Template, raw, name: str, stats: dict[str, int]):
+    """The split's rows; `stats` gets its example count (and with sft packing, its packed sequence count)."""
     if cfg.stage == "pt":
-        return _map(cfg, raw, _PretrainEncoder(cfg, tokenizer), f"Tokenising {name} (packing)", batched=True)
+        blocks = _map(cfg, raw, _PretrainEncoder(cfg, tokenizer), f"Tokenising {name} (packing)", batched=True)
+        stats[f"{name}_examples"] = len(blocks)
+        return blocks
     usable = raw.filter(_is_supervised, desc=f"Checking {name}")
     if len(usable) < len(raw):
         log.warning("%s: dropped %d examples without an answer", name, len(raw) - len(usable))
     if len(usable) == 0:
         raise UserError(f"the {name} data has no example with an answer; check the dataset's columns")
     encoded = _map(cfg, usable, _SupervisedEncoder(cfg, tokenizer, template), f"Tokenising {name}")
-    return encoded.filter(lambda ex: any(label != IGNORE_INDEX for label in ex["labels"]), desc="Dropping empty")
+    encoded = encoded.filter(lambda ex: any(label != IGNORE_INDEX for label in ex["labels"]), desc="Dropping empty")
+    stats[f"{name}_examples"] = len(encoded)
+    if not packing_enabled(cfg):
+        return encoded
+    packed = _map(cfg, encoded, functools.partial(pack_supervised, cutoff_len=cfg.cutoff_len), f"Packing {name}",
+                  batched=True)
+    stats[f"{name}_sequences"] = len(packed)
+    log.info("%s: packed %d examples into %d sequences of at most %d tokens (%.1f%% full)", name, len(encoded),
+             len(packed), cfg.cutoff_len, 100 * _token_count(packed) / max(len(packed) * cfg.cutoff_len, 1))
+    return packed
+
+
+def _token_count(dataset) -> int:
+    import pyarrow.compute as pc
+
+    return pc.sum(pc.list_value_length(dataset.data.column("input_ids"))).as_py() or 0
 
 
 def _is_supervised(example) -> bool:
@@ -167,7 +231,7 @@ class _SupervisedEncoder:
 class _PretrainEncoder:
     def __init__(self, cfg: TuneConfig, tokenizer):
         self.cutoff_len, self.tokenizer = cfg.cutoff_len, tokenizer
-        self.pack = cfg.packing if cfg.packing is not None else True
+        self.pack = packing_enabled(cfg)
 
     def __call__(self, batch):
         eos = self.tokenizer.eos_token

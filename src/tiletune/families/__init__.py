@@ -37,17 +37,20 @@ class Attention:
     """Self-attention: its path and rotary embedding; what the family's attention may add to plain causal GQA."""
 
     path: str = "self_attn"
-    rotary: str = "full"  # full, partial (part of head_dim) or none
+    rotary: str = "full"  # full, partial (part of head_dim), interleaved (adjacent pairs as complex numbers) or none
     softcap: bool = False  # attention logit soft-capping
     sinks: bool = False  # attention sinks
 
 
 @dataclass(frozen=True)
 class Experts:
-    """MoE experts: their path and the router's (a Linear that routes tokens, not a projection)."""
+    """MoE experts: their path, the router's (a Linear that routes tokens, not a projection), and a shared expert's
+    (a dense MLP of the record's `mlp` kind that every token goes through as well; in a layer whose `mlp` path holds
+    the experts, it is the layer's MLP)."""
 
     path: str = "mlp.experts"
     router: str = "mlp.gate"
+    shared: str | None = None
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,9 @@ def layer_sites(family: Family, index: int, layer: nn.Module) -> Iterator[Site]:
     for norm in family.norms:
         for path in fnmatch.filter(modules, norm.path):
             yield Site("norm", index, path, modules[path], norm)
-    if family.mlp is not None and family.mlp.path in modules:
-        yield Site("mlp", index, family.mlp.path, modules[family.mlp.path], family.mlp)
+    mlp = _mlp_path(family, modules)
+    if mlp is not None:
+        yield Site("mlp", index, mlp, modules[mlp], family.mlp)
     attention = modules.get(family.attention.path)
     if attention is not None:
         if family.attention.rotary != "none":
@@ -46,6 +47,17 @@ def layer_sites(family: Family, index: int, layer: nn.Module) -> Iterator[Site]:
     yield from _linear_sites(family, index, modules)
     if family.experts is not None and family.experts.path in modules:
         yield Site("experts", index, family.experts.path, modules[family.experts.path], family.experts)
+
+
+def _mlp_path(family: Family, modules: dict[str, nn.Module]) -> str | None:
+    """The layer's dense MLP: the record's `mlp`, or in a MoE layer (its `mlp` path holds the experts) the shared
+    expert; None where the layer has none."""
+    if family.mlp is None:
+        return None
+    experts = family.experts
+    moe_layer = experts is not None and experts.path in modules and experts.path.startswith(family.mlp.path + ".")
+    path = experts.shared if moe_layer else family.mlp.path
+    return path if path in modules else None
 
 
 def _linear_sites(family: Family, index: int, modules: dict[str, nn.Module]) -> Iterator[Site]:

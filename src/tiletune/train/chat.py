@@ -9,6 +9,7 @@ conversation, `exit` (or end of input) ends the chat. Generation follows the con
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable, Iterable
 
@@ -45,17 +46,27 @@ class ChatSession:
                 return ids
             turns = turns[2:]
 
+    def inputs(self, message: str) -> dict[str, torch.Tensor]:
+        """input_ids and attention_mask of the prompt for `message`, on the model's device."""
+        input_ids = torch.tensor([self.prompt_ids(message)], device=next(self.model.parameters()).device)
+        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """A generation of two tokens nobody sees (a prompt and a decoding step): the kernels' run-time fallbacks
+        are logged at their first call, now, instead of inside the first answer."""
+        two_tokens = copy.deepcopy(self.gen_config)
+        two_tokens.max_new_tokens = two_tokens.min_new_tokens = 2
+        self.model.generate(**self.inputs("hello"), generation_config=two_tokens)
+
     def reply(self, message: str) -> Iterable[str]:
         """Stream the answer to `message` piece by piece; the finished exchange joins the history."""
         from transformers import TextIteratorStreamer
 
-        device = next(self.model.parameters()).device
-        input_ids = torch.tensor([self.prompt_ids(message)], device=device)
         streamer = TextIteratorStreamer(
             self.tokenizer, skip_prompt=True, skip_special_tokens=self.cfg.skip_special_tokens
         )
-        kwargs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                      generation_config=self.gen_config, streamer=streamer)  # fmt: skip
+        kwargs = dict(**self.inputs(message), generation_config=self.gen_config, streamer=streamer)
         self._error = None
         worker = threading.Thread(target=self._generate, kwargs=kwargs, daemon=True)
         worker.start()
@@ -79,8 +90,8 @@ class ChatSession:
 
 def load_session(cfg: TuneConfig) -> tuple[ChatSession, str | None]:
     """The chat session for `cfg` (adapters in `adapter_name_or_path` merged, or over a quantized base one
-    adapter unmerged so that the base stays quantized; the `kernels:` selection patched in), and the kernel
-    summary (None without kernels)."""
+    adapter unmerged so that the base stays quantized; the `kernels:` selection patched in and warmed up), and
+    the kernel summary (None without kernels)."""
     from tiletune.data.templates import get_template
     from tiletune.train.model import load_model, load_tokenizer
 
@@ -90,12 +101,14 @@ def load_session(cfg: TuneConfig) -> tuple[ChatSession, str | None]:
     device_map = "auto" if torch.cuda.is_available() else None
     model = load_model(cfg, tokenizer, trainable=False, device_map=device_map, keep_quantized=True)
     model.config.use_cache = True
-    summary = None
-    if cfg.kernels is not None:
-        from tiletune.patch import apply_kernels
+    session = ChatSession(cfg, model, tokenizer, template)
+    if cfg.kernels is None:
+        return session, None
+    from tiletune.patch import apply_kernels
 
-        summary = apply_kernels(model, cfg.kernels).summary()
-    return ChatSession(cfg, model, tokenizer, template), summary
+    report = apply_kernels(model, cfg.kernels)
+    session.warm_up()
+    return session, report.summary()
 
 
 def run_chat(session: ChatSession, lines: Iterable[str], write: Callable[[str], None]) -> None:

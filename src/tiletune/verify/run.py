@@ -8,6 +8,7 @@ both are measured against. Golden files carry the inputs and the stock run to an
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -27,6 +28,7 @@ from tiletune.verify.capture import run_and_capture, watched_modules
 
 log = logging.getLogger("tiletune.verify")
 FP16_MAX = torch.finfo(torch.float16).max
+NOT_VERIFIED = "not verified"
 
 
 @dataclass
@@ -176,12 +178,35 @@ def dtype_warnings(captured: dict, dtype: torch.dtype) -> list[str]:
     return [f"fp16: {name} reaches {float(captured[name].abs().max()):.3g}, near float16's range" for name in near]
 
 
-def accumulation_differences(spec) -> list[str]:
-    """Kernels whose arithmetic runs in another dtype than the stock (reference) implementation's."""
+def not_running(spec) -> dict[str, str]:
+    """The selected ops whose implementation cannot run on this machine, with the reason: each would run its
+    PyTorch reference instead, which computes what the stock model does, so verify checks nothing of them."""
+    from tiletune.kernels.registry import REFERENCE, get
+
+    return {s.op: f"{s.impl}: {reason}" for s in spec.ops
+            if s.impl != REFERENCE and (reason := get(s.op, s.impl).unavailable())}
+
+
+def not_verified(skipped: dict[str, str]) -> str:
+    """What verify could not check here and why (the ops grouped by reason), and what to do instead."""
+    by_reason: dict[str, list[str]] = {}
+    for op, reason in skipped.items():
+        by_reason.setdefault(reason, []).append(op)
+    ops = "; ".join(f"{', '.join(names)} ({reason})" for reason, names in by_reason.items())
+    return (f"{ops} cannot run on this machine: each would run its PyTorch reference, which computes what the stock "
+            "model does. Verify where they run (`tiletune kernels` lists where), or check the references themselves "
+            "with kernels=all=reference")
+
+
+def accumulation_differences(spec, bound: set[str] | None = None) -> list[str]:
+    """Kernels whose arithmetic runs in another dtype than the stock (reference) implementation's; with `bound`,
+    only those ops (the ones the model has a site for)."""
     from tiletune.kernels.registry import REFERENCE, get
 
     notes = []
     for selection in spec.ops:
+        if bound is not None and selection.op not in bound:
+            continue
         chosen, stock = get(selection.op, selection.impl), get(selection.op, REFERENCE)
         if chosen.accumulation != stock.accumulation:
             notes.append(
@@ -307,7 +332,9 @@ def convergence(model, spec, batches, steps: int, lr: float, dtype, device, seed
 
 
 def run_verify(cfg: TuneConfig, options: VerifyOptions) -> dict:
-    """Run the checks the options ask for; write verify.json / verify.png; returns the result (passed or not)."""
+    """Run the checks the options ask for; write verify.json / verify.png; returns the result. Its `outcome`: "pass",
+    "fail" (a tensor or the loss curve fails), or "not verified": some selected kernel cannot run here
+    (`not_verified` says which and why; when none can, no run is made)."""
     from tiletune.env import run_stamp
     from tiletune.verify.report import heatmap
 
@@ -316,11 +343,20 @@ def run_verify(cfg: TuneConfig, options: VerifyOptions) -> dict:
         raise UserError("verify compares the kernel-patched model with the stock one: set a kernels: block (e.g. kernels=all)")
     if (options.out_dir / "verify.json").exists():
         raise UserError(f"{options.out_dir} already holds a verify report; choose another --out or move it away")
+    skipped = not_running(spec)
+    running = dataclasses.replace(spec, ops=tuple(s for s in spec.ops if s.op not in skipped))
+    unchecked = {"not_verified": not_verified(skipped)} if skipped else {}
+    if spec.ops and not running.ops:  # nothing to compare: no run is made
+        return _written({"environment": run_stamp(), "kernels": spec.to_dict(), **unchecked, "passed": False,
+                         "outcome": NOT_VERIFIED}, options.out_dir)  # fmt: skip
     model, batches, device, dtype = prepare(cfg, options)
     model_print = fingerprint(model)
+    probe = apply_kernels(model, running)
+    bound = {entry.op for entry in probe.entries if entry.installed}
+    probe.revert()
     result = {"environment": {**run_stamp(), "dtype": str(dtype).removeprefix("torch."), "seed": options.seed},
-              "fingerprint": model_print, "kernels": spec.to_dict(), "passed": True,
-              "accumulation": accumulation_differences(spec), "quantization": quantization_errors(model)}  # fmt: skip
+              "fingerprint": model_print, "kernels": spec.to_dict(), **unchecked, "passed": True,
+              "accumulation": accumulation_differences(running, bound), "quantization": quantization_errors(model)}  # fmt: skip
 
     if options.against is not None:
         batches, golden, meta = load_golden(options.against, model_print)
@@ -359,8 +395,14 @@ def run_verify(cfg: TuneConfig, options: VerifyOptions) -> dict:
             save_golden(options.save_golden, batches, stock, meta)
         options.out_dir.mkdir(parents=True, exist_ok=True)
         heatmap(verdicts, options.out_dir / "verify.png")
-    options.out_dir.mkdir(parents=True, exist_ok=True)
-    (options.out_dir / "verify.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    result["outcome"] = "fail" if not result["passed"] else NOT_VERIFIED if skipped else "pass"
+    return _written(result, options.out_dir)
+
+
+def _written(result: dict, out_dir: Path) -> dict:
+    """`result`, saved as out_dir/verify.json."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "verify.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     return result
 
 
