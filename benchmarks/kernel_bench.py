@@ -1,7 +1,8 @@
 """Time tiletune's TileLang kernels (forward + backward) against eager PyTorch, Liger-Kernel, cuBLAS and SDPA.
 
 Llama-3-8B shapes: 8192 tokens (batch 4 x 2048), hidden 4096, intermediate 14336, 32 q / 8 kv heads of
-128, bf16; `--only quant`: NF4 dequantization (PyTorch, bitsandbytes, TileLang) and the QLoRA Linear. Each
+128, bf16; `--only quant`: NF4 dequantization (PyTorch, bitsandbytes, TileLang) and the QLoRA Linear; `--only moe`:
+Qwen3-30B-A3B's experts (grouped GEMM against a dense GEMM over the same rows and torch's grouped_mm). Each
 variant is timed two ways: `gpu` replays the forward + backward captured in a CUDA
 graph (triton.testing.do_bench_cudagraph), i.e. device time, what a training step pays when the CPU
 runs ahead of the GPU; `launch` calls it eagerly between CUDA events (triton.testing.do_bench), so
@@ -228,6 +229,45 @@ def quant_cases():
         yield f"qlora fwd+bwd {name}", {v: fwd_bwd(lambda f=f, x=x: f(x), (x, a, b), dy) for v, f in layers.items()}
 
 
+def moe_cases():
+    """(case, {variant: callable}): Qwen3-30B-A3B's experts (128 experts, top 8, hidden 2048, intermediate 768) at
+    8192 tokens: one grouped GEMM (gate_up, forward) against a dense cuBLAS GEMM over the same rows (the issue's
+    bar: >= 70% of its TFLOP/s; ratio = dense time / grouped time) and torch's grouped_mm (transformers' default
+    path); then the whole experts forward + backward: the eager per-expert loop, grouped_mm, TileLang."""
+    from tiletune.kernels import moe_experts
+
+    experts, k, hidden, inter = 128, 8, 2048, 768
+    scores = torch.rand(TOKENS, experts, device="cuda")
+    weights, index = scores.topk(k, dim=-1)
+    weights = torch.softmax(weights, dim=-1).to(torch.bfloat16).requires_grad_()
+    x = torch.randn(TOKENS, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
+    down = (torch.randn(experts, hidden, inter, device="cuda") / inter**0.5).to(torch.bfloat16)
+    routing = moe_experts.route(index, experts)
+    rows = x.detach()[routing.token]
+
+    def grouped_mm(kind, rows, weights, routing):
+        mat_b = weights.transpose(-2, -1) if kind == "nt" else weights
+        return torch._grouped_mm(rows, mat_b, offs=routing.offsets[1:].contiguous())
+
+    dense = torch.randn(hidden, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    yield "moe gate_up grouped fwd", {
+        "cublas": forward_only(lambda: rows @ dense),
+        "grouped_mm": forward_only(lambda: grouped_mm("nt", rows, gate_up, routing)),
+        "tilelang": forward_only(lambda: moe_experts._tilelang_gemm("nt", rows, gate_up, routing)),
+    }
+    dy = torch.randn(TOKENS, hidden, device="cuda", dtype=torch.bfloat16)
+    impls = {"eager": moe_experts._loop_gemm, "grouped_mm": grouped_mm, "tilelang": moe_experts._tilelang_gemm}
+
+    def whole(gemm):
+        def run():
+            y, h, o = moe_experts._experts_forward(gemm, x, index, weights, gate_up, down)
+            moe_experts._experts_backward(gemm, dy, h, o, index, weights, gate_up, down)
+        return run
+
+    yield "moe experts fwd+bwd", {name: whole(gemm) for name, gemm in impls.items()}
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
@@ -235,7 +275,8 @@ def git_commit() -> str:
         return os.environ.get("TILETUNE_COMMIT", "unknown")
 
 
-GROUPS = {"elementwise": elementwise_cases, "linear": linear_cases, "attention": attention_cases, "quant": quant_cases}
+GROUPS = {"elementwise": elementwise_cases, "linear": linear_cases, "attention": attention_cases, "quant": quant_cases,
+          "moe": moe_cases}
 BASELINES = ("eager", "cublas", "flash")  # the baseline of a case: the first of these among its variants
 
 

@@ -22,16 +22,19 @@ MODELS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", MOE),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", MOE),
+    # layer 0 dense, layer 1 MoE with its shared expert; layer 1 without rope (temperature-tuned queries)
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM",
+                    {**MOE, "interleave_moe_layer_step": 2, "intermediate_size_mlp": 128, "no_rope_layers": [1, 0]}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
 }
 # what `kernels: all` cannot take in a family, and why (every other site installs)
 NOT_TAKEN = {
-    "gemma2": {"linear_cross_entropy": "final logit soft-capping (final_logit_softcapping): no kernel yet"},
     "phi3": {"rope": "Phi3Attention has no q_proj, k_proj and head_dim"},
+    "llama4_text": {"rope": "interleaved rotary embedding: no kernel yet"},
 }
-EVERY_KERNEL = "all,geglu"  # geglu is opt-in until its GPU tests have run; it applies to GeGLU MLPs only
+EVERY_KERNEL = "all"
 
 
 def tiny(model_type: str):

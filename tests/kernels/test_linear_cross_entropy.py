@@ -35,6 +35,22 @@ def test_matches_cross_entropy_in_float64(monkeypatch, impl, chunk_tokens):
         assert torch.allclose(mine, theirs, rtol=1e-10, atol=1e-13)
 
 
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_soft_capped_logits_match_float64(monkeypatch, impl):
+    """Gemma 2's final logit soft-cap c·tanh(z / c) (c = 30 there; 2 here, so the cap bends most logits)."""
+    monkeypatch.setattr(lce, "CHUNK_BYTES", 8 * 500 * 10)
+    h, w, y = problem()
+    h.data *= 3
+    want = F.cross_entropy(2.0 * torch.tanh(h @ w.t() / 2.0), y, ignore_index=-100, reduction="sum") / 50.0
+    grads = torch.autograd.grad(want, (h, w))
+    got = linear_cross_entropy(h, w, y, 50.0, impl, softcap=2.0)
+    assert float(got) == pytest.approx(float(want), rel=1e-12)
+    for mine, theirs in zip(torch.autograd.grad(got, (h, w)), grads):
+        assert torch.allclose(mine, theirs, rtol=1e-10, atol=1e-13)
+    uncapped = linear_cross_entropy(h, w, y, 50.0, impl)
+    assert float(uncapped) != pytest.approx(float(want), rel=1e-3)  # the cap matters here: the check can fail
+
+
 def test_frozen_weight_gets_no_gradient():
     h, w, y = problem()
     w.requires_grad_(False)
@@ -92,3 +108,21 @@ def test_all_includes_it_and_layer_selectors_are_refused():
     report.revert()
     with pytest.raises(UserError, match="takes no layers or modules"):
         apply_kernels(model, {"linear_cross_entropy": {"impl": "chunked", "layers": "0"}})
+
+
+def test_gemma2s_soft_capped_head_gives_the_stock_loss_and_gradients():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                           final_logit_softcapping=0.5)).float()  # fmt: skip
+    ids = torch.randint(0, 300, (2, 21))
+    stock = model(input_ids=ids, labels=ids).loss
+    stock_grads = torch.autograd.grad(stock, list(model.parameters()))
+    report = apply_kernels(model, {"linear_cross_entropy": "chunked"})
+    assert report.to_dict()["ops"]["linear_cross_entropy"]["patched"] == 1
+    fused = model(input_ids=ids, labels=ids).loss
+    assert float(fused) == pytest.approx(float(stock), rel=1e-6)
+    for mine, theirs in zip(torch.autograd.grad(fused, list(model.parameters())), stock_grads):
+        assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-6)

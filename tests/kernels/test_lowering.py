@@ -6,11 +6,12 @@ from click.testing import CliRunner
 from tiletune.cli import main
 from tiletune.kernels import _tilelang
 
-pytest.importorskip("tilelang", reason="TileLang is not installed (pip install tilelang) or cannot be imported")
+pytest.importorskip("tilelang", reason="TileLang is not installed or cannot be imported: pip install -e '.[test]'")
 
 KERNELS = ["rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope_fwd", "rope_bwd",
            "linear_fwd", "linear_dgrad", "linear_wgrad", "lora_linear_fwd", "lora_linear_dgrad",
-           "attention_fwd", "attention_bwd_preprocess", "attention_bwd", "dequantize_nf4", "geglu_fwd", "geglu_bwd"]
+           "attention_fwd", "attention_bwd_preprocess", "attention_bwd", "dequantize_nf4", "geglu_fwd", "geglu_bwd",
+           "grouped_gemm_nt", "grouped_gemm_nn"]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,8 @@ def test_every_kernel_lowers_for_every_target(lowered, target):
         assert "__global__" in (folder / f"{name}{suffix}").read_text()
 
 
-@pytest.mark.parametrize("name", ["linear_fwd", "linear_dgrad", "linear_wgrad", "lora_linear_fwd", "lora_linear_dgrad"])
+@pytest.mark.parametrize("name", ["linear_fwd", "linear_dgrad", "linear_wgrad", "lora_linear_fwd", "lora_linear_dgrad",
+                                  "grouped_gemm_nt", "grouped_gemm_nn"])
 def test_sm90_gemms_use_wgmma_and_gfx942_mfma(lowered, name):
     assert "wgmma" in (lowered / "cuda-sm_90" / f"{name}.cu").read_text()
     assert "mfma" in (lowered / "hip-gfx942" / f"{name}.hip").read_text().lower()
@@ -76,3 +78,12 @@ def test_kernels_list_says_what_runs_here():
     assert result.exit_code == 0
     for text in ("rms_norm", "swiglu", "rope", "linear", "lora_linear", "reference", "tilelang", "kernel cache", "target here"):
         assert text in result.output
+
+
+def test_grouped_gemm_reads_its_tile_schedule_and_stores_only_its_experts_rows(lowered):
+    """Each tile's expert, first row and end come from the schedule; the store is bounded by the expert's end."""
+    for target, suffix in (("cuda-sm_90", ".cu"), ("hip-gfx942", ".hip")):
+        for kind in ("nt", "nn"):
+            source = (lowered / target / f"grouped_gemm_{kind}{suffix}").read_text()
+            assert "tiles[" in source and "int rows" in source
+            assert "(int64_t)2)]" in source  # the tile's end row bounds the store

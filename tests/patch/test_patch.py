@@ -5,6 +5,7 @@ import sys
 import textwrap
 from types import SimpleNamespace
 
+import peft
 import pytest
 import torch
 from _steps import adamw_losses
@@ -64,7 +65,7 @@ def test_parse_layers(layers, expected):
 
 
 @pytest.mark.parametrize("value,message", [
-    ({"rms_nrom": "tilelang"}, "unknown op 'rms_nrom'.*rms_norm, swiglu, rope, linear"),
+    ({"rms_nrom": "tilelang"}, "unknown op 'rms_nrom'.*rms_norm, swiglu, geglu, rope, linear"),
     ({"rms_norm": "cuda"}, "unknown implementation 'cuda'; rms_norm has: reference, tilelang"),
     ({"linear": {"impl": "tilelang", "layer": "1"}}, "unknown key 'layer'"),
     ({"linear": {"layers": "3-1"}}, "bad layer selector '3-1'"),
@@ -88,7 +89,7 @@ def test_apply_all_patches_every_op_and_keeps_parameters():
     report = apply_kernels(model, "all")
     counts = {op: info["patched"] for op, info in report.to_dict()["ops"].items()}
     assert counts == {"rms_norm": 4, "swiglu": 2, "rope": 2, "linear": 14, "lora_linear": 0, "linear_cross_entropy": 1,
-                      "quant_linear": 0, "quant_lora_linear": 0}
+                      "quant_linear": 0, "quant_lora_linear": 0, "geglu": 0}
     assert [(n, id(p)) for n, p in model.named_parameters()] == params
     with torch.no_grad():
         torch.testing.assert_close(model(tokens()).logits, before, rtol=1e-5, atol=1e-5)
@@ -178,7 +179,6 @@ def test_plugin_registers_an_implementation(tmp_path, monkeypatch):
 
 
 def test_peft_lora_gets_kernel_on_base_layer():
-    peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     params = [id(p) for p in model.parameters()]
     report = apply_kernels(model, {"linear": {"modules": ["self_attn.q_proj"]}})
@@ -191,7 +191,6 @@ def test_peft_lora_gets_kernel_on_base_layer():
 
 def lora_llama(dropout: float = 0.0):
     """tiny_llama with LoRA r4 on q_proj and v_proj, A and B drawn non-zero so the adapters count."""
-    peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                               lora_dropout=dropout))
     torch.manual_seed(3)
@@ -290,7 +289,6 @@ def test_torch_compile_aot_eager_on_patched_model(attn, kernels):
 
 
 def _train_lora(kernels, steps: int = 4, attn: str = "eager") -> tuple[list[float], list[torch.Tensor], int]:
-    peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny_llama(attn=attn), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -451,7 +449,8 @@ def test_warmup_without_gpu_says_why():
     from tiletune.patch.warmup import warmup_kernels
 
     if registry.get("rms_norm", "tilelang").unavailable() is None:
-        pytest.skip("TileLang can run here")
+        pytest.skip("TileLang can run here; with the GPU hidden it runs: CUDA_VISIBLE_DEVICES= HIP_VISIBLE_DEVICES= "
+                    "python -m pytest -q tests/patch/test_patch.py -k warmup_without_gpu")
     with pytest.raises(UserError, match="cannot run here"):
         warmup_kernels(tiny_llama(), {"rms_norm": "tilelang"}, torch.bfloat16)
 
@@ -549,7 +548,6 @@ def test_lora_linear_on_gpu_trains_like_stock_peft():
 def test_warmup_compiles_lora_linear_for_a_lora_model():
     from tiletune.patch.warmup import warmup_kernels
 
-    peft = pytest.importorskip("peft")
     with torch.device("meta"):
         model = peft.get_peft_model(LlamaForCausalLM(tiny_llama().config), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     done = warmup_kernels(model, {"linear": "tilelang", "lora_linear": "tilelang"}, torch.bfloat16)

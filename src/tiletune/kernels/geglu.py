@@ -44,6 +44,6 @@ def _tl_gelu_tanh_grad(g):
 GELU_TANH = Activation("gelu_tanh", _gelu_tanh, _gelu_tanh_grad, _tl_gelu_tanh, _tl_gelu_tanh_grad,
                        ("GELUTanh", "PytorchGELUTanh"))
 
-# Opt-in until its TileLang kernels have passed their GPU tests (tests/kernels/test_swiglu.py -m gpu): lowered for
-# every target here, never run yet.
-geglu = define_gated(GELU_TANH, opt_in=True)
+# In `kernels: all`: its TileLang kernels passed their GPU tests on the H200 (tests/kernels/test_swiglu.py -m gpu,
+# benchmarks/results/h200-2026-12-04/qlora/levers-a29b657/gpu_tests_families_levers.txt).
+geglu = define_gated(GELU_TANH)

@@ -1,8 +1,10 @@
 """Fused lm_head projection and cross-entropy loss, with the gradients computed on the way.
 
-Semantics (the reference): ``loss = sum_i CE(hidden_i @ weightᵀ, label_i) / divisor`` over the tokens
+Semantics (the reference): ``loss = sum_i CE(cap(hidden_i @ weightᵀ), label_i) / divisor`` over the tokens
 whose label is not -100, in float32, as transformers' causal-LM loss computes it; ``divisor`` is the
-number of such tokens, or the Trainer's ``num_items_in_batch`` under gradient accumulation.
+number of such tokens, or the Trainer's ``num_items_in_batch`` under gradient accumulation. ``cap`` is
+the identity, or with a final logit soft-cap c (Gemma 2's ``final_logit_softcapping``) ``c·tanh(z / c)``,
+whose derivative ``1 - tanh²(z / c)`` joins the chunk's gradient.
 
 The ``chunked`` implementation walks the tokens in chunks, so only a ``[chunk, vocab]`` block of float32
 logits exists at a time instead of ``[tokens, vocab]`` (4.2 GB for 8192 tokens of Llama-3's 128256-word
@@ -27,9 +29,12 @@ IGNORE_INDEX = -100
 CHUNK_BYTES = 2**28  # float32 logits per chunk: 256 MiB
 
 
-def _chunk_gradients(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float):
+def _chunk_gradients(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, softcap: float):
     """(summed loss, d loss/d logits already divided by divisor) of one block of tokens, in float32 (or 64)."""
     logits = (hidden @ weight.t()).to(accumulate_dtype(hidden))
+    if softcap:
+        capped = torch.tanh(logits / softcap)
+        logits = capped * softcap
     valid = labels != IGNORE_INDEX
     safe = labels.clamp(min=0)
     log_norm = torch.logsumexp(logits, dim=-1)
@@ -38,17 +43,20 @@ def _chunk_gradients(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: fl
     grad = torch.softmax(logits, dim=-1)
     grad[torch.arange(len(labels), device=labels.device), safe] -= 1.0
     grad *= (valid.to(grad.dtype) / divisor)[:, None]
+    if softcap:
+        grad *= 1 - capped.square()
     return loss, grad
 
 
-def _forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, weight_grad: bool, chunk: int):
+def _forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, weight_grad: bool, softcap: float,
+             chunk: int):  # fmt: skip
     dhidden = torch.empty_like(hidden)
     acc = accumulate_dtype(hidden)
     dweight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if weight_grad else None
     total = torch.zeros((), dtype=acc, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk):
         h, y = hidden[start : start + chunk], labels[start : start + chunk]
-        loss, grad = _chunk_gradients(h, weight, y, divisor)
+        loss, grad = _chunk_gradients(h, weight, y, divisor, softcap)
         total += loss
         dhidden[start : start + chunk] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
         if dweight is not None:
@@ -56,15 +64,17 @@ def _forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, wei
     return total / divisor, dhidden, dweight.to(weight.dtype) if dweight is not None else weight.new_empty(0)
 
 
-def reference_forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, weight_grad: bool):
+def reference_forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, weight_grad: bool,
+                      softcap: float = 0.0):  # fmt: skip
     """(loss, dloss/dhidden, dloss/dweight or an empty tensor), all tokens at once."""
-    return _forward(hidden, weight, labels, divisor, weight_grad, chunk=max(hidden.shape[0], 1))
+    return _forward(hidden, weight, labels, divisor, weight_grad, softcap, chunk=max(hidden.shape[0], 1))
 
 
-def chunked_forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, weight_grad: bool):
+def chunked_forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, weight_grad: bool,
+                    softcap: float = 0.0):  # fmt: skip
     """The same, `CHUNK_BYTES` of float32 logits at a time."""
     chunk = max(1, CHUNK_BYTES // (4 * weight.shape[0]))
-    return _forward(hidden, weight, labels, divisor, weight_grad, chunk)
+    return _forward(hidden, weight, labels, divisor, weight_grad, softcap, chunk)
 
 
 def reference_backward(dloss: Tensor, dhidden: Tensor, dweight: Tensor):
@@ -75,24 +85,25 @@ def reference_backward(dloss: Tensor, dhidden: Tensor, dweight: Tensor):
 # ---- custom ops and binding ------------------------------------------------------------------------
 
 linear_cross_entropy_op = make_custom_op(Signature(
-    "linear_cross_entropy", "Tensor hidden, Tensor weight, Tensor labels, float divisor, bool weight_grad",
+    "linear_cross_entropy", "Tensor hidden, Tensor weight, Tensor labels, float divisor, bool weight_grad, float softcap",
     "(Tensor, Tensor, Tensor)",
     backward_inputs="Tensor dhidden, Tensor dweight", backward_outputs="(Tensor, Tensor)",
-    fake=lambda hidden, weight, labels, divisor, weight_grad: (
+    fake=lambda hidden, weight, labels, divisor, weight_grad, softcap: (
         hidden.new_empty((), dtype=accumulate_dtype(hidden)), torch.empty_like(hidden),
         weight.new_empty(weight.shape if weight_grad else (0,))),
     backward_fake=lambda dloss, dhidden, dweight: (torch.empty_like(dhidden), torch.empty_like(dweight)),
     save=lambda inputs, outputs, needs: outputs[1:],  # the gradients, computed in the forward
     judged_on=lambda grads, saved: saved,  # its implementations take any inputs
-    grad_of=(0, 1, None, None, None),
+    grad_of=(0, 1, None, None, None, None),
 ))
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float,
-                         impl: str = "reference", strict: bool = False) -> Tensor:  # fmt: skip
-    """Mean cross-entropy of `hidden @ weightᵀ` against `labels` (-100 ignored) over `divisor` tokens."""
+                         impl: str = "reference", strict: bool = False, softcap: float = 0.0) -> Tensor:  # fmt: skip
+    """Mean cross-entropy of `hidden @ weightᵀ` (soft-capped at `softcap` when non-zero) against `labels`
+    (-100 ignored) over `divisor` tokens."""
     loss, _, _ = torch.ops.tiletune.linear_cross_entropy(
-        hidden, weight, labels, float(divisor), weight.requires_grad, impl, strict
+        hidden, weight, labels, float(divisor), weight.requires_grad, float(softcap), impl, strict
     )
     return loss
 
@@ -101,8 +112,6 @@ def _fit(site: Site) -> str | None:
     head = getattr(site.module, site.part.path)
     if not isinstance(head, nn.Linear) or not isinstance(getattr(site.module, site.part.body, None), nn.Module):
         return f"{type(site.module).__name__} has no plain {site.part.path} Linear after its {site.part.body}: stock forward kept"
-    if site.part.softcap_key and getattr(site.module.config, site.part.softcap_key, None):
-        return f"final logit soft-capping ({site.part.softcap_key}): no kernel yet: stock forward kept"
     return None
 
 
@@ -110,6 +119,7 @@ def _lm_head_forward(site: Site, impl: str, strict: bool, current: Callable) -> 
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     head, body = site.part.path, site.part.body
+    softcap = float(getattr(site.module.config, site.part.softcap_key, None) or 0.0) if site.part.softcap_key else 0.0
 
     def forward(self, input_ids=None, labels=None, **kwargs):
         if labels is None or not torch.is_grad_enabled():  # generation and evaluation want the logits
@@ -121,7 +131,7 @@ def _lm_head_forward(site: Site, impl: str, strict: bool, current: Callable) -> 
         shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].to(hidden.device)
         divisor = num_items if num_items is not None else (shifted != IGNORE_INDEX).sum()
         loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), getattr(self, head).weight,
-                                    shifted.reshape(-1), float(divisor), impl, strict)  # fmt: skip
+                                    shifted.reshape(-1), float(divisor), impl, strict, softcap)  # fmt: skip
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                       hidden_states=outputs.hidden_states, attentions=outputs.attentions)  # fmt: skip
 

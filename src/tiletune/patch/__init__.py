@@ -55,10 +55,14 @@ def apply_kernels(model: nn.Module, spec: Any) -> PatchReport:
     # validate everything before patching anything
     sites = [site for i, layer in enumerate(layers) for site in layer_sites(family, i, layer)]
     sites += model_sites(family, causal)
-    bound_roles = {b.role for op in registry.ops().values() for b in op.bindings}
-    for site in sites:  # parts of the model no op of the library binds yet (MoE experts): said, not skipped silently
-        if site.role not in bound_roles:
+    # parts of the model that only an unselected opt-in op or no op binds (MoE experts): said, not skipped silently
+    covered = {b.role for sel in spec.ops for b in registry.ops()[sel.op].bindings}
+    covered |= {b.role for op in registry.ops().values() if not op.opt_in for b in op.bindings}
+    for site in sites:
+        if site.role not in covered:
             report.unbound_roles[site.role] = report.unbound_roles.get(site.role, 0) + 1
+    report.opt_in_for = {role: [name for name, op in registry.ops().items() if op.opt_in and
+                                any(b.role == role for b in op.bindings)] for role in report.unbound_roles}  # fmt: skip
     plan = {sel: _select(sel, sites, len(layers)) for sel in spec.ops}
     plan = _resolve_supersession(plan)
     reasons = {sel: None if sel.impl == REFERENCE else registry.get(sel.op, sel.impl).unavailable() for sel in spec.ops}

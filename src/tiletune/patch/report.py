@@ -37,7 +37,8 @@ class PatchReport:
     num_layers: int = 0
     entries: list[PatchEntry] = field(default_factory=list)
     unbound: dict[str, str] = field(default_factory=dict)  # op -> why it went nowhere (e.g. no family record)
-    unbound_roles: dict[str, int] = field(default_factory=dict)  # role -> sites no op of the library binds
+    unbound_roles: dict[str, int] = field(default_factory=dict)  # role -> sites no selected op binds
+    opt_in_for: dict[str, list[str]] = field(default_factory=dict)  # role -> opt-in ops that would bind it
     bindings: list[tuple] = field(default_factory=list, repr=False)  # (entry, Binding, Site) per entry, for warmup
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _counts_at_apply: dict = field(default_factory=lambda: dict(registry.runtime_fallbacks), repr=False)
@@ -95,7 +96,9 @@ class PatchReport:
             lines.append(f"  {op:9s} {info['impl']:10s} {info['patched']:4d} modules  layers {info['layers'] or '-':10s} "
                          f"[{_clip(modules, 48)}]  {status}")
         for role, count in self.unbound_roles.items():
-            lines.append(f"  {role}: {count} modules no tiletune op binds yet: stock forwards")
+            opt_in = self.opt_in_for.get(role)
+            why = f"no selected op binds them (opt-in: {', '.join(opt_in)})" if opt_in else "no tiletune op binds them yet"
+            lines.append(f"  {role}: {count} modules {why}: stock forwards")
         known = self.fallbacks()
         for item in self.runtime_fallbacks():
             if known.get(item["op"]) == item["reason"]:
