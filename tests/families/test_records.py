@@ -31,7 +31,6 @@ MODELS = {
 }
 # what `kernels: all` cannot take in a family, and why (every other site installs)
 NOT_TAKEN = {
-    "phi3": {"rope": "Phi3Attention has no q_proj, k_proj and head_dim"},
     "llama4_text": {"rope": "interleaved rotary embedding: no kernel yet"},
 }
 EVERY_KERNEL = "all"

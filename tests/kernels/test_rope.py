@@ -50,3 +50,23 @@ def test_tilelang_matches_float64(dtype, batch, seq):
           apply_rotary_pos_emb,
           lambda q, k, c, s: op.rope(q, k, c, s, impl="tilelang", strict=True),
           ["q", "k", "dq", "dk"])
+
+
+def test_phi3s_fused_qkv_takes_the_kernel_and_phi4_minis_partial_rotation_is_a_named_fallback():
+    import transformers
+
+    from tiletune.patch import apply_kernels
+
+    shape = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, pad_token_id=0)
+    for factor, installed in ((1.0, True), (0.75, False)):
+        torch.manual_seed(0)
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**shape, partial_rotary_factor=factor)).eval()
+        ids = torch.randint(0, 64, (2, 9))
+        with torch.no_grad():
+            stock = model(input_ids=ids).logits
+            report = apply_kernels(model, {"rope": "reference"})
+            entry = next(e for e in report.entries if e.op == "rope")
+            assert entry.installed is installed and (installed or "partial_rotary_factor 0.75" in entry.fallback)
+            torch.testing.assert_close(model(input_ids=ids).logits, stock)
+        report.revert()

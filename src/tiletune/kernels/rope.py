@@ -194,8 +194,12 @@ def _fit(site: Site) -> str | None:
         return f"{site.part.rotary} rotary embedding: no kernel yet: stock forward kept"
     if not calls_global(type(site.module).forward, _GLOBAL):
         return f"{type(site.module).__name__}.forward does not call {_GLOBAL}: stock forward kept"
-    if not all(hasattr(site.module, name) for name in ("q_proj", "k_proj", "head_dim")):
-        return f"{type(site.module).__name__} has no q_proj, k_proj and head_dim: stock forward kept"
+    config = getattr(site.module, "config", None)
+    if not hasattr(site.module, "head_dim") or not all(hasattr(config, n) for n in ("num_attention_heads", "num_key_value_heads")):
+        return f"{type(site.module).__name__} has no head_dim and head counts in its config: stock forward kept"
+    partial = getattr(config, "partial_rotary_factor", None) or 1.0
+    if partial < 1.0:  # Phi-4-mini (model_type phi3) rotates 3/4 of each head
+        return f"partial rotary embedding (partial_rotary_factor {partial}): no kernel yet: stock forward kept"
     return None
 
 
@@ -211,9 +215,9 @@ def _rope_function(original: Callable, impl: str, strict: bool) -> Callable:
 
 
 def _compile_key(site: Site) -> tuple:
+    """(q heads, kv heads, head_dim): from the config, as fused projections (Phi-3's qkv_proj) have no q_proj."""
     attention = site.module
-    d = attention.head_dim
-    return (attention.q_proj.out_features // d, attention.k_proj.out_features // d, d)
+    return (attention.config.num_attention_heads, attention.config.num_key_value_heads, attention.head_dim)
 
 
 def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
