@@ -144,6 +144,8 @@ def test_levers_are_pulled_in_order_when_recomputation_is_not_enough():
     saves also chunks the MLPs; each plan's step stays within its budget and computes the same loss."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
+    from _gpu_step import measured_step
+
     from tiletune.train.recompute import MARGIN
 
     # a wide MLP, so a layer's backward (not the loss's chunk of logits) is the peak: 256 MiB per intermediate
@@ -162,27 +164,17 @@ def test_levers_are_pulled_in_order_when_recomputation_is_not_enough():
         apply_kernels(model, {"linear_cross_entropy": "chunked"})
         return model
 
-    def step(model):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        with torch.autocast("cuda", torch.bfloat16):
-            loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        return loss.detach(), torch.cuda.max_memory_allocated()
-
     model = fresh()
     unconstrained = plan_recomputation(model, 1, 8192, torch.bfloat16, budget_gib=None, use_reentrant=True)
     assert unconstrained.levers == []
-    reference, _ = step(model)
+    reference, _ = measured_step(model, tokens)
     embedding_only = (unconstrained.base_bytes - table // 2) / (1 - MARGIN) / 2**30
     both = (unconstrained.base_bytes - table - 256 * 2**20) / (1 - MARGIN) / 2**30
     for budget, levers in ((embedding_only, 1), (both, 2)):
         model = fresh()
         plan = plan_recomputation(model, 1, 8192, torch.bfloat16, budget_gib=budget, use_reentrant=True)
         assert plan.levers[:levers] == ["the input embeddings in host memory", "the MLPs in 16 chunks of tokens"][:levers], plan.summary()
-        loss, peak = step(model)
+        loss, peak = measured_step(model, tokens)
         assert peak <= budget * 2**30, (peak, plan.to_dict())
         torch.testing.assert_close(loss, reference, rtol=1e-2, atol=0)
     with pytest.raises(UserError, match="with every layer recomputed"):
