@@ -131,13 +131,79 @@ def packages(monkeypatch, missing=(), present=()):
     ("report_to", ["none", "wandb"], ["wandb"], "report_to=wandb needs wandb, which is not installed; pip install wandb"),
     ("optim", "adamw_8bit", ["bitsandbytes"], "optim=adamw_8bit needs bitsandbytes, which is not installed; pip install bitsandbytes"),
     ("optim", "paged_lion_32bit", ["bitsandbytes"], "optim=paged_lion_32bit needs bitsandbytes"),
+    ("use_galore", True, ["galore_torch"], (r"use_galore needs galore-torch, which is not installed; pip install "
+                                            r"galore-torch \(or remove use_galore\)")),
+    ("use_apollo", True, ["apollo_torch"], "use_apollo needs apollo-torch, which is not installed; pip install apollo-torch"),
+    ("use_muon", True, ["torch.optim._muon"], r"use_muon needs torch >= 2.9 \(torch.optim.Muon\), which is not installed"),
 ])  # fmt: skip
 def test_a_value_whose_package_is_missing_names_key_package_and_install_line(monkeypatch, key, value, missing, message):
     packages(monkeypatch, missing=missing)
     with pytest.raises(UserError, match=message):
-        build_config({**BASE, key: value})
+        build_config({**BASE, "finetuning_type": "full", key: value})
 
 
 def test_a_value_whose_package_is_installed_passes(monkeypatch):
     packages(monkeypatch, missing=["tensorboard"], present=["tensorboardX"])  # either provides the tensorboard logger
     assert build_config({**BASE, "report_to": "tensorboard"}).training["report_to"] == "tensorboard"
+
+
+@pytest.mark.parametrize("raw, expected, note", [
+    ({"enable_liger_kernel": True}, {"kernels": "all"}, ("enable_liger_kernel=true read as kernels='all': tiletune's "
+                                                         "TileLang kernels in place of Liger-Kernel's")),
+    ({"enable_liger_kernel": True, "kernels": "rms_norm"}, {"kernels": "rms_norm"},
+     "enable_liger_kernel=true is not applied: kernels='rms_norm' set and wins"),
+    ({"use_unsloth_gc": "true"}, {"checkpointing": "auto", "gradient_checkpointing_offload": True},
+     ("use_unsloth_gc=true read as gradient_checkpointing='auto', gradient_checkpointing_offload=True: tiletune's "
+      "offloaded checkpointing")),
+    ({"use_unsloth_gc": True, "gradient_checkpointing": "auto"}, {"checkpointing": "auto", "gradient_checkpointing_offload": True},
+     "use_unsloth_gc=true read as"),
+    ({"use_unsloth_gc": True, "disable_gradient_checkpointing": True}, {"checkpointing": "off", "gradient_checkpointing_offload": False},
+     "use_unsloth_gc=true is not applied: disable_gradient_checkpointing=True set and wins"),
+    ({"enable_liger_kernel": False, "use_unsloth_gc": False}, {"kernels": None, "checkpointing": "on"}, None),
+])  # fmt: skip
+def test_llamafactory_switches_read_as_tiletunes_own_keys_with_a_note(caplog, raw, expected, note):
+    with caplog.at_level("WARNING", logger="tiletune"):
+        cfg = build_config({**BASE, **raw}, source="c.yaml")
+    assert {key: getattr(cfg, key) for key in expected} == expected
+    notes = [r.getMessage() for r in caplog.records]
+    assert notes == [] if note is None else len(notes) == 1 and notes[0].startswith(f"c.yaml: {note}"), notes
+
+
+@pytest.mark.parametrize("key, why", [
+    ("streaming", "datasets' streaming hands over an iterable dataset"),
+    ("use_badam", "BAdam needs its own Trainer wiring"),
+])  # fmt: skip
+def test_keys_still_refused_say_why_and_what_to_use(key, why):
+    with pytest.raises(UserError, match=f"{key}=True is a LLaMA-Factory option tiletune does not support yet \\({why}"):
+        build_config({**BASE, key: True})
+
+
+def test_method_and_optimizer_keys_are_typed_and_kept():
+    cfg = build_config({**BASE, "rope_scaling": "yarn", "loraplus_lr_ratio": "16", "pissa_init": True, "pissa_iter": -1})
+    assert (cfg.rope_scaling, cfg.loraplus_lr_ratio, cfg.pissa_init, cfg.pissa_iter) == ("yarn", 16.0, True, -1)
+    cfg = build_config({**BASE, "finetuning_type": "oft", "oft_rank": 4, "oft_block_size": 0, "module_dropout": 0.1})
+    assert (cfg.finetuning_type, cfg.oft_rank, cfg.oft_block_size, cfg.module_dropout) == ("oft", 4, 0, 0.1)
+    with pytest.raises(UserError, match="rope_scaling='ntk' is not valid; allowed: one of 'linear', 'dynamic'"):
+        build_config({**BASE, "rope_scaling": "ntk"})
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"galore_rank": 4}, "galore_rank is read only with use_galore=true; set that too, or remove galore_rank"),
+    ({"apollo_proj": "svd"}, "apollo_proj is read only with use_apollo=true"),
+    ({"pissa_convert": True}, "pissa_convert is read only with pissa_init=true"),
+    ({"loraplus_lr_embedding": 1e-5}, "loraplus_lr_embedding is read only with loraplus_lr_ratio"),
+    ({"oft_rank": 4}, "oft_rank is read only with finetuning_type=oft"),
+    ({"finetuning_type": "full", "loraplus_lr_ratio": 16}, "loraplus_lr_ratio is read only with finetuning_type=lora"),
+    ({"finetuning_type": "freeze", "pissa_init": True}, "pissa_init is read only with finetuning_type=lora"),
+    ({"use_muon": True, "loraplus_lr_ratio": 16}, "use_muon and loraplus_lr_ratio each choose the optimizer; keep one"),
+    ({"use_galore": True}, "use_galore projects the gradients of whole weight matrices, not of adapters"),
+    ({"use_apollo": True, "finetuning_type": "full", "optim": "sgd"},
+     "use_apollo has no variant of optim=sgd; set optim to one of adamw_torch, adamw_torch_fused"),
+    ({"use_galore": True, "finetuning_type": "full", "galore_layerwise": True, "gradient_accumulation_steps": 4},
+     "galore_layerwise steps each weight as its gradient arrives; set gradient_accumulation_steps=1"),
+    ({"finetuning_type": "oft", "oft_rank": 4}, "OFT takes either oft_rank .* or oft_block_size, the other 0"),
+    ({"pissa_init": True, "quantization_bit": 4}, "pissa_init moves each weight's principal part into the adapter"),
+])  # fmt: skip
+def test_method_keys_that_would_change_nothing_or_cannot_go_together_are_refused(raw, message):
+    with pytest.raises(UserError, match=message):
+        build_config({**BASE, **raw})

@@ -1,8 +1,10 @@
 """The run configuration: LLaMA-Factory's key names in a YAML/JSON file, plus `key=value` overrides.
 
-Every key is one of three kinds:
+Every key is one of four kinds:
 - a tiletune key (the fields of `TuneConfig`, named as in LLaMA-Factory), honoured here;
 - a field of transformers' `Seq2SeqTrainingArguments`, handed to the Trainer (as LLaMA-Factory does);
+- a LLaMA-Factory switch naming another library's version of something tiletune does itself
+  (`_MAPPED_KEYS`): read as tiletune's keys, with a one-line note;
 - a LLaMA-Factory key tiletune does not implement yet: accepted at its LLaMA-Factory default (with a
   note), refused with "not supported yet" otherwise.
 Anything else is refused with the closest valid key. Values are checked against the field's type.
@@ -14,7 +16,9 @@ import dataclasses
 import difflib
 import enum
 import functools
+import importlib.util
 import json
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,6 +30,7 @@ import yaml
 
 from tiletune.errors import UserError
 
+log = logging.getLogger("tiletune")
 SUPPORTED_STAGES = ("pt", "sft")
 KNOWN_STAGES = ("pt", "sft", "rm", "ppo", "dpo", "kto")
 
@@ -55,9 +60,11 @@ class TuneConfig:
     use_reentrant_gc: bool = True
     infer_dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
     print_param_status: bool = False
+    # the model config's rotary scaling, set as LLaMA-Factory's configure_rope does (factor from cutoff_len)
+    rope_scaling: Literal["linear", "dynamic", "yarn", "llama3"] | None = None
     # -- method
     stage: str = "sft"
-    finetuning_type: Literal["lora", "full", "freeze"] = "lora"
+    finetuning_type: Literal["lora", "full", "freeze", "oft"] = "lora"
     pure_bf16: bool = False
     lora_rank: int = 8
     lora_alpha: int | None = None
@@ -67,6 +74,15 @@ class TuneConfig:
     use_rslora: bool = False
     use_dora: bool = False
     create_new_adapter: bool = False
+    loraplus_lr_ratio: float | None = None  # LoRA+: the B matrices learn at learning_rate x this
+    loraplus_lr_embedding: float = 1e-6  # LoRA+: the learning rate of LoRA's embedding adapters
+    pissa_init: bool = False  # peft's PiSSA initialisation (principal singular vectors in the adapter)
+    pissa_iter: int = 16  # fast-SVD iterations; -1: a full SVD
+    pissa_convert: bool = False  # also write the trained adapter as a plain LoRA one in pissa_converted/
+    oft_rank: int = 0  # OFT (peft): blocks per layer, or 0 to take oft_block_size
+    oft_block_size: int = 32
+    oft_target: str = "all"
+    module_dropout: float = 0.0
     # -- quantized frozen base weights (QLoRA): LLaMA-Factory's keys, tiletune's own formats and kernels
     quantization_bit: int | None = None  # 4 (nf4 / fp4 blocks of 64) or 8 (int8 per output channel)
     quantization_method: str = "bnb"  # bitsandbytes' formats; no bitsandbytes needed at run time
@@ -85,7 +101,8 @@ class TuneConfig:
     mask_history: bool = False
     max_samples: int | None = None
     val_size: float = 0.0
-    packing: bool | None = None
+    packing: bool | None = None  # pack examples into cutoff_len sequences; default: on for pt only
+    neat_packing: bool = False  # sft packing without attention across examples (implies packing)
     default_system: str | None = None
     enable_thinking: bool = True
     overwrite_cache: bool = False
@@ -115,6 +132,24 @@ class TuneConfig:
     export_dir: str | None = None
     export_size: float = 5
     export_device: Literal["cpu", "auto"] = "cpu"
+    # -- optimizers (tiletune.train.optimizers): GaLore and APOLLO through transformers' Trainer, torch's Muon
+    use_galore: bool = False
+    galore_target: str = "all"
+    galore_rank: int = 16
+    galore_update_interval: int = 200
+    galore_scale: float = 2.0
+    galore_proj_type: Literal["std", "reverse_std", "right", "left", "full"] = "std"
+    galore_layerwise: bool = False
+    use_apollo: bool = False
+    apollo_target: str = "all"
+    apollo_rank: int = 16
+    apollo_update_interval: int = 200
+    apollo_scale: float = 32.0
+    apollo_proj: Literal["svd", "random"] = "random"
+    apollo_proj_type: Literal["std", "right", "left"] = "std"
+    apollo_scale_type: Literal["channel", "tensor"] = "channel"
+    apollo_layerwise: bool = False
+    use_muon: bool = False
     # -- tiletune
     kernels: Any = None
     # -- everything handed to transformers' Seq2SeqTrainingArguments
@@ -166,7 +201,7 @@ def build_config(raw: dict[str, Any], source: str = "config") -> TuneConfig:
     trainer_types = _trainer_types()
     values: dict[str, Any] = {}
     training: dict[str, Any] = {}
-    for key, value in raw.items():
+    for key, value in _read_mapped_keys(raw, source).items():
         if key in own_types and key != "training":
             values[key] = coerce(key, value, own_types[key], source)
         elif key in trainer_types:
@@ -178,6 +213,43 @@ def build_config(raw: dict[str, Any], source: str = "config") -> TuneConfig:
     cfg = TuneConfig(**values, training=training)
     _check_values(cfg, source)
     return cfg
+
+
+@dataclass(frozen=True)
+class _Mapped:
+    """A LLaMA-Factory switch read as tiletune's own keys: the values it sets when true, and what they do."""
+
+    sets: dict[str, Any]
+    note: str
+
+
+_MAPPED_KEYS = {
+    "enable_liger_kernel": _Mapped({"kernels": "all"}, "tiletune's TileLang kernels in place of Liger-Kernel's Triton "
+                                   "ones (docs/kernels.md)"),
+    "use_unsloth_gc": _Mapped(
+        {"gradient_checkpointing": "auto", "gradient_checkpointing_offload": True, "disable_gradient_checkpointing": False},
+        "tiletune's offloaded checkpointing in place of Unsloth's: the layers gradient_checkpointing_budget has no "
+        "room for are recomputed with their inputs in pinned host memory (GPU only; docs/config.md)"),
+}  # fmt: skip
+
+
+def _read_mapped_keys(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """`raw` with each true `_MAPPED_KEYS` switch replaced by the keys it sets, in one logged line; where the
+    config itself sets one of those keys otherwise, the config's value wins and the line says so."""
+    read = {key: value for key, value in raw.items() if key not in _MAPPED_KEYS}
+    defaults = _own_defaults()
+    for key, mapped in _MAPPED_KEYS.items():
+        if not coerce(key, raw.get(key, False), bool, source):
+            continue
+        taken = [k for k, value in mapped.sets.items() if read.get(k, value) not in (value, defaults[k])]
+        if taken:
+            log.warning("%s: %s=true is not applied: %s set and wins", source, key,
+                        ", ".join(f"{k}={read[k]!r}" for k in taken))  # fmt: skip
+            continue
+        read.update(mapped.sets)
+        shown = ", ".join(f"{k}={value!r}" for k, value in mapped.sets.items() if value != defaults[k])
+        log.warning("%s: %s=true read as %s: %s", source, key, shown, mapped.note)
+    return read
 
 
 def _read_config_file(path: Path) -> dict[str, Any]:
@@ -327,14 +399,123 @@ def _check_values(cfg: TuneConfig, source: str) -> None:
     if cfg.quantization_bit and cfg.finetuning_type != "lora":
         raise UserError(f"{source}: quantization_bit={cfg.quantization_bit} with finetuning_type={cfg.finetuning_type}: "
                         "quantized base weights are frozen and train through LoRA adapters; set finetuning_type=lora")
+    if cfg.neat_packing and cfg.stage != "sft":
+        raise UserError(f"{source}: neat_packing is for stage sft (pre-training cuts the concatenated texts into "
+                        "blocks, documents attending to each other); remove it")
+    if cfg.neat_packing and cfg.packing is False:
+        raise UserError(f"{source}: neat_packing=true packs examples (without attention across them) but "
+                        "packing=false; remove packing=false")
     if cfg.train_arg("bf16") and cfg.train_arg("fp16"):
         raise UserError(f"{source}: bf16 and fp16 are both true; choose one")
+    _check_method_keys(cfg, source)
     if cfg.train_arg("do_train") and not cfg.dataset:
         raise UserError(f"{source}: do_train is true but no `dataset` is set; name one from dataset_info.json")
     if cfg.train_arg("do_predict") and not (cfg.eval_dataset or cfg.dataset):
         raise UserError(f"{source}: do_predict is true but no `eval_dataset` is set")
     if not cfg.model_name_or_path:
         raise UserError(f"{source}: model_name_or_path is missing; set it to a local model directory or a hub id")
+    _check_packages(cfg, source)
+
+
+# keys read only when another is on: what turns them on (as the message says it), the test, the keys
+_READ_ONLY_WITH = (
+    ("finetuning_type=lora", lambda cfg: cfg.finetuning_type == "lora", ("loraplus_lr_ratio", "pissa_init")),
+    ("finetuning_type=oft", lambda cfg: cfg.finetuning_type == "oft",
+     ("oft_rank", "oft_block_size", "oft_target", "module_dropout")),
+    ("pissa_init=true", lambda cfg: cfg.pissa_init, ("pissa_iter", "pissa_convert")),
+    ("loraplus_lr_ratio", lambda cfg: cfg.loraplus_lr_ratio is not None, ("loraplus_lr_embedding",)),
+    ("use_galore=true", lambda cfg: cfg.use_galore, ("galore_target", "galore_rank", "galore_update_interval",
+                                                     "galore_scale", "galore_proj_type", "galore_layerwise")),
+    ("use_apollo=true", lambda cfg: cfg.use_apollo, ("apollo_target", "apollo_rank", "apollo_update_interval",
+                                                     "apollo_scale", "apollo_proj", "apollo_proj_type",
+                                                     "apollo_scale_type", "apollo_layerwise")),
+)  # fmt: skip
+# use_galore / use_apollo: transformers' Trainer optimizer for each `optim` they wrap (LLaMA-Factory's choice)
+LOW_RANK_OPTIMS = {
+    "use_galore": {"adamw_torch": "galore_adamw", "adamw_torch_fused": "galore_adamw", "adamw_bnb_8bit": "galore_adamw_8bit",
+                   "adamw_8bit": "galore_adamw_8bit", "paged_adamw_8bit": "galore_adamw_8bit",
+                   "adafactor": "galore_adafactor"},
+    "use_apollo": {"adamw_torch": "apollo_adamw", "adamw_torch_fused": "apollo_adamw"},
+}  # fmt: skip
+
+
+def _check_method_keys(cfg: TuneConfig, source: str) -> None:
+    """Refuse method and optimizer keys that would change nothing, or that cannot go together."""
+    defaults = _own_defaults()
+    for switch, on, keys in _READ_ONLY_WITH:
+        unread = [key for key in keys if getattr(cfg, key) != defaults[key]]
+        if unread and not on(cfg):
+            raise UserError(f"{source}: {unread[0]} is read only with {switch}; set that too, or remove {unread[0]}")
+    chosen = [key for key in ("use_galore", "use_apollo", "use_muon", "loraplus_lr_ratio") if getattr(cfg, key) not in (None, False)]
+    if len(chosen) > 1:
+        raise UserError(f"{source}: {chosen[0]} and {chosen[1]} each choose the optimizer; keep one")
+    if cfg.finetuning_type == "oft" and (cfg.oft_rank == 0) == (cfg.oft_block_size == 0):
+        raise UserError(f"{source}: OFT takes either oft_rank (blocks per layer) or oft_block_size, the other 0 "
+                        f"(got oft_rank={cfg.oft_rank}, oft_block_size={cfg.oft_block_size})")
+    if cfg.pissa_init and cfg.quantization_bit:
+        raise UserError(f"{source}: pissa_init moves each weight's principal part into the adapter, which a quantized "
+                        "base cannot give up; remove pissa_init or quantization_bit")
+    low_rank = next((switch for switch in LOW_RANK_OPTIMS if getattr(cfg, switch)), None)
+    if low_rank:
+        _check_low_rank(cfg, low_rank, source)
+
+
+def _check_low_rank(cfg: TuneConfig, switch: str, source: str) -> None:
+    """use_galore / use_apollo: whole weights, an `optim` they have a variant of, layer-wise steps without accumulation."""
+    if cfg.finetuning_type in ("lora", "oft"):
+        raise UserError(f"{source}: {switch} projects the gradients of whole weight matrices, not of adapters; "
+                        "set finetuning_type to full or freeze")
+    if cfg.train_arg("optim") not in LOW_RANK_OPTIMS[switch]:
+        raise UserError(f"{source}: {switch} has no variant of optim={cfg.train_arg('optim')}; set optim to one of "
+                        + ", ".join(LOW_RANK_OPTIMS[switch]))
+    layerwise = switch.removeprefix("use_") + "_layerwise"
+    if getattr(cfg, layerwise) and cfg.train_arg("gradient_accumulation_steps") != 1:
+        raise UserError(f"{source}: {layerwise} steps each weight as its gradient arrives; set gradient_accumulation_steps=1")
+
+
+@dataclass(frozen=True)
+class _Package:
+    """A package tiletune does not install that a config value needs: the modules it provides, how to install it."""
+
+    name: str
+    modules: tuple[str, ...]
+    install: str
+
+
+_BITSANDBYTES = _Package("bitsandbytes", ("bitsandbytes",), "pip install bitsandbytes")
+# transformers' optimizers (OptimizerNames) that run on bitsandbytes
+_BITSANDBYTES_OPTIMIZERS = (
+    "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit", "ademamix", "ademamix_8bit",
+    "paged_ademamix_32bit", "paged_ademamix_8bit", "lion_32bit", "lion_8bit", "paged_lion_32bit", "paged_lion_8bit",
+    "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit",
+)  # fmt: skip
+_NEEDS_PACKAGE = {
+    ("flash_attn", "fa2"): _Package("flash-attn", ("flash_attn",), "pip install flash-attn --no-build-isolation"),
+    ("flash_attn", "fa3"): _Package("FlashAttention-3", ("flash_attn_interface",),
+                                    "build it from the hopper/ folder of github.com/Dao-AILab/flash-attention"),
+    ("report_to", "tensorboard"): _Package("tensorboard", ("tensorboard", "tensorboardX"), "pip install tensorboard"),
+    ("report_to", "wandb"): _Package("wandb", ("wandb",), "pip install wandb"),
+    ("report_to", "mlflow"): _Package("mlflow", ("mlflow",), "pip install mlflow"),
+    ("report_to", "swanlab"): _Package("swanlab", ("swanlab",), "pip install swanlab"),
+    **{("optim", name): _BITSANDBYTES for name in _BITSANDBYTES_OPTIMIZERS},
+    ("use_galore", True): _Package("galore-torch", ("galore_torch",), "pip install galore-torch"),
+    ("use_apollo", True): _Package("apollo-torch", ("apollo_torch",), "pip install apollo-torch"),
+    ("use_muon", True): _Package("torch >= 2.9 (torch.optim.Muon)", ("torch.optim._muon",), "pip install -U 'torch>=2.9'"),
+}
+
+
+def _check_packages(cfg: TuneConfig, source: str) -> None:
+    """Refuse a value whose package is missing now, before anything loads, rather than mid-training."""
+    report_to = cfg.train_arg("report_to") or []
+    chosen = [("flash_attn", cfg.flash_attn), ("optim", cfg.train_arg("optim"))]
+    chosen += [("report_to", name) for name in ([report_to] if isinstance(report_to, str) else report_to)]
+    chosen += [(key, getattr(cfg, key)) for key in ("use_galore", "use_apollo", "use_muon")]
+    for key, value in chosen:
+        package = _NEEDS_PACKAGE.get((key, value))
+        if package and not any(importlib.util.find_spec(module) for module in package.modules):
+            what, instead = (key, f"remove {key}") if value is True else (f"{key}={value}", f"choose another {key}")
+            raise UserError(f"{source}: {what} needs {package.name}, which is not installed; {package.install} "
+                            f"(or {instead})")
 
 
 # ---- key catalogues ----------------------------------------------------------------------------
@@ -345,6 +526,11 @@ def _trainer_types() -> dict[str, Any]:
     from transformers import Seq2SeqTrainingArguments
 
     return typing.get_type_hints(Seq2SeqTrainingArguments)
+
+
+@functools.cache
+def _own_defaults() -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(TuneConfig)}
 
 
 @functools.cache
@@ -361,17 +547,30 @@ def _unsupported_keys() -> dict[str, Any]:
     return yaml.safe_load(text)
 
 
+# why a LLaMA-Factory key is still refused, and what to use instead, where "not supported yet" says too little
+_REFUSED_BECAUSE = {
+    "streaming": "datasets' streaming hands over an iterable dataset, and tiletune's data pipeline tokenises, caches "
+                 "and packs a map-style one; the tokenised data is cached on disk and reused, and max_samples bounds "
+                 "how much is read",
+    "use_badam": "BAdam needs its own Trainer wiring: it patches accelerate's gradient clipping and the model's "
+                 "checkpointing, and trains half-precision weights without float32 master copies; for a lean full "
+                 "fine-tune use use_galore, use_apollo or finetuning_type: freeze",
+    "apollo_scale_front": "use_apollo runs transformers' APOLLO optimizer, which takes no scale_front",
+}  # fmt: skip
+
+
 def _check_unsupported(key: str, value: Any, source: str) -> None:
     default = _unsupported_keys()[key]
     if value == default or (value is None and default is None):
         return
+    because = f" ({_REFUSED_BECAUSE[key]})" if key in _REFUSED_BECAUSE else ""
     raise UserError(
-        f"{source}: {key}={value!r} is a LLaMA-Factory option tiletune does not support yet; "
+        f"{source}: {key}={value!r} is a LLaMA-Factory option tiletune does not support yet{because}; "
         f"remove it or set it to its default ({default!r})"
     )
 
 
 def _unknown_key_message(key: str, source: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(key, valid + list(_unsupported_keys()), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(key, valid + list(_MAPPED_KEYS) + list(_unsupported_keys()), n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else "; see docs/config.md for the keys tiletune reads"
     return f"{source}: unknown key {key!r}{hint}"

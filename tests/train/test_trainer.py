@@ -153,3 +153,30 @@ def test_packed_sft_run_trains_and_reports_the_packing(run_config, tmp_path, cap
     log = [json.loads(line) for line in (tmp_path / "out" / "trainer_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if "loss" in r] == [1, 2] and all(r["loss"] > 0 for r in log if "loss" in r)
     assert metrics["eval_loss"] > 0
+
+
+def test_oft_trains_an_orthogonal_adapter(run_config, tmp_path):
+    run_train(run_config(finetuning_type="oft", oft_block_size=16, learning_rate=1e-2, max_steps=8, save_steps=10))
+    out = tmp_path / "out"
+    assert json.loads((out / "adapter_config.json").read_text())["peft_type"] == "OFT"
+    losses = [r["loss"] for r in map(json.loads, (out / "trainer_log.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(losses) == 8 and max(losses[-2:]) < min(losses[:2]), losses
+
+
+def test_pissa_convert_writes_a_lora_adapter_for_the_unmodified_base(run_config, tmp_path, tiny_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run_train(run_config(lora_rank=4, pissa_init=True, pissa_iter=-1, pissa_convert=True, max_steps=2, save_steps=10))
+    out = tmp_path / "out"
+    converted = json.loads((out / "pissa_converted" / "adapter_config.json").read_text())
+    assert converted["r"] == 8 and converted["init_lora_weights"] is True
+    tokens = torch.tensor([[1, 5, 9, 14, 3]])
+
+    def logits(adapter):
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        return PeftModel.from_pretrained(base, adapter).eval()(tokens).logits
+
+    trained = logits(out)  # the PiSSA adapter: loading it takes the principal part out of the base again
+    torch.testing.assert_close(logits(out / "pissa_converted"), trained, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(logits(out / "pissa_init"), trained, atol=1e-4)  # training changed it

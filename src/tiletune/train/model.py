@@ -1,4 +1,4 @@
-"""Load the tokenizer and model, choose the precision, and set up LoRA / freeze / full fine-tuning.
+"""Load the tokenizer and model, choose the precision, and set up LoRA / OFT / freeze / full fine-tuning.
 
 One place decides dtype and device: `compute_dtype`. As in LLaMA-Factory, the weights load in the
 compute dtype and the parameters that train are kept in float32 (mixed precision via autocast),
@@ -8,6 +8,7 @@ unless `pure_bf16`.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from pathlib import Path
 
@@ -90,6 +91,7 @@ def load_model(cfg: TuneConfig, tokenizer, trainable: bool, device_map: str | No
 
     dtype = compute_dtype(cfg)
     config = AutoConfig.from_pretrained(cfg.model_name_or_path, **_hub_kwargs(cfg))
+    scale_rope(cfg, config, trainable)
     if cfg.quantization_bit or is_bnb_4bit(config):
         model = _load_quantized(cfg, config, dtype)
     else:
@@ -125,6 +127,42 @@ def load_model(cfg: TuneConfig, tokenizer, trainable: bool, device_map: str | No
     return prepare_for_training(cfg, model)
 
 
+# rope_scaling -> what LLaMA-Factory's configure_rope sets beside the type and factor (`old`: the trained length)
+ROPE_EXTRAS = {
+    "linear": lambda old: {},
+    "dynamic": lambda old: {"original_max_position_embeddings": old},
+    "yarn": lambda old: {"original_max_position_embeddings": old},
+    "llama3": lambda old: {"original_max_position_embeddings": old, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+}
+
+
+def scale_rope(cfg: TuneConfig, config, trainable: bool) -> None:
+    """`rope_scaling` in the model config's rotary parameters, as LLaMA-Factory's configure_rope sets them.
+
+    Training, the factor is ceil(cutoff_len / the trained length) and no scaling when cutoff_len fits; otherwise
+    (export, chat, prediction alone) 2. The trained length is the config's original_max_position_embeddings, or
+    its max_position_embeddings, which grows by the factor.
+    """
+    if cfg.rope_scaling is None:
+        return
+    rope = getattr(config, "rope_parameters", None)
+    if not rope or any(isinstance(value, dict) for value in rope.values()):
+        raise UserError(f"rope_scaling={cfg.rope_scaling}: {config.model_type} has no single set of rotary parameters "
+                        "to scale (none, or one per layer type); remove rope_scaling")  # fmt: skip
+    old = rope.get("original_max_position_embeddings") or config.max_position_embeddings
+    if trainable and cfg.cutoff_len <= old:
+        log.warning("rope_scaling=%s: cutoff_len %d fits the %d positions the model was trained on; no scaling "
+                    "(as LLaMA-Factory)", cfg.rope_scaling, cfg.cutoff_len, old)  # fmt: skip
+        return
+    factor = float(math.ceil(cfg.cutoff_len / old)) if trainable else 2.0
+    kept = {key: rope[key] for key in ("rope_theta", "partial_rotary_factor") if key in rope}
+    config.rope_parameters = {**kept, "rope_type": cfg.rope_scaling, "factor": factor, **ROPE_EXTRAS[cfg.rope_scaling](old)}
+    config.max_position_embeddings = int(old * factor)
+    config.standardize_rope_params()
+    log.info("rope_scaling=%s: factor %g, %d positions (from %d)", cfg.rope_scaling, factor,
+             config.max_position_embeddings, old)  # fmt: skip
+
+
 def _load_quantized(cfg: TuneConfig, config, dtype: torch.dtype):
     """The model with its Linears quantized as quantization_bit / quantization_type say (or as a bitsandbytes
     4-bit checkpoint holds them), on the GPU if there is one."""
@@ -141,13 +179,13 @@ def _load_quantized(cfg: TuneConfig, config, dtype: torch.dtype):
 
 
 def prepare_for_training(cfg: TuneConfig, model):
-    """Gradient checkpointing, then LoRA / freeze / full as `finetuning_type` says, trainable weights in float32."""
+    """Gradient checkpointing, then LoRA / OFT / freeze / full as `finetuning_type` says, trainable weights in float32."""
     model.config.use_cache = False
     if cfg.checkpointing != "off" and getattr(model, "supports_gradient_checkpointing", False):
         set_checkpointing(model, enabled=True, use_reentrant=cfg.use_reentrant_gc)
         model.enable_input_require_grads()
-    if cfg.finetuning_type == "lora":
-        model = _setup_lora(cfg, model)
+    if cfg.finetuning_type in ADAPTERS:
+        model = _setup_adapter(cfg, model)
     elif cfg.finetuning_type == "freeze":
         _setup_freeze(cfg, model)
     if not cfg.pure_bf16:
@@ -212,29 +250,89 @@ def linear_module_names(model) -> list[str]:
     return sorted(names - routers)
 
 
-def _setup_lora(cfg: TuneConfig, model):
-    from peft import LoraConfig, get_peft_model
+def _lora_config(cfg: TuneConfig, targets: list[str]):
+    """LoRA, initialised as peft's PiSSA with `pissa_init` (a full SVD with pissa_iter -1, else that many fast-SVD steps)."""
+    from peft import LoraConfig
 
-    if cfg.adapter_name_or_path:
-        model = _load_adapters(cfg, model, trainable=True)
-        if not cfg.create_new_adapter:
-            return model
-    available = linear_module_names(model)
-    targets = available if cfg.lora_target == "all" else [t.strip() for t in cfg.lora_target.split(",")]
-    unknown = [t for t in targets if t not in available]
-    if unknown:
-        raise UserError(f"lora_target {unknown[0]!r} is not a linear layer of this model; available: {', '.join(available)} or all")
-    lora = LoraConfig(
+    pissa = "pissa" if cfg.pissa_iter == -1 else f"pissa_niter_{cfg.pissa_iter}"
+    return LoraConfig(
         task_type="CAUSAL_LM",
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha or cfg.lora_rank * 2,
         lora_dropout=cfg.lora_dropout,
         target_modules=targets,
-        modules_to_save=[m.strip() for m in cfg.additional_target.split(",")] if cfg.additional_target else None,
+        modules_to_save=_names(cfg.additional_target),
         use_rslora=cfg.use_rslora,
         use_dora=cfg.use_dora,
+        init_lora_weights=pissa if cfg.pissa_init else True,
     )
-    return get_peft_model(model, lora)
+
+
+def _oft_config(cfg: TuneConfig, targets: list[str]):
+    """OFT (orthogonal fine-tuning): LLaMA-Factory's oft_rank, oft_block_size and module_dropout."""
+    from peft import OFTConfig
+
+    return OFTConfig(
+        task_type="CAUSAL_LM",
+        r=cfg.oft_rank,
+        oft_block_size=cfg.oft_block_size,
+        module_dropout=cfg.module_dropout,
+        target_modules=targets,
+        modules_to_save=_names(cfg.additional_target),
+    )
+
+
+# finetuning_type -> (the peft config builder, the key naming its target layers)
+ADAPTERS = {"lora": (_lora_config, "lora_target"), "oft": (_oft_config, "oft_target")}
+
+
+def _names(value: str | None) -> list[str] | None:
+    return [name.strip() for name in value.split(",")] if value else None
+
+
+def _setup_adapter(cfg: TuneConfig, model):
+    """The adapters of adapter_name_or_path (the last one keeps training), or a new one on the target layers."""
+    from peft import get_peft_model
+
+    if cfg.adapter_name_or_path:
+        model = _load_adapters(cfg, model, trainable=True)
+        if not cfg.create_new_adapter:
+            if cfg.pissa_init:
+                raise UserError("pissa_init initialises a new adapter, and adapter_name_or_path continues training the "
+                                "last one; set create_new_adapter=true or remove pissa_init")  # fmt: skip
+            return model
+    build, target_key = ADAPTERS[cfg.finetuning_type]
+    return get_peft_model(model, build(cfg, target_modules(model, target_key, getattr(cfg, target_key))))
+
+
+def target_modules(model, key: str, value: str) -> list[str]:
+    """The Linear layers a target key (`lora_target`, `oft_target`, `galore_target`, ...) names: comma-separated
+    names, or `all` (`linear_module_names`); UserError for a name the model lacks."""
+    available = linear_module_names(model)
+    targets = available if value == "all" else _names(value)
+    unknown = [t for t in targets if t not in available]
+    if unknown:
+        raise UserError(f"{key} {unknown[0]!r} is not a linear layer of this model; available: {', '.join(available)} or all")
+    return targets
+
+
+def pissa_convert_callback():
+    """`pissa_convert`, as LLaMA-Factory does it: the PiSSA adapter as initialised is saved in pissa_init/ when
+    training starts (not when it resumes), and the trained one is written again at the end, in pissa_converted/,
+    as a plain LoRA adapter (rank 2r) over the unmodified base weights."""
+    from transformers import TrainerCallback
+
+    class PissaConvert(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            if args.should_save and state.global_step == 0:
+                model.save_pretrained(Path(args.output_dir, "pissa_init"))
+
+        def on_train_end(self, args, state, control, model=None, **kwargs):
+            if args.should_save:
+                model.save_pretrained(Path(args.output_dir, "pissa_converted"),
+                                      path_initial_model_for_weight_conversion=str(Path(args.output_dir, "pissa_init")))  # fmt: skip
+
+    return PissaConvert()
 
 
 def _setup_freeze(cfg: TuneConfig, model) -> None:

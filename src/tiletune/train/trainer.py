@@ -193,11 +193,14 @@ def _merge_all_results(output_dir: Path, metrics: dict) -> None:
 # ---- the Trainer -------------------------------------------------------------------------------
 
 
-def training_arguments(cfg: TuneConfig, output_dir: Path):
+def training_arguments(cfg: TuneConfig, output_dir: Path, model):
     """Seq2SeqTrainingArguments from the config's Trainer keys, with LLaMA-Factory's conventions."""
     from transformers import Seq2SeqTrainingArguments
 
+    from tiletune.train.optimizers import trainer_keys
+
     kwargs = dict(cfg.training)
+    kwargs.update(trainer_keys(cfg, model))  # use_galore / use_apollo: the Trainer's own optimizers
     kwargs["output_dir"] = str(output_dir)
     kwargs.setdefault("report_to", "none")
     kwargs["remove_unused_columns"] = False
@@ -244,11 +247,18 @@ def _make_trainer(cfg: TuneConfig, model, tokenizer, splits, output_dir: Path):
 
     from tiletune.data.collator import data_collator
     from tiletune.train.callbacks import JsonlLogCallback, ProgressCallback
+    from tiletune.train.model import pissa_convert_callback
+    from tiletune.train.optimizers import build_optimizer
 
     class TuneTrainer(Trainer):
-        """A Trainer whose checkpoints appear in output_dir only once they are complete."""
+        """A Trainer with the config's optimizer, whose checkpoints appear in output_dir only once they are complete."""
 
         staging = False
+
+        def create_optimizer(self, model=None):
+            if self.optimizer is None:
+                self.optimizer = build_optimizer(cfg, self.model if model is None else model, self.args)
+            return super().create_optimizer(model)
 
         def _get_output_dir(self, trial):
             run_dir = super()._get_output_dir(trial)
@@ -277,12 +287,12 @@ def _make_trainer(cfg: TuneConfig, model, tokenizer, splits, output_dir: Path):
         raise UserError("eval_strategy is set but there is no eval data; set eval_dataset or val_size")
     trainer = TuneTrainer(
         model=model,
-        args=training_arguments(cfg, output_dir),
+        args=training_arguments(cfg, output_dir, model),
         train_dataset=splits.train,
         eval_dataset=splits.eval,
         data_collator=data_collator(cfg, tokenizer),
         processing_class=tokenizer,
-        callbacks=[JsonlLogCallback(output_dir)],
+        callbacks=[JsonlLogCallback(output_dir)] + ([pissa_convert_callback()] if cfg.pissa_convert else []),
     )
     trainer.remove_callback(PlainProgress)
     trainer.remove_callback(PrinterCallback)
