@@ -173,7 +173,8 @@ def test_levers_are_pulled_in_order_when_recomputation_is_not_enough():
     for budget, levers in ((embedding_only, 1), (both, 2)):
         model = fresh()
         plan = plan_recomputation(model, 1, 8192, torch.bfloat16, budget_gib=budget, use_reentrant=True)
-        assert plan.levers[:levers] == ["the input embeddings in host memory", "the MLPs in 16 chunks of tokens"][:levers], plan.summary()
+        assert plan.levers[0] == "the input embeddings in host memory" and len(plan.levers) >= levers, plan.summary()
+        assert levers == 1 or plan.levers[1].startswith("the MLPs in "), plan.summary()
         loss, peak = measured_step(model, tokens)
         assert peak <= budget * 2**30, (peak, plan.to_dict())
         torch.testing.assert_close(loss, reference, rtol=1e-2, atol=0)

@@ -6,7 +6,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tiletune.patch import layer_modules
-from tiletune.train.tiled_mlp import _ChunkedMlp, is_tiled, mlp_chunks, tile_mlp, untile_mlp
+from tiletune.train.tiled_mlp import _ChunkedMlp, chunks_of, mlp_chunks, tile_mlp, untile_mlp
 
 
 def _model(dropout: float = 0.0):
@@ -99,13 +99,13 @@ def test_chunked_mlp_under_autocast_and_undo():
         reference = model(input_ids=tokens, labels=tokens).loss
     mlp = layer_modules(model, "mlp")[0]
     tile_mlp(mlp, 4)
-    assert is_tiled(mlp)
+    assert chunks_of(mlp) == 4
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(input_ids=tokens, labels=tokens).loss
     loss.backward()  # the chunks' replay runs under the forward's autocast (bf16 activations, fp32 adapters)
     torch.testing.assert_close(loss, reference, rtol=2e-2, atol=0)
     untile_mlp(mlp)
-    assert not is_tiled(mlp) and "forward" not in mlp.__dict__
+    assert chunks_of(mlp) == 0 and "forward" not in mlp.__dict__
     with torch.no_grad():  # evaluation never chunks
         tile_mlp(mlp, 4)
         hidden = torch.randn(1, 40, 32)

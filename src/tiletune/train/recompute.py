@@ -24,10 +24,10 @@ compute in both directions (a layer's tensors go out during the forward of the n
 come back during their backward). The other layers share the budget less that one layer in flight.
 
 When even every layer recomputed does not fit (a budget below the weights plus one layer's working set,
-or a long sequence), the planner pulls `LEVERS`, cheapest first, and probes again after each: the frozen
+or a long sequence), the planner pulls `levers_for(model)`, cheapest first, and probes again after each: the frozen
 input embedding table to host memory (`tiletune.train.host_embedding`: a CPU gather and a 64 MiB copy per
-step at 8,192 tokens), then the MLPs in chunks of tokens (`tiletune.train.tiled_mlp`: one more MLP forward
-per layer). A probe that itself runs out of memory (its two spared layers at a long sequence) counts as
+step at 8,192 tokens), then the MLPs in 2, 4, ... chunks of tokens (`tiletune.train.tiled_mlp`: one more
+MLP forward per layer; the fewest chunks that fit). A probe that itself runs out of memory (its two spared layers at a long sequence) counts as
 not fitting; once no lever is left it runs again with every layer recomputed.
 """
 
@@ -68,7 +68,7 @@ class RecomputePlan:
     offload_bytes: int = 0  # what one offloaded layer moves each way (its saved tensors and its input)
     layer_forward_ms: float = 0.0
     host_link_gb_s: float = 0.0
-    levers: list[str] = field(default_factory=list)  # what else was done to fit the budget (`LEVERS`)
+    levers: list[str] = field(default_factory=list)  # what else was done to fit the budget (`levers_for`)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -205,7 +205,7 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
 
     With `offload`, layers that would be recomputed may have their saved tensors (and, under re-entrant
     checkpointing, their inputs) wait in pinned host memory instead; GPU only. When the step does not fit
-    the budget even with every layer recomputed, the levers of `LEVERS` are pulled one by one, cheapest
+    the budget even with every layer recomputed, the levers of `levers_for` are pulled one by one, cheapest
     first, until it does.
     """
     from tiletune.patch import decoder_layers
@@ -228,8 +228,8 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
         from tiletune.train.offload import ActivationOffload
 
         activation_offload = ActivationOffload(device, model.parameters())
-    levers = [lever for lever in LEVERS if on_gpu and budget is not None and lever.why_not(model) is None]
-    pulled: list[str] = []
+    levers = [lever for lever in levers_for(model) if on_gpu and budget is not None and lever.why_not(model) is None]
+    pulled: dict[str, str] = {}  # lever name -> what it did (a lever pulled again replaces its entry)
     spare = min(2, len(layers))
     while True:
         probe = _probe_spared(model, layers, spare, batch, seq, dtype, device, use_reentrant, activation_offload,
@@ -240,18 +240,18 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
         if levers:
             lever = levers.pop(0)
             lever.pull(model)
-            pulled.append(lever.summary(model))
+            pulled[lever.name] = lever.summary(model)
         elif spare and probe is None:  # the probe's spared layers alone do not fit: recompute them too
             spare = 0
         else:
             break
     if probe is None:
         raise UserError(f"the step at batch {batch} x {seq} tokens runs out of GPU memory even with every layer "
-                        f"recomputed{' and ' + ', '.join(pulled) if pulled else ''}; lower per_device_train_batch_size "
+                        f"recomputed{' and ' + ', '.join(pulled.values()) if pulled else ''}; lower per_device_train_batch_size "
                         "or cutoff_len")  # fmt: skip
     keep_bytes, selective_bytes = probe.spared_bytes(len(layers), on_gpu)
     plan = RecomputePlan([], 0, base, keep_bytes, selective_bytes, "cuda memory" if on_gpu else "saved tensors (CPU)",
-                         input_bytes=probe.input_bytes, layer_forward_ms=probe.forward_ms, levers=pulled)  # fmt: skip
+                         input_bytes=probe.input_bytes, layer_forward_ms=probe.forward_ms, levers=list(pulled.values()))  # fmt: skip
     if budget is None:  # on the CPU, with no budget given, memory is not what limits: recompute nothing
         plan.treatments, plan.budget_bytes = ["keep"] * len(layers), base + len(layers) * keep_bytes
         apply_treatments(layers, plan.treatments, use_reentrant)
@@ -269,7 +269,7 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
     if budget < plan.base_bytes:
         raise UserError(
             f"gradient_checkpointing_budget={budget / GIB:.1f} GiB is below the {plan.base_bytes / GIB:.1f} GiB this step "
-            f"needs with every layer recomputed{' and ' + ', '.join(pulled) if pulled else ''}; raise the budget, "
+            f"needs with every layer recomputed{' and ' + ', '.join(pulled.values()) if pulled else ''}; raise the budget, "
             "or lower per_device_train_batch_size or cutoff_len"
         )
     extra = probe.input_bytes if plan.offload_inputs else 0
@@ -295,35 +295,26 @@ class Lever:
     summary: Callable  # model -> what was done, for the plan's summary
 
 
-def _why_not_tile(model) -> str | None:
-    from tiletune.patch import layer_modules
-    from tiletune.train.tiled_mlp import is_tiled
+def _mlp_lever(chunks: int) -> Lever:
+    """The dense MLPs in `chunks` chunks of tokens; pulled again with more chunks while the step does not fit."""
 
-    mlps = layer_modules(model, "mlp")
-    if not mlps:
-        return "the model has no dense MLP"
-    return "the MLPs are chunked already" if all(is_tiled(m) for m in mlps) else None
+    def why_not(model) -> str | None:
+        from tiletune.patch import layer_modules
+        from tiletune.train.tiled_mlp import chunks_of
 
+        mlps = layer_modules(model, "mlp")
+        if not mlps:
+            return "the model has no dense MLP"
+        return f"the MLPs run in {chunks} or more chunks already" if min(map(chunks_of, mlps)) >= chunks else None
 
-def _tile(model) -> None:
-    from tiletune.patch import layer_modules
-    from tiletune.train.tiled_mlp import mlp_chunks, tile_mlp
+    def pull(model) -> None:
+        from tiletune.patch import layer_modules
+        from tiletune.train.tiled_mlp import tile_mlp
 
-    chunks = mlp_chunks(_causal_config(model))
-    for mlp in layer_modules(model, "mlp"):
-        tile_mlp(mlp, chunks)
+        for mlp in layer_modules(model, "mlp"):
+            tile_mlp(mlp, chunks)
 
-
-def _causal_config(model):
-    from tiletune.patch.sites import causal_lm
-
-    return causal_lm(model)[0].config
-
-
-def _tile_summary(model) -> str:
-    from tiletune.train.tiled_mlp import mlp_chunks
-
-    return f"the MLPs in {mlp_chunks(_causal_config(model))} chunks of tokens"
+    return Lever("chunked MLP", why_not, pull, lambda model: f"the MLPs in {chunks} chunks of tokens")
 
 
 def _why_not_host(model) -> str | None:
@@ -338,11 +329,18 @@ def _to_host(model) -> None:
     embedding_to_host(model)
 
 
-LEVERS = (
-    Lever("embedding on host", _why_not_host, _to_host,  # a CPU gather and one copy per step: a few ms
-          lambda model: "the input embeddings in host memory"),
-    Lever("chunked MLP", _why_not_tile, _tile, _tile_summary),  # one more MLP forward per layer and step
-)
+def levers_for(model) -> list[Lever]:
+    """What the planner may pull for `model`, cheapest first: the input embeddings to the host (a CPU gather and
+    one copy per step: a few ms), then the MLPs in 2, 4, ... chunks of tokens up to twice as many as keep a chunk's
+    intermediate within the hidden states (each costs one more MLP forward per layer and step, and over a
+    quantized base one more dequantization of its weights per chunk: the fewest that fit)."""
+    from tiletune.patch.sites import causal_lm
+    from tiletune.train.tiled_mlp import mlp_chunks
+
+    most = 2 * mlp_chunks(causal_lm(model)[0].config)
+    chunks = [2**i for i in range(1, most.bit_length()) if 2**i <= most]
+    return [Lever("embedding on host", _why_not_host, _to_host, lambda model: "the input embeddings in host memory"),
+            *map(_mlp_lever, chunks)]
 
 
 def _probe_spared(model, layers, spare: int, batch, seq, dtype, device, use_reentrant, offload=None,

@@ -64,7 +64,7 @@ def _set_rng_state(device: torch.device, state) -> None:
 def mlp_chunks(config) -> int:
     """How many chunks keep one chunk's intermediate no larger than the layer's hidden states:
     ceil(intermediate_size / hidden_size)."""
-    return max(1, math.ceil(config.intermediate_size / config.hidden_size))
+    return max(1, math.ceil(getattr(config, "intermediate_size", config.hidden_size) / config.hidden_size))
 
 
 def tile_mlp(mlp: nn.Module, chunks: int) -> None:
@@ -79,6 +79,7 @@ def tile_mlp(mlp: nn.Module, chunks: int) -> None:
         return _ChunkedMlp.apply(current, math.ceil(hidden.shape[-2] / chunks), hidden, *trainable)
 
     mlp._tiletune_untiled = mlp.__dict__.get("forward")  # None: the class's forward
+    mlp._tiletune_chunks = chunks
     mlp.forward = forward
 
 
@@ -87,11 +88,13 @@ def untile_mlp(mlp: nn.Module) -> None:
     if "_tiletune_untiled" not in mlp.__dict__:
         return
     previous = mlp.__dict__.pop("_tiletune_untiled")
+    del mlp._tiletune_chunks
     if previous is None:
         del mlp.forward
     else:
         mlp.forward = previous
 
 
-def is_tiled(mlp: nn.Module) -> bool:
-    return "_tiletune_untiled" in mlp.__dict__
+def chunks_of(mlp: nn.Module) -> int:
+    """How many chunks `mlp` runs in (0: not chunked)."""
+    return mlp.__dict__.get("_tiletune_chunks", 0)
