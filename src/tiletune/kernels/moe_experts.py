@@ -89,20 +89,21 @@ def _silu_gate_backward(da: Tensor, h: Tensor) -> Tensor:
 
 def _experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
                      down: Tensor):  # fmt: skip
-    """(y, the gate_up rows, the down rows): the experts' forward with `gemm(kind, rows, weights, routing)`."""
+    """(y, the gate_up rows, the down rows, the routing's order, tiles and offsets): the experts' forward with
+    `gemm(kind, rows, weights, routing)`; the backward reuses the routing."""
     routing = route(top_k_index, gate_up.shape[0])
     rows = hidden[routing.token]
     h = gemm("nt", rows, gate_up, routing)
     o = gemm("nt", _silu_gate(h), down, routing)
     weights = top_k_weights.reshape(-1)[routing.order].to(o.dtype)
     y = torch.zeros_like(hidden).index_add_(0, routing.token, (o * weights[:, None]).to(hidden.dtype))
-    return y, h, o
+    return y, h, o, routing.order, routing.tiles, routing.offsets
 
 
-def _experts_backward(gemm: Callable, dy: Tensor, h: Tensor, o: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
-                      gate_up: Tensor, down: Tensor):  # fmt: skip
-    """(d hidden, d top_k_weights) from the forward's kept rows."""
-    routing = route(top_k_index, gate_up.shape[0])
+def _experts_backward(gemm: Callable, dy: Tensor, h: Tensor, o: Tensor, order: Tensor, tiles: Tensor, offsets: Tensor,
+                      top_k_weights: Tensor, gate_up: Tensor, down: Tensor):  # fmt: skip
+    """(d hidden, d top_k_weights) from the forward's kept rows and routing."""
+    routing = Routing(order // top_k_weights.shape[-1], order, tiles, offsets)
     weights = top_k_weights.reshape(-1)[routing.order]
     dy_rows = dy[routing.token]
     dweights = torch.empty_like(weights)
@@ -131,13 +132,13 @@ def _loop_gemm(kind: str, rows: Tensor, weights: Tensor, routing: Routing) -> Te
 
 
 def reference_forward(hidden, top_k_index, top_k_weights, gate_up, down):
-    """(y, kept gate_up rows, kept down rows) by the expert loop."""
+    """(y, kept rows and routing) by the expert loop."""
     return _experts_forward(_loop_gemm, hidden, top_k_index, top_k_weights, gate_up, down)
 
 
-def reference_backward(dy, h, o, top_k_index, top_k_weights, gate_up, down):
+def reference_backward(dy, h, o, order, tiles, offsets, top_k_weights, gate_up, down):
     """(d hidden, d top_k_weights) by the expert loop."""
-    return _experts_backward(_loop_gemm, dy, h, o, top_k_index, top_k_weights, gate_up, down)
+    return _experts_backward(_loop_gemm, dy, h, o, order, tiles, offsets, top_k_weights, gate_up, down)
 
 
 # ---- TileLang grouped GEMM --------------------------------------------------------------------------------
@@ -208,13 +209,13 @@ def _tilelang_gemm(kind: str, rows: Tensor, weights: Tensor, routing: Routing) -
 
 
 def tilelang_forward(hidden, top_k_index, top_k_weights, gate_up, down):
-    """(y, kept rows) with the grouped GEMMs in TileLang."""
+    """(y, kept rows and routing) with the grouped GEMMs in TileLang."""
     return _experts_forward(_tilelang_gemm, hidden, top_k_index, top_k_weights, gate_up, down)
 
 
-def tilelang_backward(dy, h, o, top_k_index, top_k_weights, gate_up, down):
+def tilelang_backward(dy, h, o, order, tiles, offsets, top_k_weights, gate_up, down):
     """(d hidden, d top_k_weights) with the grouped GEMMs in TileLang."""
-    return _experts_backward(_tilelang_gemm, dy, h, o, top_k_index, top_k_weights, gate_up, down)
+    return _experts_backward(_tilelang_gemm, dy, h, o, order, tiles, offsets, top_k_weights, gate_up, down)
 
 
 def tilelang_unsupported(hidden, top_k_index, top_k_weights, gate_up, down) -> str | None:
@@ -230,16 +231,19 @@ def tilelang_unsupported(hidden, top_k_index, top_k_weights, gate_up, down) -> s
 
 moe_experts_op = make_custom_op(Signature(
     "moe_experts", "Tensor hidden, Tensor top_k_index, Tensor top_k_weights, Tensor gate_up, Tensor down",
-    "(Tensor, Tensor, Tensor)",
-    backward_inputs="Tensor h, Tensor o, Tensor top_k_index, Tensor top_k_weights, Tensor gate_up, Tensor down",
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    backward_inputs="Tensor h, Tensor o, Tensor order, Tensor tiles, Tensor offsets, Tensor top_k_weights, "
+                    "Tensor gate_up, Tensor down",
     backward_outputs="(Tensor, Tensor)",
     fake=lambda hidden, top_k_index, top_k_weights, gate_up, down: (
         torch.empty_like(hidden), hidden.new_empty(top_k_index.numel(), gate_up.shape[1]),
-        hidden.new_empty(top_k_index.numel(), hidden.shape[-1])),
-    backward_fake=lambda dy, h, o, top_k_index, top_k_weights, gate_up, down: (
+        hidden.new_empty(top_k_index.numel(), hidden.shape[-1]), top_k_index.new_empty(top_k_index.numel()),
+        torch.empty(-(-top_k_index.numel() // BLOCK_M) + gate_up.shape[0], 3, dtype=torch.int32, device=hidden.device),
+        torch.empty(gate_up.shape[0] + 1, dtype=torch.int32, device=hidden.device)),
+    backward_fake=lambda dy, h, o, order, tiles, offsets, top_k_weights, gate_up, down: (
         torch.empty_like(dy), torch.empty_like(top_k_weights)),
-    save=lambda inputs, outputs, needs: (outputs[1], outputs[2], inputs[1], inputs[2], inputs[3], inputs[4]),
-    judged_on=lambda grads, saved: (grads[0], saved[2], saved[3], saved[4], saved[5]),
+    save=lambda inputs, outputs, needs: (*outputs[1:], *inputs[2:]),
+    judged_on=lambda grads, saved: (grads[0], saved[2], saved[5], saved[6], saved[7]),
     grad_of=(0, None, 1, None, None),
 ))
 
@@ -247,8 +251,7 @@ moe_experts_op = make_custom_op(Signature(
 def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor, down: Tensor,
                 impl: str = "reference", strict: bool = False) -> Tensor:  # fmt: skip
     """The routed experts' output for `hidden` [tokens, hidden] through the custom op."""
-    y, _, _ = torch.ops.tiletune.moe_experts(hidden, top_k_index, top_k_weights, gate_up, down, impl, strict)
-    return y
+    return torch.ops.tiletune.moe_experts(hidden, top_k_index, top_k_weights, gate_up, down, impl, strict)[0]
 
 
 _LAYOUT = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,
