@@ -33,17 +33,20 @@
 #   qlora70b: `tiletune bench` of the QLoRA step on the Llama-3-70B shape, all 80 layers built and quantized on the
 #           GPU tensor by tensor: tiletune's QLoRA without kernels (the baseline) and with every kernel under
 #           `gradient_checkpointing: auto` with offload within BUDGET_GIB (default 38)
+#   families-bench: `tiletune bench` per preset of FAMILY_BENCH (default: qwen3-8b mistral-7b gemma3-12b:16 phi3-mini;
+#           :N keeps the first N layers): stock, Liger, every kernel, and every kernel under `auto` within Liger's
+#           and within stock's peak measured in the same run (budget=@liger, @baseline)
 #   moe:    the GPU tests of moe_experts, benchmarks/kernel_bench.py --only moe (grouped GEMM against a dense GEMM over
 #           the same rows and torch's grouped_mm), then `tiletune bench` of the Qwen3-30B-A3B shape on its first LAYERS
 #           (default 12) layers: stock (grouped_mm experts), Liger, every kernel, and every kernel + moe_experts
 #   families: the GPU tests of rms_norm (offset form included) and the gated MLP ops, then `tiletune verify` of every
 #           kernel on 2 decoder layers of each preset in FAMILY_PRESETS (default: qwen3-8b mistral-7b gemma3-12b
 #           phi3-mini)
-#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|moe OUT_DIR [bench args...]
+#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe OUT_DIR [bench args...]
 # (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
 set -u
-PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|moe OUT_DIR [bench args]}
-OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|moe OUT_DIR [bench args]}
+PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe OUT_DIR [bench args]}
+OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe OUT_DIR [bench args]}
 shift 2
 CONFIG=examples/bench/llama3_8b_lora.yaml
 GOLDEN=/tmp/llama3-8b-2layers.golden.safetensors  # too large to bring back; its report is kept
@@ -100,6 +103,14 @@ moe)
     python3 benchmarks/kernel_bench.py --only moe --rounds 3 --out "$OUT/kernels-moe" 2>&1 | grep -v Warning | tail -9
     python3 -m tiletune bench "$CONFIG" --model-preset qwen3-30b-a3b --layers "${LAYERS:-12}" --steps 5 --warmup 2 \
         --variants "baseline,liger,all,all+moe_experts" --out "$OUT/bench-qwen3-30b-a3b" 2>&1 | tail -8 ;;
+families-bench)
+    # per family: stock, Liger, every kernel, and every kernel under `auto` at Liger's and at stock's peak (same run)
+    AUTO=all:gradient_checkpointing=auto:gradient_checkpointing_budget
+    for ENTRY in ${FAMILY_BENCH:-qwen3-8b mistral-7b gemma3-12b:16 phi3-mini}; do
+        PRESET=${ENTRY%%:*}; LAYERS=(); [ "$ENTRY" != "$PRESET" ] && LAYERS=(--layers "${ENTRY##*:}")
+        python3 -m tiletune bench "$CONFIG" --model-preset "$PRESET" "${LAYERS[@]}" --steps 5 --warmup 2 \
+            --variants "baseline,liger,all,$AUTO=@liger,$AUTO=@baseline" --out "$OUT/bench-$PRESET" 2>&1 | tail -8
+    done ;;
 qlora70b)
     Q=quantization_bit=4
     python3 -m tiletune bench "$CONFIG" --model-preset llama3-70b --steps 3 --warmup 1 --repeats 1 \
@@ -129,5 +140,5 @@ offload)
     for GIB in ${LEAN_GIB:-17.5 18.7}; do SET="$SET,$FAST:$AUTO:$OFF:gradient_checkpointing_budget=$GIB"; done
     python3 -m tiletune bench "$CONFIG" "$@" --model-preset llama3-8b --steps 5 --warmup 2 --variants "$SET" \
         --out "$OUT/offload-${SPEED_NAME:-lora-qv}" 2>&1 | tail -20 ;;
-*) echo "unknown part $PART (verify, golden, attention, lora, bench, speed, offload, engine, qlora, qlora-long, qlora70b, families or moe)"; exit 2 ;;
+*) echo "unknown part $PART (verify, golden, attention, lora, bench, speed, offload, engine, qlora, qlora-long, qlora70b, families, families-bench or moe)"; exit 2 ;;
 esac

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from tiletune.train.presets import preset_config
-from tiletune.bench.runner import short_label, summarise
+from tiletune.bench.runner import resolve_peaks, short_label, summarise
 from tiletune.bench.worker import step_flops
 from tiletune.cli import main
 
@@ -107,3 +107,17 @@ def test_a_failing_variant_is_reported_and_the_others_go_on_qlora_variants_inclu
     if importlib.util.find_spec("bitsandbytes") is None:
         refused = CliRunner().invoke(main, [*args[:5], "baseline,bnb:quantization_bit=4", "--out", str(tmp_path / "o")])
         assert refused.exit_code == 2 and "needs bitsandbytes" in refused.output
+
+
+def test_a_budget_may_be_another_variants_peak_measured_earlier_in_the_run(tmp_path):
+    """`gradient_checkpointing_budget=@liger`: the peer's peak of this run becomes the budget (the issue's "at no
+    more memory than the peer, in the same run"); the peer must come first."""
+    runs = {"liger": [{"peak_allocated_gib": 17.25}, {"peak_allocated_gib": 17.5}]}
+    variant = "all:gradient_checkpointing=auto:gradient_checkpointing_budget=@liger"
+    assert resolve_peaks(variant, runs) == "all:gradient_checkpointing=auto:gradient_checkpointing_budget=17.500"
+    assert resolve_peaks("all:bf16=true", runs) == "all:bf16=true"
+    config = tmp_path / "b.yaml"
+    config.write_text("model_name_or_path: unused\n")
+    result = CliRunner().invoke(main, ["bench", str(config), "--variants", f"baseline,{variant},rms_norm",
+                                       "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "takes the peak memory of 'liger': list 'liger' before it" in result.output

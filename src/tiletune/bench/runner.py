@@ -46,6 +46,30 @@ def check_variants(variants: list[str]) -> None:
         raise UserError("bench variant 'bnb' needs bitsandbytes; pip install bitsandbytes (or drop the variant)")
     if "baseline" not in variants:
         raise UserError("bench needs the 'baseline' variant: every ratio is measured against it")
+    for index, variant in enumerate(variants):
+        for name in peak_references(variant):
+            if name not in variants[:index]:
+                raise UserError(f"bench variant {variant!r} takes the peak memory of {name!r}: list {name!r} before it "
+                                f"(variants: {', '.join(variants)})")  # fmt: skip
+
+
+def peak_references(variant: str) -> list[str]:
+    """The variants whose measured peak this one's overrides take (`gradient_checkpointing_budget=@liger`)."""
+    return [value[1:] for _, value in (o.split("=", 1) for o in split_variant(variant)[1] if "=" in o)
+            if value.startswith("@")]
+
+
+def resolve_peaks(variant: str, runs: dict[str, list[dict]]) -> str:
+    """`variant` with each `=@name` replaced by the peak GiB variant `name` reached so far in this run (its
+    peak allocated memory, so a budget of that value gives the same memory as the peer)."""
+    name, overrides = split_variant(variant)
+    resolved = []
+    for override in overrides:
+        key, equals, value = override.partition("=")
+        if value.startswith("@"):
+            value = f"{max(r['peak_allocated_gib'] for r in runs[value[1:]]):.3f}"
+        resolved.append(key + equals + value)
+    return ":".join([name, *resolved])
 
 
 def _spawn(job: dict) -> dict:
@@ -80,8 +104,13 @@ def run_bench(config: str, overrides: list[str], variants: list[str], out_dir: P
         for repeat in range(repeats):
             for variant in (v for v in variants if v not in failed):
                 bar.set_postfix(variant=variant, repeat=repeat + 1)
+                missing = [name for name in peak_references(variant) if name in failed]
+                if missing:
+                    failed[variant] = f"it takes the peak of {missing[0]!r}, which failed"
+                    continue
                 try:
-                    runs[variant].append(_spawn({**common, "variant": variant, "profile": profile and repeat == 0}))
+                    job = {**common, "variant": resolve_peaks(variant, runs), "profile": profile and repeat == 0}
+                    runs[variant].append({**_spawn(job), "variant": variant, "resolved_variant": job["variant"]})
                 except UserError as err:
                     if variant == "baseline":  # every ratio needs it
                         raise
