@@ -3,7 +3,7 @@ one profiled step. `python benchmarks/offload_steps.py BUDGET_GIB` on a GPU (the
 import sys, time, torch
 from tiletune.bench.worker import build_model
 from tiletune.config import load_config
-from tiletune.train.model import autocast, compute_dtype
+from tiletune.train.model import autocast
 from tiletune.train.recompute import plan_recomputation
 from tiletune.patch import decoder_layers
 budget = float(sys.argv[1])

@@ -3,7 +3,6 @@ the GEMM, a wrong plugin failing the gate, and the TileLang kernels against floa
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tiletune.kernels import linear, registry
 from tiletune.kernels import lora_linear as op
@@ -66,7 +65,8 @@ def test_float32_adapters_with_bf16_activations(rank):
 
 def test_frozen_base_gets_no_gradient_and_xa_is_not_an_output():
     x, w, b, a, bb = inputs((6,), 10, 8, 2)
-    leaves = [t.requires_grad_() for t in (x, w, a, bb)]
+    for leaf in (x, w, a, bb):
+        leaf.requires_grad_()
     op.lora_linear(x, w, b, a, bb, 1.0).sum().backward()
     assert w.grad is None and all(t.grad is not None for t in (x, a, bb))
 
