@@ -124,8 +124,12 @@ def test_bound_into_moe_models_with_the_stock_loss_and_gradients(model_type):
     assert float(loss) == pytest.approx(float(stock), rel=1e-5)
     for mine, theirs in zip(torch.autograd.grad(loss, trainable), stock_grads):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
-    report.revert()
     experts = model.model.layers[0].mlp.experts
+    experts.down_proj.requires_grad_(True)  # unfrozen after patching: the stock path, so the weight trains
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert experts.down_proj.grad is not None and experts.down_proj.grad.abs().sum() > 0
+    report.revert()
+    experts.down_proj.requires_grad_(False)
     experts.gate_up_proj.requires_grad_(True)  # training experts: the op computes no weight gradient
     report = apply_kernels(model, {"moe_experts": "reference"})
     entry = next(e for e in report.entries if e.op == "moe_experts" and e.layer == 0)

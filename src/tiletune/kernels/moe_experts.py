@@ -273,8 +273,18 @@ def _fit(site: Site) -> str | None:
     return None
 
 
+def unfit_now(module) -> str | None:
+    """Why the op cannot stand in right now: expert weights that take gradients (unfrozen after patching, or an
+    adapter on them: the op computes no weight gradient, which would leave them untrained silently)."""
+    if module.gate_up_proj.requires_grad or module.down_proj.requires_grad:
+        return "the expert weights take gradients (the op computes none): stock experts"
+    return None
+
+
 def _experts_forward_binding(site: Site, impl: str, strict: bool, current: Callable) -> Callable:
     def forward(self, hidden_states, top_k_index, top_k_weights):
+        if unfit_now(self):
+            return current(self, hidden_states, top_k_index, top_k_weights)
         dtype = torch.get_autocast_dtype(hidden_states.device.type) if torch.is_autocast_enabled(hidden_states.device.type) else None
         gate_up, down = self.gate_up_proj, self.down_proj
         if dtype is not None:  # under autocast the GEMMs run in its dtype, as F.linear's would
@@ -286,7 +296,7 @@ def _experts_forward_binding(site: Site, impl: str, strict: bool, current: Calla
 
 # No compile key yet: `tiletune kernels warmup` leaves the grouped GEMMs to their first call. Opt-in until the
 # grouped GEMMs have passed their GPU tests (tests/kernels/test_moe_experts.py -m gpu): lowered for every target.
-define(Op("moe_experts", (Binding("moe_experts", "experts", _experts_forward_binding, _fit),),
+define(Op("moe_experts", (Binding("moe_experts", "experts", _experts_forward_binding, _fit, unfit_now=unfit_now),),
           opt_in=True, profile_pattern=r"grouped_gemm_(nt|nn)", lowering=lowering_kernels))
 add(Impl("moe_experts", "reference", reference_forward, reference_backward,
          description="PyTorch: one GEMM per expert (the eager loop)", accumulation="float32"))
