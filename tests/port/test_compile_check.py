@@ -71,6 +71,30 @@ def test_warp_sync_code_fails_on_the_flagged_line(tmp_path):
 
 
 @needs_hipcc
+def test_func_set_attribute_gets_the_kernel_cast_hipcc_needs(tmp_path):
+    report = run_hipify([str(CORPUS / "large_smem.cu"), str(CORPUS / "common.cuh")], str(tmp_path / "hip"),
+                        engine="torch", compile_check=True)
+    assert [result.ok for result in report.compile.results] == [True]
+
+
+@needs_hipcc
+def test_dependent_names_fail_on_the_flagged_lines(tmp_path):
+    source = tmp_path / "tile.cu"
+    source.write_text(
+        "struct Traits { using index_type = int; };\n"
+        "template <typename T> struct Tile { template <int N> __device__ T get() const { return T(N); } };\n"
+        "template <typename T, typename Tr> __global__ void k(T* out) {\n"
+        "  Tile<T> tile;\n"
+        "  Tr::index_type i = 1;\n"
+        "  out[i] = tile.get<2>();\n"
+        "}\n"
+        "template __global__ void k<float, Traits>(float*);\n")
+    report = run_hipify([str(source)], str(tmp_path / "hip"), engine="torch", compile_check=True)
+    error_lines = {d.line for d in report.compile.results[0].diagnostics if d.severity == "error"}
+    assert error_lines == {f.line for f in report.findings if f.rule == "dependent-template-name"} == {5, 6}
+
+
+@needs_hipcc
 def test_inplace_diagnostics_point_at_the_rewritten_file(tmp_path):
     source = tmp_path / "broken.cu"
     source.write_text("__global__ void scale(float* x) {\n  x[threadIdx.x] *= not_declared;\n}\n")

@@ -1,6 +1,7 @@
 """Translation engines: the torch table in-process, hipify-perl / hipify-clang as subprocesses."""
 
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -38,6 +39,34 @@ def test_torch_engine_translates_runtime_api_and_headers():
     assert engine.name == "torch" and "torch" in engine.description
     assert "hipMalloc(" in hip and "hipStream_t" in hip and "hip/hip_fp16.h" in hip
     assert "cudaMalloc" not in hip and "cudaStream_t" not in hip
+
+
+def test_torch_engine_translates_cub_enumerators_and_macros(tmp_path):
+    source = tmp_path / "scan.cu"
+    source.write_text(
+        "#include <cub/cub.cuh>\n"
+        "using Load = cub::BlockLoad<int, 128, 4, cub::BLOCK_LOAD_WARP_TRANSPOSE>;\n"
+        "using Scan = ::cub::BlockScan<int, 128, cub::BLOCK_SCAN_WARP_SCANS>;\n"
+        "__device__ int f(int v) { return Scan(t).Sum(v, cub::Sum()) + CUB_WARP_THREADS(0) + CUB_PTX_ARCH; }\n")
+    hip = select_engine("torch").translate(source)
+    assert "hipcub::BlockLoad<int, 128, 4, hipcub::BLOCK_LOAD_WARP_TRANSPOSE>" in hip
+    assert "::hipcub::BlockScan<int, 128, hipcub::BLOCK_SCAN_WARP_SCANS>" in hip and "hipcub::Sum()" in hip
+    assert "HIPCUB_WARP_THREADS + HIPCUB_ARCH" in hip and "<hipcub/hipcub.hpp>" in hip
+    assert not re.search(r"(?<!\w)cub::|\bCUB_", hip)
+
+
+def test_torch_engine_maps_pytorch_headers_graph_params_and_the_kernel_cast(tmp_path):
+    source = tmp_path / "ext.cu"
+    source.write_text(
+        "#include <ATen/cuda/CUDAContext.h>\n#include <ATen/cuda/Exceptions.h>\n"
+        "#include <c10/cuda/CUDAGuard.h>\n#include \"c10/cuda/CUDAStream.h\"\n"
+        "void f() { cudaKernelNodeParams params; cudaFuncSetAttribute(k<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, n);\n"
+        "  cudaFuncSetAttribute((const void*)k<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, n); }\n")
+    hip = select_engine("torch").translate(source)
+    assert "<ATen/hip/HIPContext.h>" in hip and "<ATen/hip/Exceptions.h>" in hip
+    assert "<c10/hip/HIPGuard.h>" in hip and '"c10/hip/HIPStream.h"' in hip
+    assert "hipKernelNodeParams params;" in hip
+    assert hip.count("hipFuncSetAttribute((const void*)k<64>, hipFuncAttributeMaxDynamicSharedMemorySize") == 2
 
 
 def test_auto_uses_torch_without_hipify_tools(bare_path):

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from click.testing import CliRunner
 from tiletune.cli import main
 from tiletune.errors import UserError
 from tiletune.port.hipify import run_hipify
+from tiletune.port.report import to_text
 
 from port_corpus import CLEAN_SAMPLE, CORPUS
 
@@ -50,6 +52,24 @@ def test_statistics_count_translated_and_untranslated_cuda_names(tree, tmp_path)
     assert files["wmma_gemm.cu"].left["wmma::fragment"] == 3
     assert "cutlass::half_t" in files["cutlass_gemm.cu"].left
     assert report.rule_counts()["wmma"] == 10
+
+
+def test_cuda_names_the_translator_leaves_are_reported_never_nothing_left(tmp_path, monkeypatch):
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "hipify-perl").write_text('#!/bin/sh\nfor f; do :; done; cat "$f"\n')  # translates nothing
+    (tools / "hipify-perl").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    source = tmp_path / "src" / "load.cu"
+    source.parent.mkdir()
+    source.write_text("#include <hipcub/hipcub.hpp>\n"
+                      "using Load = cub::BlockLoad<float, 128, 4, cub::BLOCK_LOAD_WARP_TRANSPOSE>;\n"
+                      "constexpr int kArch = CUB_PTX_ARCH;\n")
+    report = run_hipify([str(source)], str(tmp_path / "hip"), engine="perl")
+    assert report.findings == []
+    assert report.files[0].left == {"cub::BlockLoad": 1, "cub::BLOCK_LOAD_WARP_TRANSPOSE": 1, "CUB_PTX_ARCH": 1}
+    assert report.strict_failures() == ["3 CUDA-only name(s) left untranslated"]
+    assert "nothing that needs a human" not in to_text(report)
 
 
 def test_inplace_rewrites_with_backups_and_never_overwrites_a_backup(tmp_path):

@@ -29,6 +29,8 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
 @pytest.mark.parametrize(("code", "rule"), [
     ("#define WARP_SIZE (32)", "warp-size-define"),
     ("static constexpr int kWarpSize = 32;", "warp-size-define"),
+    ("#define WARP_THREADS 32", "warp-size-define"),
+    ("constexpr int kThreadsPerWarp = 32;", "warp-size-define"),
     ("template <int WarpSize = 32> __device__ void f();", "warp-size-define"),
     ("if (tid < 32) { s[tid] += s[tid + 32]; }", "warp-size-literal"),
     ("int lane = threadIdx.x & 0x1f;", "warp-size-literal"),
@@ -45,6 +47,13 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("#include \"cuda_fp8.h\"", "fp8-type"),
     ("#elif __CUDA_ARCH__ == 900", "cuda-arch-guard"),
     ("auto tile = cg::tiled_partition<32>(cg::this_thread_block());", "warp-tile-32"),
+    ("template <typename T> __device__ T f(const Frag<T, 4>& frag) { return frag.get<0>(); }", "dependent-template-name"),
+    ("template <class Tile> __device__ void f(Tile* tile) { tile->load<8>(0); }", "dependent-template-name"),
+    ("template <typename Traits> __device__ void f() { Traits::index_type i = 0; }", "dependent-template-name"),
+    ("__shared__ float sums[kNumWarps];\nv = sums[threadIdx.x & 31];", "lane-indexed-warp-array"),
+    ("__shared__ float sums[BLOCK / WARP_SIZE];\nif (wid == 0) v = sums[lane_id];", "lane-indexed-warp-array"),
+    ("k<<<g, dim3(32), 0, s>>>(x);", "block-32-threads"),
+    ("dim3 block(32);", "block-32-threads"),
 ])
 def test_rule_variants_fire(code, rule):
     assert rule in {f.rule for f in lint_text(code, "snippet.cu")}
@@ -63,10 +72,27 @@ def test_rule_variants_fire(code, rule):
     "__shared__ float tile[64][65];",
     "CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 48 * 1024));",
     "printf(\"// not a comment %d\", lane & 1);",
+    "template <typename T> __device__ T f(const Frag<T, 4>& frag) { return frag.template get<0>() + std::get<0>(t); }",
+    "template <typename T> __device__ void f() { typename T::index_type i = 0; Holder h; h.get<4>(); }",
+    "__shared__ float sums[32];\nv = lane < blockDim.x / warpSize ? sums[lane] : 0.f; sums[warp] = v;",
+    "dim3 block(32, 8); k<<<32, 256>>>(x); k<<<g, dim3(32, 4)>>>(x);",
 ])
 def test_portable_code_stays_quiet(code):
     rules = {f.rule for f in lint_text(code, "snippet.cu")}
     assert rules <= {"warp-tile-32"}
+
+
+@pytest.mark.parametrize(("code", "fires"), [
+    ("if (threadIdx.x % 32 == 0) atomicAdd(&rows_done, 1);", False),  # one thread per 32, nothing warp-wide
+    ("const int col_tile = col / 32, lane = threadIdx.x % warpSize;", False),  # `/ 32` tiles columns
+    ("if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = v;", True),
+    ("if ((tid & 31) == 0) {\n  v = __shfl_down_sync(m, v, 1);\n}", True),
+    ("if (lane % 32 == 0) votes[warp] = __popcll(__ballot(p));", True),
+    ("const int lane = threadIdx.x % 32;", True),
+    ("const int warp = static_cast<int>(threadIdx.x) / 32;", True),
+])
+def test_warp_size_literal_follows_the_value(code, fires):
+    assert any(f.rule == "warp-size-literal" for f in lint_text(code, "snippet.cu")) == fires
 
 
 def test_strip_comments_keeps_lines_and_strings():

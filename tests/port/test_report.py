@@ -6,7 +6,9 @@ import pytest
 
 from tiletune.port.compile_check import CompileCheck, CompileResult, Diagnostic
 from tiletune.port.hipify import run_hipify
-from tiletune.port.report import COMPILE_RULE_ID, to_json, to_sarif, to_text, write_reports
+from tiletune.errors import UserError
+from tiletune.port.lint import lint_text
+from tiletune.port.report import COMPILE_RULE_ID, explain, to_json, to_sarif, to_text, write_reports
 from tiletune.port.rules import RULES
 
 from port_corpus import CORPUS
@@ -55,3 +57,17 @@ def test_text_lists_findings_rules_fixes_and_compile_errors(report):
 def test_write_reports_writes_all_three_formats(report, tmp_path):
     written = write_reports(report, tmp_path / "reports")
     assert sorted(p.name for p in written) == ["hipify-report.json", "hipify-report.sarif", "hipify-report.txt"]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.id)
+def test_explain_gives_the_pitfall_and_a_before_after_the_lint_agrees_with(rule):
+    text = explain(rule.id)
+    assert text.startswith(f"[{rule.id}] {rule.title}") and "on AMD:" in text and "fix:" in text
+    assert "before (CUDA):" in text and "after (HIP):" in text
+    assert rule.id in {f.rule for f in lint_text(rule.before, "before.cu")}
+    assert rule.id not in {f.rule for f in lint_text(rule.after, "after.cu")}
+
+
+def test_explain_an_unknown_rule_lists_the_rules():
+    with pytest.raises(UserError, match=r"no rule 'warp32'; the rules are: warp-size-define, "):
+        explain("warp32")

@@ -7,12 +7,17 @@
 
 `auto` takes the first that can run here, in that order. Engines never write files: the caller
 decides where the text goes, so the input tree stays untouched.
+
+The torch engine applies torch's table the way `torch.utils.hipify` does, plus `TORCH_TABLE_GAPS`:
+what that table misses and hipify-perl / hipify-clang translate (CUB, PyTorch's own CUDA headers,
+the kernel cast `hipFuncSetAttribute` needs).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -63,6 +68,43 @@ def _tool_version(executable: str) -> str:
     return lines[0].strip() if lines else "version unknown"
 
 
+@dataclass(frozen=True)
+class Rewrite:
+    """One translation torch's table lacks: `pattern` replaced by `replacement` (a template or a function)."""
+
+    pattern: re.Pattern
+    replacement: str | Callable[[re.Match], str]
+    why: str
+
+
+def _torch_header(match: re.Match) -> str:
+    from torch.utils.hipify import hipify_python
+
+    return match.group(1) + hipify_python.get_hip_file_path(match.group(2), is_pytorch_extension=True)
+
+
+TORCH_TABLE_GAPS: list[Rewrite] = [
+    Rewrite(re.compile(r"(?<!\w)cub::"), "hipcub::",
+            "torch's table lists some `cub::` names, and `cub::` alone only before a non-word character, so "
+            "enumerators such as `cub::BLOCK_LOAD_WARP_TRANSPOSE` stay; hipCUB mirrors CUB's names in namespace hipcub"),
+    Rewrite(re.compile(r"\bCUB_PTX_ARCH\b"), "HIPCUB_ARCH", "hipify-clang's CUB table"),
+    Rewrite(re.compile(r"\bCUB_PTX_WARP_THREADS\b|\bCUB_WARP_THREADS\s*\(\s*\w*\s*\)"), "HIPCUB_WARP_THREADS",
+            "hipCUB's warp size is the wavefront size of the target (64 on CDNA), taking no arch argument"),
+    Rewrite(re.compile(r"\bCUB_RUNTIME_FUNCTION\b"), "HIPCUB_RUNTIME_FUNCTION", "hipify-clang's CUB table"),
+    Rewrite(re.compile(r"\bCUB_STDERR\b"), "HIPCUB_STDERR", "hipify-clang's CUB table"),
+    Rewrite(re.compile(r"\bCubDebug\b"), "HipcubDebug", "hipify-clang's CUB table"),
+    Rewrite(re.compile(r"\bCUB_NAMESPACE_BEGIN\b"), "BEGIN_HIPCUB_NAMESPACE", "hipify-clang's CUB table"),
+    Rewrite(re.compile(r"\bCUB_NAMESPACE_END\b"), "END_HIPCUB_NAMESPACE", "hipify-clang's CUB table"),
+    Rewrite(re.compile(r"\bcudaKernelNodeParams\b"), "hipKernelNodeParams", "HIP graph API, missing from torch's table"),
+    Rewrite(re.compile(r"\bhipFuncSetAttribute\s*\(\s*(?!\(\s*const\s+void\s*\*\s*\))"),
+            "hipFuncSetAttribute((const void*)",
+            "hipcc only declares `hipFuncSetAttribute(const void*, ...)`: a kernel name does not convert implicitly"),
+    Rewrite(re.compile(r"""(#\s*include\s*[<"])((?:ATen/(?:native/(?:\w+/)?)?|c10/)cuda/[^>"]+)"""), _torch_header,
+            "torch.utils.hipify renames PyTorch's CUDA headers by path when it builds an extension "
+            "(ATen/cuda/CUDAContext.h -> ATen/hip/HIPContext.h), not through its table"),
+]
+
+
 def _torch_engine() -> Engine:
     import torch
     from torch.utils.hipify import hipify_python
@@ -72,6 +114,8 @@ def _torch_engine() -> Engine:
         text = hipify_python.RE_PYTORCH_PREPROCESSOR.sub(
             lambda match: hipify_python.PYTORCH_MAP[match.group(0)], text
         )
+        for rewrite in TORCH_TABLE_GAPS:
+            text = rewrite.pattern.sub(rewrite.replacement, text)
         return hipify_python.hip_header_magic(text)
 
     return Engine("torch", f"torch.utils.hipify's mapping table from torch {torch.__version__}", translate)

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import tiletune
+from tiletune.errors import UserError
 from tiletune.port.compile_check import CompileCheck
 from tiletune.port.lint import Finding
 from tiletune.port.rules import RULES, RULES_BY_ID
@@ -66,6 +67,8 @@ class HipifyReport:
         reasons = []
         if errors := self.severity_counts()["error"]:
             reasons.append(f"{errors} finding(s) of severity error")
+        if left := sum(self.left_counts().values()):
+            reasons.append(f"{left} CUDA-only name(s) left untranslated")
         if self.compile and self.compile.skipped:
             reasons.append("the compile check could not run")
         if self.compile and self.compile.error_count:
@@ -129,6 +132,20 @@ def _text_compile(check: CompileCheck) -> list[str]:
         if result.unparsed:
             lines += [f"    {line}" for line in result.unparsed.splitlines()]
     return lines
+
+
+def explain(rule_id: str) -> str:
+    """One rule spelled out: the pitfall, what AMD hardware does differently, CUDA before and HIP after, the fix."""
+    if rule_id not in RULES_BY_ID:
+        raise UserError(f"no rule {rule_id!r}; the rules are: {', '.join(RULES_BY_ID)}")
+    rule = RULES_BY_ID[rule_id]
+    return "\n".join([
+        f"[{rule.id}] {rule.title} ({rule.severity})", "",
+        _wrapped("on AMD: ", rule.breaks, 0), "",
+        "before (CUDA):", *(f"    {line}" for line in rule.before.splitlines()),
+        "after (HIP):", *(f"    {line}" for line in rule.after.splitlines()), "",
+        _wrapped("fix:    ", rule.fix, 0),
+    ]) + "\n"
 
 
 def to_text(report: HipifyReport) -> str:

@@ -2,8 +2,9 @@
 
 Each rule is data: an id, a severity (SARIF levels: error, warning, note), what breaks on AMD, the
 fix, and either a regex applied line by line to comment-free source (optionally only when a
-`context` regex also matches within `window` lines below) or a `check` function for the one rule
-that has to evaluate sizes (shared memory). Facts the messages rely on:
+`context` regex also matches within `window` lines below) or a `check` function where the rule has
+to follow a value a little: evaluate shared-memory sizes, trace a mask to its warp call, see whether
+32 is applied to a thread index, find what declares an object. Facts the messages rely on:
 
 - CDNA GPUs (MI200 = gfx90a, MI300 = gfx942) run 64-lane wavefronts; RDNA (gfx1100) runs 32 by
   default. `warpSize` is the portable spelling; hard-coded 32 is wrong on CDNA.
@@ -41,6 +42,8 @@ class Rule:
     title: str
     breaks: str
     fix: str
+    before: str  # CUDA that hits the rule
+    after: str  # the ported line
     pattern: re.Pattern | None = None
     context: re.Pattern | None = None
     window: int = 0
@@ -205,11 +208,106 @@ def check_lane_masks(text: str) -> Iterable[Hit]:
             yield Hit(*_position(text, match.start()), f"`{name}` holds a 32-bit mask")
 
 
-# ---- the table ---------------------------------------------------------------------------------
+# ---- lane arithmetic: 32 applied to a thread index, and where a lane-0 test matters ---------------
 
 _LANE_NAMES = re.compile(r"threadIdx|blockDim|\btid\b|lane|warp|\bwid\b", re.I)
+_WARP_LITERAL = re.compile(
+    r"[%/*]\s*32[uU]?\b(?!\.)|&\s*(?:31|0[xX]1[fF])[uU]?\b|>>\s*5\b|<<\s*5\b|(?<![<>])<\s*32[uU]?\b(?!\.)(?!\s*>)"
+)
+_LANE_ZERO_TEST = re.compile(r"\s*\)?\s*==\s*0\b")
+_WARP_WIDE_USE = re.compile(  # warp functions, or an index that is a warp id
+    r"__shfl|__ballot|__activemask|__any|__all|__reduce_|\w+\s*\[[^\]]*(?:/\s*32|>>\s*5|warp|\bwid\b)[^\]]*\]", re.I
+)
+
+
+def _left_operand(line: str, end: int) -> str:
+    """The operand written just before `line[end]`: a name such as `threadIdx.x`, or a parenthesised
+    group with the call or cast in front of it."""
+    head = line[:end].rstrip()
+    start = len(head)
+    if head.endswith(")"):
+        depth = 0
+        for start in range(len(head) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(head[start], 0)
+            if depth == 0:
+                break
+    return head[re.search(r"[\w.\[\]>-]*$", head[:start]).start():]
+
+
+def check_lane_arithmetic(text: str) -> Iterable[Hit]:
+    """Flag `% 32`, `/ 32`, `& 31`, `>> 5`, `< 32`... applied to a thread, lane or warp index. A lane-0
+    test (`threadIdx.x % 32 == 0`) is flagged only when the statement it guards shuffles, votes or
+    indexes a per-warp array: picking one thread per 32 is otherwise harmless."""
+    lines = text.splitlines()
+    for number, line in enumerate(lines, start=1):
+        for match in _WARP_LITERAL.finditer(line):
+            if not _LANE_NAMES.search(_left_operand(line, match.start())):
+                continue
+            if _LANE_ZERO_TEST.match(line, match.end()):
+                guarded = "\n".join([line[match.end():], *lines[number : number + 3]])
+                if not _WARP_WIDE_USE.search(guarded):
+                    continue
+            yield Hit(number, match.start() + 1)
+
+
+# ---- per-warp arrays: sized by a warp count, read by a lane id ---------------------------------
+
+_WARP_COUNT = (r"(?:32|\w*(?i:num_?warps|warps_per_block|n_?warps)\w*"
+               r"|[^\]]*/\s*(?:32|\w*(?i:warp_?size|threads_per_warp)\w*))")
+_PER_WARP_ARRAY = re.compile(rf"__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s*)?[\w:]+\s+(\w+)\s*\[\s*{_WARP_COUNT}\s*\]")
+_LANE_INDEX = r"\s*\[\s*(?:\w*(?i:lane)\w*|threadIdx\.x\s*(?:%\s*(?:32|warpSize)|&\s*(?:31|0x1[fF])))\s*\]"
+
+
+def check_per_warp_arrays(text: str) -> Iterable[Hit]:
+    """Flag reads of a shared array sized by the number of warps (or 32) indexed by a lane id, unless
+    the statement compares that index first (`lane < num_warps ? buf[lane] : 0`)."""
+    for array in _PER_WARP_ARRAY.finditer(text):
+        name = array.group(1)
+        for use in re.finditer(rf"\b{re.escape(name)}({_LANE_INDEX})", text[array.end():]):
+            offset = array.end() + use.start()
+            statement = text[max(text.rfind(";", 0, offset), text.rfind("{", 0, offset)) + 1 : offset]
+            index = use.group(1).strip(" []")
+            if not re.search(rf"{re.escape(index)}\s*<", statement):
+                yield Hit(*_position(text, offset), f"`{name}` has one slot per 32-lane warp")
+
+
+# ---- templates: dependent names that hipcc (clang) wants spelled out and nvcc (EDG) guesses -----
+
+_TEMPLATE_HEAD = re.compile(r"\btemplate\s*<((?:[^<>]|<[^<>]*>)*)>")
+_MEMBER_TEMPLATE_CALL = re.compile(r"\b(\w+)\s*(\.|->)\s*(?!template\b)(\w+)\s*<(?:[^<>;(){}]|<[^<>;(){}]*>)*>\s*\(")
+
+
+def _template_parameters(text: str) -> set[str]:
+    """Names of the template parameters declared anywhere in `text` (`typename T`, `int kThreads = 128`)."""
+    names = set()
+    for match in _TEMPLATE_HEAD.finditer(text):
+        for parameter in _split_top_level(match.group(1)):
+            words = re.findall(r"\w+", parameter.split("=", 1)[0])
+            if len(words) >= 2:
+                names.add(words[-1])
+    return names
+
+
+def check_dependent_names(text: str) -> Iterable[Hit]:
+    """Flag `obj.member<...>(` without `template` where `obj` is declared with a type naming a template
+    parameter, and `Param::name var` without `typename`."""
+    parameters = _template_parameters(text)
+    if not parameters:
+        return
+    dependent = "|".join(map(re.escape, sorted(parameters)))
+    for match in _MEMBER_TEMPLATE_CALL.finditer(text):
+        obj, arrow, member = match.groups()
+        declaration = rf"\b(?:{dependent})\b(?:[\w:<>*&]|,\s*)*?[>\s&*]\s*{re.escape(obj)}\s*[;,)=({{\[]"
+        if re.search(declaration, text):
+            yield Hit(*_position(text, match.start(3)), f"write `{obj}{arrow}template {member}<...>(...)`")
+    for match in re.finditer(rf"(?<!typename )(?<![\w:])((?:{dependent})::\w+)\s+[&*]*\w+\s*[;=({{]", text):
+        yield Hit(*_position(text, match.start()), f"write `typename {match.group(1)}`")
+
+
+# ---- the table ---------------------------------------------------------------------------------
+
 _SHUFFLE = re.compile(r"__shfl|__reduce_\w+_sync|shfl_(?:xor|down|up)")
-_WARP_SIZE_NAME = r"\w*(?i:warp_?size|warpsz|threads_per_warp|lanes?_per_warp)\w*"
+_WARP_SIZE_NAME = r"\w*(?i:warp_?(?:size|threads|lanes|width)|warpsz|threads_?per_?warp|lanes?_?per_?warp)\w*"
 
 RULES: list[Rule] = [
     Rule(
@@ -219,6 +317,8 @@ RULES: list[Rule] = [
         "without any error.",
         "Use `warpSize` at run time, or a per-target constant (64 for gfx9xx, 32 for gfx1xxx) chosen "
         "with `#if defined(__GFX9__)`, and size shared buffers for 64.",
+        before="#define WARP_SIZE 32",
+        after="#define WARP_SIZE warpSize  // or 64 under #if defined(__GFX9__)",
         pattern=re.compile(rf"^\s*#\s*define\s+{_WARP_SIZE_NAME}\s+\(?32\)?\s*$|\b{_WARP_SIZE_NAME}\s*=\s*32\b"),
     ),
     Rule(
@@ -228,22 +328,49 @@ RULES: list[Rule] = [
         "wrong ids.",
         "Compute `lane = threadIdx.x % warpSize` and `warp = threadIdx.x / warpSize` (or use a "
         "per-target constant), and loop over `warpSize` lanes.",
-        pattern=re.compile(r"[%/*]\s*32[uU]?\b(?!\.)|&\s*(?:31|0[xX]1[fF])[uU]?\b|>>\s*5\b|<<\s*5\b|(?<![<>])<\s*32[uU]?\b(?!\.)(?!\s*>)"),
-        context=_LANE_NAMES,
+        before="int lane = threadIdx.x % 32, warp = threadIdx.x / 32;",
+        after="int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize;",
+        check=check_lane_arithmetic,
     ),
     Rule(
         "warp-lane-loop", "error", "shuffle loop covers 32 lanes",
         "A butterfly or tree reduction starting at offset 16 (or running to 32) combines 32 lanes; on a "
         "64-lane wavefront each half reduces separately and the result holds half the sum.",
         "Start the loop at `warpSize / 2` (and loop while `offset > 0`), or use a per-target constant.",
+        before="for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(mask, v, offset);",
+        after="for (int offset = warpSize / 2; offset > 0; offset /= 2) v += __shfl_xor(v, offset);",
         pattern=re.compile(r"\bfor\s*\([^;]*=\s*16[uU]?\s*;|\bfor\s*\([^;]*;[^;]*<=?\s*(?:32|31)[uU]?\s*;"),
         context=_SHUFFLE, window=3,
+    ),
+    Rule(
+        "lane-indexed-warp-array", "error", "per-warp array indexed by a lane id",
+        "The array has one slot per warp, sized for 32-lane warps (`[32]`, `[kThreads / 32]`, `[kNumWarps]`), "
+        "and the second reduction step reads it by lane id. On a 64-lane wavefront lanes run to 63, past the "
+        "end of a 32-slot array, and a block holds half as many warps, so slots are read that no warp wrote.",
+        "Size the array for the smallest wave (`kThreads / 32` stays safe) but guard the read with the real "
+        "count, `lane < blockDim.x / warpSize ? buf[lane] : identity`.",
+        before="__shared__ float warp_sums[32];\nv = warp_sums[lane];",
+        after="__shared__ float warp_sums[32];\nv = lane < blockDim.x / warpSize ? warp_sums[lane] : 0.f;",
+        check=check_per_warp_arrays,
+    ),
+    Rule(
+        "block-32-threads", "warning", "32-thread block (half a wavefront)",
+        "A block of 32 threads is one NVIDIA warp but half a CDNA wavefront: lanes 32-63 idle (half the "
+        "throughput), and code written for 'one warp per block' sees `warpSize` 64 and a 32-thread block.",
+        "Launch blocks of `warpSize` (or a multiple of 64) threads, or check that the kernel only uses the "
+        "block as a group of 32 threads.",
+        before="row_kernel<<<rows, 32>>>(x);",
+        after="row_kernel<<<rows, warp_size>>>(x);  // warp_size from hipDeviceProp_t::warpSize",
+        pattern=re.compile(r"<<<[^,;>]+,\s*(?:32[uU]?\s*[,>]|dim3\s*\(\s*32[uU]?\s*(?:,\s*1\s*)*\))"
+                           r"|\bdim3\s+\w+\s*[({]\s*32[uU]?\s*(?:,\s*1\s*)*[)}]"),
     ),
     Rule(
         "warp-tile-32", "warning", "cooperative-groups tile of 32 used as a warp",
         "`tiled_partition<32>` / `thread_block_tile<32>` is half a wavefront on CDNA; code that treats "
         "it as 'the warp' (ballots, lane masks, one result per warp) is wrong there.",
         "Size tiles with the wavefront (`warpSize`), or check that the tile size is only a grouping choice.",
+        before="auto warp = cg::tiled_partition<32>(block);",
+        after="auto warp = cg::tiled_partition<64>(block);  // the wavefront on gfx9xx",
         pattern=re.compile(r"\b(?:tiled_partition|thread_block_tile)\s*<\s*32\s*>"),
     ),
     Rule(
@@ -253,6 +380,8 @@ RULES: list[Rule] = [
         "`*_sync` forms at all.",
         "Pass a 64-bit mask (`0xffffffffffffffffull`, or `__activemask()` stored in a 64-bit integer); "
         "for ROCm < 6.2 use the unmasked `__shfl_xor` / `__ballot` forms.",
+        before="v += __shfl_down_sync(0xffffffff, v, offset);",
+        after="v += __shfl_down_sync(0xffffffffffffffffull, v, offset);  // __shfl_down(v, offset) before ROCm 6.2",
         check=check_lane_masks,
     ),
     Rule(
@@ -260,6 +389,8 @@ RULES: list[Rule] = [
         "`__ballot_sync` and `__activemask` return 64-bit masks on AMD; storing them in `unsigned`, "
         "`int` or `uint32_t` drops lanes 32-63, so counts and leader election are wrong.",
         "Store masks in `unsigned long long` / `uint64_t` (or `auto`) and count them with `__popcll` / `__ffsll`.",
+        before="unsigned votes = __ballot_sync(mask, pred);",
+        after="unsigned long long votes = __ballot_sync(mask, pred);",
         pattern=re.compile(r"\b(?<!long )(?:unsigned\s+int|unsigned|uint32_t|int32_t|int|uint)\s+\w+\s*=\s*__(?:ballot(?:_sync)?|activemask)\s*\("),
     ),
     Rule(
@@ -267,6 +398,8 @@ RULES: list[Rule] = [
         "`__popc`, `__ffs` and `__clz` take 32-bit integers: applied to a 64-bit ballot they count "
         "only lanes 0-31.",
         "Use `__popcll`, `__ffsll`, `__clzll` on lane masks.",
+        before="int n = __popc(__ballot_sync(mask, pred));",
+        after="int n = __popcll(__ballot_sync(mask, pred));",
         pattern=re.compile(r"\b__(?:popc|ffs|clz|brev)\s*\(\s*(?:__ballot|__activemask|\w*(?:ballot|vote|mask)\w*\s*\))", re.I),
     ),
     Rule(
@@ -275,6 +408,8 @@ RULES: list[Rule] = [
         "registers, instructions and wave size.",
         "Replace it with HIP intrinsics or clang builtins (`__builtin_amdgcn_*`, `__builtin_nontemporal_load`, "
         "`__lane_id()`), or guard it with `#if defined(__HIP_PLATFORM_AMD__)` and keep a portable path.",
+        before='asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));',
+        after="lane = __lane_id();",
         pattern=re.compile(r"\b(?:asm|__asm__|__asm)\s*(?:volatile|__volatile__)?\s*\("),
     ),
     Rule(
@@ -283,6 +418,8 @@ RULES: list[Rule] = [
         "fragment layout; MFMA (CDNA) and WMMA (RDNA3) use different tile shapes and register layouts.",
         "Rewrite the tile loop with rocWMMA or `__builtin_amdgcn_mfma_*` builtins, or generate the kernel "
         "with TileLang / Composable Kernel for gfx90a / gfx942.",
+        before='asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 ...");',
+        after="acc = __builtin_amdgcn_mfma_f32_32x32x8f16(a, b, acc, 0, 0, 0);  // or rocWMMA",
         pattern=re.compile(r"\b(?:mma\.sync|wgmma\.|ldmatrix\.|stmatrix\.|cp\.async)"),
     ),
     Rule(
@@ -291,6 +428,8 @@ RULES: list[Rule] = [
         "fragment shapes and layouts are NVIDIA-specific.",
         "Port to rocWMMA (`#include <rocwmma/rocwmma.hpp>`, `rocwmma::fragment`, 16x16x16 tiles with "
         "wave64 on gfx90a/gfx942) or to MFMA builtins.",
+        before="wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> a;",
+        after="rocwmma::fragment<rocwmma::matrix_a, 16, 16, 16, rocwmma::float16_t, rocwmma::row_major> a;",
         pattern=re.compile(r"#\s*include\s*[<\"]mma\.h[>\"]|\bnvcuda::|\bnamespace\s+nvcuda\b|\bwmma::"),
     ),
     Rule(
@@ -299,6 +438,8 @@ RULES: list[Rule] = [
         "AMD gives a workgroup at most 64 KiB of LDS on gfx90a, gfx942 and gfx1100, and the launch fails.",
         "Shrink the tile (fewer stages or a smaller block tile) so the block needs <= 64 KiB, or keep "
         "part of the data in registers.",
+        before="cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024);",
+        after="constexpr int kStages = 2;  // 64 KiB: hipFuncSetAttribute((const void*)k, ..., 64 * 1024)",
         check=check_shared_memory,
     ),
     Rule(
@@ -307,6 +448,8 @@ RULES: list[Rule] = [
         "number of waves per execution unit, so the register budget the compiler picks changes.",
         "Drop the second argument, or translate it: min waves per EU = min blocks x ceil(threads / "
         "warpSize) / EUs per CU (4 on CDNA); tune with `__attribute__((amdgpu_waves_per_eu(...)))`.",
+        before="__global__ void __launch_bounds__(256, 2) k();",
+        after="__global__ void __launch_bounds__(256) k();",
         pattern=re.compile(r"__launch_bounds__\s*\((?:[^(),]|\([^()]*\))+,(?:[^()]|\([^()]*\))+\)"),
     ),
     Rule(
@@ -315,6 +458,8 @@ RULES: list[Rule] = [
         "`hip_bfloat16`); some `__nv_bfloat162` intrinsics and conversions are missing or round differently.",
         "Build against ROCm >= 6, check every bf16 intrinsic you use exists in hip_bf16.h, and verify "
         "numerics against a float reference (`tiletune verify`).",
+        before="#include <cuda_bf16.h>\n__nv_bfloat16 x;",
+        after="#include <hip/hip_bf16.h>\n__hip_bfloat16 x;",
         pattern=re.compile(r"\b__nv_bfloat162?\b|\bnv_bfloat162?\b|#\s*include\s*[<\"]cuda_bf16\.h[>\"]"),
     ),
     Rule(
@@ -324,6 +469,8 @@ RULES: list[Rule] = [
         "different values, and scales computed for 448 overflow.",
         "Use `__hip_fp8_e4m3_fnuz` / `__hip_fp8_e5m2_fnuz` from `<hip/hip_fp8.h>` on gfx942 (OCP types on "
         "gfx950), recompute scaling with the type's max, and never reinterpret fp8 bits across vendors.",
+        before="__nv_fp8_e4m3 q = __nv_fp8_e4m3(x / scale);  // scale = amax / 448",
+        after="__hip_fp8_e4m3_fnuz q = __hip_fp8_e4m3_fnuz(x / scale);  // scale = amax / 240 on gfx942",
         pattern=re.compile(r"\b__nv_fp8\w*|\b__NV_E[45]M[23]\b|\b__nv_cvt_\w*fp8\w*|#\s*include\s*[<\"]cuda_fp8\.h[>\"]"),
     ),
     Rule(
@@ -334,6 +481,8 @@ RULES: list[Rule] = [
         "Launch with `hipLaunchCooperativeKernel`, size the grid from "
         "`hipOccupancyMaxActiveBlocksPerMultiprocessor` x CU count, and check "
         "`hipDeviceAttributeCooperativeLaunch`; or split the kernel in two launches.",
+        before="cg::this_grid().sync();  // in k, launched as k<<<num_blocks, 256>>>(args)",
+        after="hipLaunchCooperativeKernel((void*)k, blocks_per_cu * cu_count, 256, args, 0, stream);",
         pattern=re.compile(r"\bthis_grid\s*\(|\bgrid_group\b|\bcudaLaunchCooperativeKernel\w*"),
     ),
     Rule(
@@ -342,6 +491,8 @@ RULES: list[Rule] = [
         "deprecated, partly unsupported, in HIP.",
         "Use texture objects (`hipTextureObject_t` with `hipCreateTextureObject`) or plain `__ldg` / "
         "global loads.",
+        before="texture<float, 1> tex;  cudaBindTexture(0, tex, data, bytes);",
+        after="hipTextureObject_t tex;  hipCreateTextureObject(&tex, &resource, &texture_desc, nullptr);",
         pattern=re.compile(r"\btexture\s*<[^>]*>\s*\w+\s*;|\bcuda(?:Bind|Unbind)Texture\w*|\bcudaGetTextureReference\b"),
     ),
     Rule(
@@ -350,6 +501,8 @@ RULES: list[Rule] = [
         "engine translates them.",
         "Use Composable Kernel or hipBLASLt for GEMMs on AMD, or write the kernel in TileLang, which "
         "lowers to both CUDA and HIP (`tiletune kernels lower`).",
+        before="#include <cutlass/gemm/device/gemm.h>",
+        after="#include <ck/tensor_operation/gpu/device/device_gemm.hpp>  // or hipBLASLt",
         pattern=re.compile(r"#\s*include\s*[<\"](?:cutlass|cute)/"),
     ),
     Rule(
@@ -359,13 +512,31 @@ RULES: list[Rule] = [
         "CUB tuning policies) have no guaranteed rocThrust equivalent.",
         "Install rocthrust and hipcub, prefer the portable `thrust::device` (or `thrust::hip::par.on(stream)`), "
         "and check every `thrust::cuda::` symbol against rocThrust.",
+        before="thrust::sort(thrust::cuda::par.on(stream), first, last);",
+        after="thrust::sort(thrust::hip::par.on(stream), first, last);  // with rocThrust",
         pattern=re.compile(r"\bthrust::cuda(?:_cub)?::par\w*"),
+    ),
+    Rule(
+        "dependent-template-name", "error", "dependent name without `template` / `typename`",
+        "nvcc's front end guesses that `obj.get<N>()` calls a member template and that `T::value_type x` "
+        "names a type when `obj` or `T` depends on a template parameter; hipcc (clang) follows the standard "
+        "and stops with 'missing 'template' keyword prior to dependent template name' (or 'missing "
+        "'typename''), so the port does not compile.",
+        "Spell it out: `obj.template get<N>()`, `ptr->template get<N>()`, `typename T::value_type x`. Both "
+        "forms are valid C++ that nvcc accepts too, so keep one source.",
+        before="template <typename T, typename Traits> __device__ void f(Tile<T> tile, T* out) {\n"
+               "  Traits::index_type i = 0;  out[i] = tile.get<2>();\n}",
+        after="template <typename T, typename Traits> __device__ void f(Tile<T> tile, T* out) {\n"
+              "  typename Traits::index_type i = 0;  out[i] = tile.template get<2>();\n}",
+        check=check_dependent_names,
     ),
     Rule(
         "cuda-arch-guard", "warning", "`__CUDA_ARCH__` version test",
         "`__CUDA_ARCH__` is not defined when hipcc compiles for AMD, so `#if __CUDA_ARCH__ >= 800` "
         "silently selects the fallback (or the host-only) branch: fast paths disappear without an error.",
         "Test `__HIP_DEVICE_COMPILE__` / `__HIP_PLATFORM_AMD__` (and `__gfx942__` etc.) explicitly for the AMD path.",
+        before="#if __CUDA_ARCH__ >= 800",
+        after="#if defined(__gfx90a__) || defined(__gfx942__)  // the AMD path, then the __CUDA_ARCH__ tests",
         pattern=re.compile(r"^\s*#\s*(?:if|elif)\b.*__CUDA_ARCH__\s*(?:[<>]=?|==|!=)"),
     ),
 ]
