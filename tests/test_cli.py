@@ -40,7 +40,7 @@ def one_line_error(result) -> str:
         ({"model_name_or_path": "./no/such/model"}, "model_name_or_path './no/such/model' is not a directory"),
         ({"dataset": "nope"}, "dataset 'nope' is not in"),
         ({"cutoff_len": 0}, "cutoff_len=0 must be a positive integer"),
-        ({"stage": "dpo"}, "stage='dpo' is not supported yet"),
+        ({"stage": "ppo"}, "stage='ppo' is not supported yet"),
         ({"lora_rnk": 8}, "unknown key 'lora_rnk'; did you mean 'lora_rank'"),
         ({"template": "llama9"}, "template 'llama9' is unknown"),
     ],

@@ -1,10 +1,13 @@
 """The `tiletune` command line: one thin function per verb, each calling a module below.
 
 A `UserError` anywhere becomes one line on stderr and exit code 2; `--debug` shows the traceback.
+`tiletune train` stopped early but cleanly (a signal, a full disk) exits with `safety.EXIT_STOPPED` or
+`safety.EXIT_DISK_FULL` and prints the command that resumes it.
 """
 
 from __future__ import annotations
 
+import shlex
 import sys
 
 import click
@@ -48,25 +51,50 @@ def train(config: str, overrides: tuple[str, ...], dry_run: bool) -> None:
 
     FORCE_TORCHRUN=1 (with NPROC_PER_NODE, NNODES, ...) starts it on several processes through torchrun.
     """
-    import subprocess
-
     from tiletune.config import load_config
     from tiletune.train.launch import torchrun_command
+    from tiletune.train.safety import RunStopped
     from tiletune.train.trainer import run_train
 
     command = torchrun_command(["train", config, *overrides] + (["--dry-run"] if dry_run else []))
     if command is not None:
         load_config(config, overrides)  # a config mistake is reported once, not by every process
-        sys.exit(subprocess.run(command).returncode)
+        sys.exit(_run_torchrun(command))
 
-    run_train(load_config(config, overrides), dry_run=dry_run)
+    try:
+        run_train(load_config(config, overrides), dry_run=dry_run)
+    except RunStopped as stop:
+        click.echo(f"tiletune: {stop}", err=True)
+        if stop.checkpoint is not None:
+            kept = [o for o in overrides if not o.startswith("resume_from_checkpoint=")]
+            click.echo("resume with: " + shlex.join(["tiletune", "train", config, *kept, "resume_from_checkpoint=true"]),
+                       err=True)  # fmt: skip
+        sys.exit(stop.exit_code)
+
+
+def _run_torchrun(command: list[str]) -> int:
+    """Run torchrun and return its exit code; the workers stop cleanly on Ctrl-C (which reaches them directly)
+    and on a SIGTERM sent here (passed on), so this process waits for them rather than dying first."""
+    import signal
+    import subprocess
+
+    child = subprocess.Popen(command)
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))}  # fmt: skip
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 # ---- hipify / env -------------------------------------------------------------------------------
 
 
 @main.command()
-@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.argument("paths", nargs=-1, type=click.Path())
+@click.option("--explain", "explain_rule", metavar="RULE", help="Show one lint rule: the pitfall, what AMD hardware does "
+              "differently, a CUDA before and HIP after, the fix; translates nothing.")
 @click.option("--out", "out", type=click.Path(file_okay=False), help="Directory for the HIP sources (mirrors the input tree; .cu becomes .hip).")
 @click.option("--inplace", is_flag=True, help="Rewrite the inputs, keeping each original as <name>.prehip.")
 @click.option("--lint-only", is_flag=True, help="Only run the migration lint on the CUDA sources; translate nothing.")
@@ -81,14 +109,20 @@ def train(config: str, overrides: tuple[str, ...], dry_run: bool) -> None:
 @click.option("--offload-arch", default="gfx90a", show_default=True, help="AMD target for --compile-check (gfx90a, gfx942, gfx1100...).")
 @click.option("--hipcc-flag", "hipcc_flags", multiple=True, help="Extra hipcc flag for --compile-check (repeatable), e.g. -I/path/to/include.")
 @click.pass_context
-def hipify(ctx: click.Context, paths: tuple[str, ...], out: str | None, inplace: bool, lint_only: bool, engine: str,
-           fmt: str, report_dir: str | None, strict: bool, compile_check: bool, offload_arch: str,
-           hipcc_flags: tuple[str, ...]) -> None:
+def hipify(ctx: click.Context, paths: tuple[str, ...], explain_rule: str | None, out: str | None, inplace: bool,
+           lint_only: bool, engine: str, fmt: str, report_dir: str | None, strict: bool, compile_check: bool,
+           offload_arch: str, hipcc_flags: tuple[str, ...]) -> None:
     """Translate CUDA sources under PATHS to HIP and report what needs a human on AMD GPUs."""
     from pathlib import Path
 
     from tiletune.port.hipify import run_hipify
-    from tiletune.port.report import RENDERERS, write_reports
+    from tiletune.port.report import RENDERERS, explain, write_reports
+
+    if explain_rule:
+        click.echo(explain(explain_rule), nl=False)
+        return
+    if not paths:
+        raise UserError("hipify needs PATHS (CUDA files or folders) to translate, or --explain RULE")
 
     report = run_hipify(list(paths), out, engine=engine, inplace=inplace, lint_only=lint_only,
                         compile_check=compile_check, offload_arch=offload_arch, hipcc_flags=hipcc_flags)

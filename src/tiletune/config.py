@@ -31,7 +31,7 @@ import yaml
 from tiletune.errors import UserError
 
 log = logging.getLogger("tiletune")
-SUPPORTED_STAGES = ("pt", "sft")
+SUPPORTED_STAGES = ("pt", "sft", "dpo", "kto", "rm")
 KNOWN_STAGES = ("pt", "sft", "rm", "ppo", "dpo", "kto")
 
 
@@ -88,6 +88,17 @@ class TuneConfig:
     quantization_method: str = "bnb"  # bitsandbytes' formats; no bitsandbytes needed at run time
     quantization_type: Literal["nf4", "fp4"] = "nf4"
     double_quantization: bool = True  # the 4-bit blocks' scales quantized too (8 bits each, per 256)
+    # -- preference stages (train/preference.py): LLaMA-Factory's keys
+    pref_beta: float = 0.1
+    pref_ftx: float = 0.0  # the chosen answers' average log-likelihood, weighted into the loss (SFT term)
+    pref_loss: Literal["sigmoid", "hinge", "ipo", "orpo", "simpo"] = "sigmoid"
+    dpo_label_smoothing: float = 0.0  # conservative DPO (sigmoid only)
+    simpo_gamma: float = 0.5
+    ref_model: str | None = None  # null: the base with the adapters disabled (LoRA), or a copy of the model
+    ref_model_adapters: str | None = None
+    precompute_ref_log_probs: bool = False  # TRL's: reference log-probs computed once before training
+    kto_chosen_weight: float = 1.0  # KTO: weight of the desirable answers' loss
+    kto_rejected_weight: float = 1.0
     freeze_trainable_layers: int = 2
     freeze_trainable_modules: str = "all"
     freeze_extra_modules: str | None = None
@@ -363,8 +374,8 @@ def _check_values(cfg: TuneConfig, source: str) -> None:
         raise UserError(f"{source}: stage={cfg.stage!r} is not valid; allowed: {', '.join(KNOWN_STAGES)}")
     if cfg.stage not in SUPPORTED_STAGES:
         raise UserError(
-            f"{source}: stage={cfg.stage!r} is not supported yet; tiletune trains stage 'sft' and 'pt' "
-            "(use LLaMA-Factory itself for reward modelling, PPO, DPO and KTO)"
+            f"{source}: stage={cfg.stage!r} is not supported yet; tiletune trains stage 'sft', 'pt', 'dpo', 'kto' and "
+            "'rm' (use LLaMA-Factory itself for PPO)"
         )
     positive = {"cutoff_len": cfg.cutoff_len, "lora_rank": cfg.lora_rank, "max_new_tokens": cfg.max_new_tokens}
     for key, value in positive.items():
@@ -426,6 +437,14 @@ _READ_ONLY_WITH = (
     ("loraplus_lr_ratio", lambda cfg: cfg.loraplus_lr_ratio is not None, ("loraplus_lr_embedding",)),
     ("use_galore=true", lambda cfg: cfg.use_galore, ("galore_target", "galore_rank", "galore_update_interval",
                                                      "galore_scale", "galore_proj_type", "galore_layerwise")),
+    ("stage=dpo or kto", lambda cfg: cfg.stage in ("dpo", "kto"), ("pref_beta", "ref_model", "precompute_ref_log_probs")),
+    ("stage=dpo", lambda cfg: cfg.stage == "dpo", ("pref_ftx", "pref_loss", "dpo_label_smoothing", "simpo_gamma")),
+    ("stage=kto", lambda cfg: cfg.stage == "kto", ("kto_chosen_weight", "kto_rejected_weight")),
+    ("pref_loss=sigmoid", lambda cfg: cfg.pref_loss == "sigmoid", ("dpo_label_smoothing",)),
+    ("pref_loss=simpo", lambda cfg: cfg.pref_loss == "simpo", ("simpo_gamma",)),
+    ("a reference model (pref_loss sigmoid, hinge or ipo)", lambda cfg: cfg.pref_loss in ("sigmoid", "hinge", "ipo"),
+     ("ref_model", "ref_model_adapters", "precompute_ref_log_probs")),
+    ("ref_model", lambda cfg: cfg.ref_model is not None, ("ref_model_adapters",)),
     ("use_apollo=true", lambda cfg: cfg.use_apollo, ("apollo_target", "apollo_rank", "apollo_update_interval",
                                                      "apollo_scale", "apollo_proj", "apollo_proj_type",
                                                      "apollo_scale_type", "apollo_layerwise")),
@@ -501,13 +520,14 @@ _NEEDS_PACKAGE = {
     ("use_galore", True): _Package("galore-torch", ("galore_torch",), "pip install galore-torch"),
     ("use_apollo", True): _Package("apollo-torch", ("apollo_torch",), "pip install apollo-torch"),
     ("use_muon", True): _Package("torch >= 2.9 (torch.optim.Muon)", ("torch.optim._muon",), "pip install -U 'torch>=2.9'"),
+    **{("stage", stage): _Package("trl", ("trl",), "pip install 'tiletune[preference]'") for stage in ("dpo", "kto", "rm")},
 }
 
 
 def _check_packages(cfg: TuneConfig, source: str) -> None:
     """Refuse a value whose package is missing now, before anything loads, rather than mid-training."""
     report_to = cfg.train_arg("report_to") or []
-    chosen = [("flash_attn", cfg.flash_attn), ("optim", cfg.train_arg("optim"))]
+    chosen = [("flash_attn", cfg.flash_attn), ("optim", cfg.train_arg("optim")), ("stage", cfg.stage)]
     chosen += [("report_to", name) for name in ([report_to] if isinstance(report_to, str) else report_to)]
     chosen += [(key, getattr(cfg, key)) for key in ("use_galore", "use_apollo", "use_muon")]
     for key, value in chosen:

@@ -144,3 +144,12 @@ def test_cli_user_error_is_one_line_and_exit_2(tmp_path):
     result = CliRunner().invoke(main, ["hipify", str(tmp_path / "nope.cu"), "--out", str(tmp_path / "o")])
     assert result.exit_code == 2
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("tiletune: error:")
+
+
+def test_explain_on_the_command_line_and_paths_required_otherwise():
+    shown = CliRunner().invoke(main, ["hipify", "--explain", "block-32-threads"])
+    assert shown.exit_code == 0 and "before (CUDA):" in shown.output and "after (HIP):" in shown.output
+    unknown = CliRunner().invoke(main, ["hipify", "--explain", "no-such-rule"])
+    assert unknown.exit_code == 2 and "no rule 'no-such-rule'" in unknown.output
+    bare = CliRunner().invoke(main, ["hipify"])
+    assert bare.exit_code == 2 and "needs PATHS" in bare.output

@@ -3,7 +3,9 @@
 Names are looked up in `<dataset_dir>/dataset_info.json` (LLaMA-Factory's format: file_name or
 hf_hub_url, formatting alpaca|sharegpt, columns, tags, split, subset, folder, num_samples). A name
 that is not there may be a local file (json, jsonl, csv, parquet, txt) or a hub id `owner/name`.
-Every record becomes {"messages": [{"role", "content"}, ...], "system": str, "tools": str}.
+Every record becomes {"messages": [{"role", "content"}, ...], "system": str, "tools": str}; a ranking
+dataset's (`ranking: true`, for dpo and rm) holds the prompt's messages only, plus "chosen" and "rejected"
+answers (text); a feedback dataset's (a `kto_tag` column, for kto) also "kto_tag" (bool: the answer is desirable).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ SHAREGPT_TAGS = {
     "function_tag": "function_call",
     "system_tag": "system",
 }
+RANKING_COLUMNS = {"chosen": "chosen", "rejected": "rejected"}
 MEDIA_COLUMNS = ("images", "videos", "audios")
 
 
@@ -48,10 +51,11 @@ class DatasetAttr:
     subset: str | None = None
     folder: str | None = None
     num_samples: int | None = None
+    ranking: bool = False
 
     def __post_init__(self):
         defaults = ALPACA_COLUMNS if self.formatting == "alpaca" else SHAREGPT_COLUMNS
-        self.columns = {**defaults, **self.columns}
+        self.columns = {**defaults, **(RANKING_COLUMNS if self.ranking else {}), **self.columns}
         self.tags = {**SHAREGPT_TAGS, **self.tags}
 
 
@@ -89,8 +93,6 @@ def _attr_from_info(name: str, entry: dict[str, Any], dataset_dir: Path, info_pa
     formatting = entry.get("formatting", "alpaca")
     if formatting not in ("alpaca", "sharegpt"):
         raise UserError(f"{info_path}: dataset {name!r} has formatting {formatting!r}; supported: alpaca, sharegpt")
-    if entry.get("ranking"):
-        raise UserError(f"{info_path}: dataset {name!r} is a preference (ranking) dataset; tiletune trains sft and pt only")
     columns = entry.get("columns", {})
     media = [c for c in MEDIA_COLUMNS if columns.get(c)]
     if media:
@@ -104,6 +106,7 @@ def _attr_from_info(name: str, entry: dict[str, Any], dataset_dir: Path, info_pa
         subset=entry.get("subset"),
         folder=entry.get("folder"),
         num_samples=entry.get("num_samples"),
+        ranking=bool(entry.get("ranking")),
     )
     if "file_name" in entry:
         return DatasetAttr(source="file", path=str(dataset_dir / entry["file_name"]), **common)
@@ -224,7 +227,7 @@ class _AlpacaConverter:
         self.attr, self.col = attr, attr.columns
 
     def required_columns(self) -> list[str]:
-        return [self.col["prompt"]]
+        return [self.col["prompt"]] + ([self.col["chosen"], self.col["rejected"]] if self.attr.ranking else [])
 
     def __call__(self, record: dict[str, Any], index: int) -> dict[str, Any]:
         col, attr = self.col, self.attr
@@ -235,12 +238,17 @@ class _AlpacaConverter:
                          {"role": ASSISTANT, "content": _text(attr, index, where, old_response)}]
         query = [text for c in (col["prompt"], col.get("query")) if (text := _column_text(attr, record, index, c))]
         messages.append({"role": USER, "content": "\n".join(query)})
-        if col.get("response") and record.get(col["response"]) is not None:
+        answers = {}
+        if attr.ranking:
+            answers = {key: _column_text(attr, record, index, col[key]) for key in RANKING_COLUMNS}
+        elif col.get("response") and record.get(col["response"]) is not None:
             messages.append({"role": ASSISTANT, "content": _column_text(attr, record, index, col["response"])})
         return {
             "messages": messages,
             "system": _column_text(attr, record, index, col.get("system")),
             "tools": _tools_text(record.get(col["tools"])) if col.get("tools") else "",
+            **answers,
+            **_kto_tag(attr, record, index),
         }
 
 
@@ -257,7 +265,7 @@ class _SharegptConverter:
         }
 
     def required_columns(self) -> list[str]:
-        return [self.col["messages"]]
+        return [self.col["messages"]] + ([self.col["chosen"], self.col["rejected"]] if self.attr.ranking else [])
 
     def __call__(self, record: dict[str, Any], index: int) -> dict[str, Any]:
         t = self.tags
@@ -279,16 +287,28 @@ class _SharegptConverter:
                 )
             content = _text(self.attr, index, f"{where} message {position}", turn[t["content_tag"]])
             messages.append({"role": role, "content": content})
-        if len(messages) % 2:
+        if bool(len(messages) % 2) != self.attr.ranking:  # a ranking record ends with the question
             raise UserError(
                 f"dataset {self.attr.name!r} record {index}: the conversation ends with a "
-                f"{self._tag_of(messages[-1]['role'])!r} message; it must end with an answer"
+                f"{self._tag_of(messages[-1]['role']) if messages else 'no'!r} message; it must end with "
+                + ("a question (the answers are in the chosen and rejected columns)" if self.attr.ranking else "an answer")
             )
+        answers = {key: self._answer(record, index, self.col[key]) for key in RANKING_COLUMNS} if self.attr.ranking else {}
         return {
             "messages": messages,
             "system": system,
             "tools": _tools_text(record.get(self.col["tools"])) if self.col.get("tools") else "",
+            **answers,
+            **_kto_tag(self.attr, record, index),
         }
+
+    def _answer(self, record: dict[str, Any], index: int, column: str) -> str:
+        """The text of a ranking record's chosen or rejected message, which must be an assistant's."""
+        t, message = self.tags, record[column]
+        if not isinstance(message, dict) or self.roles.get(message.get(t["role_tag"])) not in (ASSISTANT, FUNCTION):
+            raise UserError(f"dataset {self.attr.name!r} record {index}: column {column!r} holds {message!r:.60} where "
+                            f"an {t['assistant_tag']!r} message belongs")
+        return _text(self.attr, index, f"column {column!r}", message[t["content_tag"]])
 
     def _tag_of(self, role: str) -> str:
         return next(tag for tag, r in self.roles.items() if r == role)
@@ -307,6 +327,17 @@ def _column_text(attr: DatasetAttr, record: dict[str, Any], index: int, column: 
     """The text in `column` of record `index`; '' where the format has no such column or the record holds null."""
     value = record.get(column) if column else None
     return "" if value is None else _text(attr, index, f"column {column!r}", value)
+
+
+def _kto_tag(attr: DatasetAttr, record: dict[str, Any], index: int) -> dict[str, bool]:
+    """{"kto_tag": whether the answer is desirable} when the dataset names a `kto_tag` column, else {}."""
+    column = attr.columns.get("kto_tag")
+    if not column:
+        return {}
+    if not isinstance(record.get(column), bool):
+        raise UserError(f"dataset {attr.name!r} record {index}: column {column!r} holds {record.get(column)!r:.40} "
+                        "where true or false belongs")
+    return {"kto_tag": record[column]}
 
 
 def _tools_text(value: Any) -> str:

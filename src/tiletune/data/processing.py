@@ -5,6 +5,11 @@ Supervised (`sft`): each turn is (prompt, response); prompts are masked from the
 longer than `cutoff_len` is cut turn by turn, each turn sharing its budget between prompt and response
 in proportion to their lengths (the response keeps its length when it is short), as LLaMA-Factory does.
 Pre-training (`pt`): texts + EOS are concatenated and cut into blocks of `cutoff_len` (`packing`).
+Pairwise (`dpo`, `rm`; ranking datasets): prompt_ids, chosen_ids and rejected_ids (TRL's preference columns), the
+prompt's turns encoded with the chosen answer; the answers keep their length first, the longer one sharing
+`cutoff_len` with the prompt as a supervised turn does (LLaMA-Factory's PairwiseDatasetProcessor).
+Feedback (`kto`; a `kto_tag` column): prompt_ids, completion_ids, label (the tag) and KL_completion_ids, the
+answers of the preprocessing batch in reverse order (mismatched answers for KTO's KL term; FeedbackDatasetProcessor).
 
 Supervised packing (`packing`, `neat_packing`), as LLaMA-Factory packs: the encoded examples of each
 `preprocessing_batch_size` batch go greedily, longest first, into sequences of at most `cutoff_len` tokens.
@@ -27,10 +32,16 @@ from transformers.utils import logging as transformers_logging
 
 from tiletune.config import TuneConfig
 from tiletune.data.loader import cache_fingerprint, load_raw, normalise, resolve_datasets
-from tiletune.data.templates import Template
+from tiletune.data.templates import ASSISTANT, Template
 from tiletune.errors import UserError
 
 IGNORE_INDEX = -100
+DATA_KINDS = {  # what a stage's records hold: the column that tells, and how to name it in a message
+    "ranking": ("chosen", "a ranking dataset (ranking: true in dataset_info.json, with chosen and rejected columns)"),
+    "feedback": ("kto_tag", "a feedback dataset (a kto_tag column in dataset_info.json)"),
+    "plain": (None, "a dataset without ranking or kto_tag"),
+}
+STAGE_DATA = {"dpo": "ranking", "rm": "ranking", "kto": "feedback"}  # other stages: plain
 log = logging.getLogger(__name__)
 
 
@@ -67,6 +78,19 @@ def encode_supervised(pairs, cutoff_len: int, train_on_prompt: bool, mask_histor
             input_ids += prompt + response
             labels += prompt_labels + response_labels
     return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels}
+
+
+def encode_pairwise(prompt: list[int], chosen: list[int], rejected: list[int], cutoff_len: int) -> dict[str, list[int]]:
+    """One preference example: the prompt and both answers cut so that prompt + the longer answer fit `cutoff_len`."""
+    keep_prompt, keep_answer = split_budget(len(prompt), max(len(chosen), len(rejected)), cutoff_len)
+    return {"prompt_ids": prompt[:keep_prompt], "chosen_ids": chosen[:keep_answer], "rejected_ids": rejected[:keep_answer]}
+
+
+def example_ids(row: dict) -> list[int]:
+    """The token ids of a tokenised row as the model reads it (pairwise: prompt + chosen answer; feedback: + its answer)."""
+    if "input_ids" in row:
+        return row["input_ids"]
+    return row["prompt_ids"] + row["chosen_ids" if "chosen_ids" in row else "completion_ids"]
 
 
 def packing_enabled(cfg: TuneConfig) -> bool:
@@ -185,6 +209,15 @@ def _map(cfg: TuneConfig, dataset, function, desc: str, batched: bool = False):
 
 def _tokenise(cfg: TuneConfig, tokenizer, template: Template, raw, name: str, stats: dict[str, int]):
     """The split's rows; `stats` gets its example count (and with sft packing, its packed sequence count)."""
+    kind = next(k for k, (column, _) in DATA_KINDS.items() if column is None or column in raw.column_names)
+    needed = STAGE_DATA.get(cfg.stage, "plain")
+    if kind != needed:
+        raise UserError(f"stage {cfg.stage} needs {DATA_KINDS[needed][1]}; the {name} data is {DATA_KINDS[kind][1]}")
+    if kind != "plain":
+        encoder = _PairwiseEncoder if kind == "ranking" else _FeedbackEncoder
+        encoded = _map(cfg, raw, encoder(cfg, tokenizer, template), f"Tokenising {name} ({kind})", batched=kind == "feedback")
+        stats[f"{name}_examples"] = len(encoded)
+        return encoded
     if cfg.stage == "pt":
         blocks = _map(cfg, raw, _PretrainEncoder(cfg, tokenizer), f"Tokenising {name} (packing)", batched=True)
         stats[f"{name}_examples"] = len(blocks)
@@ -226,6 +259,30 @@ class _SupervisedEncoder:
             self.tokenizer, example["messages"], example["system"], example["tools"], self.cfg.enable_thinking
         )
         return encode_supervised(pairs, self.cfg.cutoff_len, self.cfg.train_on_prompt, self.cfg.mask_history)
+
+
+class _PairwiseEncoder(_SupervisedEncoder):
+    def __call__(self, example):
+        chosen, rejected = (
+            self.template.encode_pairs(self.tokenizer, example["messages"] + [{"role": ASSISTANT, "content": answer}],
+                                       example["system"], example["tools"], self.cfg.enable_thinking)
+            for answer in (example["chosen"], example["rejected"])
+        )
+        prompt = [tok for p, r in chosen[:-1] for tok in p + r] + chosen[-1][0]
+        return encode_pairwise(prompt, chosen[-1][1], rejected[-1][1], self.cfg.cutoff_len)
+
+
+class _FeedbackEncoder(_SupervisedEncoder):
+    def __call__(self, batch):
+        prompts, completions = [], []
+        for messages, system, tools in zip(batch["messages"], batch["system"], batch["tools"]):
+            pairs = self.template.encode_pairs(self.tokenizer, messages, system, tools, self.cfg.enable_thinking)
+            prompt = [tok for p, r in pairs[:-1] for tok in p + r] + pairs[-1][0]
+            keep_prompt, keep_answer = split_budget(len(prompt), len(pairs[-1][1]), self.cfg.cutoff_len)
+            prompts.append(prompt[:keep_prompt])
+            completions.append(pairs[-1][1][:keep_answer])
+        kl = [answer[: self.cfg.cutoff_len - len(prompt)] for prompt, answer in zip(prompts, completions[::-1])]
+        return {"prompt_ids": prompts, "completion_ids": completions, "KL_completion_ids": kl, "label": batch["kto_tag"]}
 
 
 class _PretrainEncoder:

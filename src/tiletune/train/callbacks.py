@@ -1,9 +1,13 @@
-"""Trainer callbacks: `trainer_log.jsonl` (one line per logging step) and a progress bar with loss and tokens/s."""
+"""Trainer callbacks: `trainer_log.jsonl` (one line per logging step), a progress bar with loss and tokens/s, and
+the clean stop on SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
 import json
+import os
 import resource
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -98,3 +102,47 @@ class ProgressCallback(TrainerCallback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class StopOnSignal(TrainerCallback):
+    """The first SIGINT or SIGTERM finishes the optimizer step, saves a checkpoint and ends training; the same
+    signal again exits at once (checkpoints already in place stay complete: they are written aside and renamed).
+    The other signal only repeats the notice: under torchrun, Ctrl-C reaches the workers both directly and as
+    the SIGTERM torchrun forwards. Several processes stop after the same step, the first one signalled decides."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received: str | None = None  # the first signal this process got
+        self.stopped = False  # training ended after a step because of one (here or in another process)
+        self.previous: dict = {}
+
+    def __enter__(self):
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.received == name:
+            print(f"tiletune: {name} again: stopping now; the checkpoints already written are intact",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            os._exit(128 + signum)
+        self.received = self.received or name
+        print(f"tiletune: {name}: finishing this optimizer step, then saving a checkpoint "
+              f"(send {self.received} again to stop at once)", file=sys.stderr, flush=True)  # fmt: skip
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._stop_now(args):
+            self.stopped = control.should_save = control.should_training_stop = True
+
+    def _stop_now(self, args) -> bool:
+        """Whether this process, or any other process of the run, has been signalled."""
+        if args.world_size == 1:
+            return self.received is not None
+        flag = torch.tensor(float(self.received is not None), device=args.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())

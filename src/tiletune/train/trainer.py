@@ -1,25 +1,39 @@
 """`tiletune train`: config -> tokenizer, template, data, model -> Trainer -> outputs in `output_dir`.
 
 Outputs: the adapter (or model) with its tokenizer, trainer_log.jsonl, training_loss.png (`plot_loss`),
-all_results.json, checkpoint-N every `save_steps` (written to a staging folder and renamed into place,
-so a crash mid-save never leaves a checkpoint that looks complete), and with `do_predict`,
-generated_predictions.jsonl and predict_results.json.
+all_results.json, checkpoint-N every `save_steps` (written to a staging folder, given a manifest of its files'
+sizes and hashes, and renamed into place, so a crash mid-save never leaves a checkpoint that looks complete),
+and with `do_predict`, generated_predictions.jsonl and predict_results.json. `safety.py` holds the lock on
+output_dir, the manifests and the clean stops, `callbacks.StopOnSignal` the stop on SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
 import shutil
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
 from tiletune.config import TuneConfig
 from tiletune.errors import UserError
+from tiletune.train.safety import (
+    EXIT_DISK_FULL,
+    EXIT_NONFINITE,
+    EXIT_STOPPED,
+    LOCK_NAME,
+    RunStopped,
+    checkpoint_problem,
+    first_nonfinite_output,
+    output_dir_lock,
+    write_manifest,
+)
 
 log = logging.getLogger("tiletune")
 STAGING_DIR = ".staging"
@@ -27,12 +41,19 @@ CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
 def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
-    """Run what the config asks for (train / eval / predict); returns the metrics written."""
+    """Run what the config asks for (train / eval / predict); returns the metrics written.
+
+    Raises `RunStopped` when a signal, a full disk or a non-finite loss ended training early but cleanly."""
+    with ExitStack() as held:  # holds the output_dir lock until the run ends, however it ends
+        return _run(cfg, dry_run, held)
+
+
+def _run(cfg: TuneConfig, dry_run: bool, held: ExitStack) -> dict:
     from transformers import set_seed
 
-    from tiletune.train.callbacks import peak_memory_gib
     from tiletune.data.processing import build_splits
     from tiletune.data.templates import get_template
+    from tiletune.train.callbacks import StopOnSignal, peak_memory_gib
     from tiletune.train.model import load_model, load_tokenizer, set_checkpointing
 
     _configure_logging()
@@ -44,6 +65,7 @@ def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
     resume = find_resume_checkpoint(cfg, output_dir) if do_train else None
     main_process = int(os.environ.get("RANK", "0")) == 0  # under torchrun, one process writes the outputs
     if not dry_run and main_process:
+        held.enter_context(output_dir_lock(output_dir))
         check_output_dir(cfg, output_dir, resuming=resume is not None, training=do_train)
     set_seed(cfg.train_arg("seed", 42))
 
@@ -69,7 +91,13 @@ def run_train(cfg: TuneConfig, dry_run: bool = False) -> dict:
     if do_train or do_eval:
         trainer = _make_trainer(cfg, model, tokenizer, splits, output_dir)
     if do_train:
-        result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        with StopOnSignal() as stop:
+            trainer.add_callback(stop)
+            result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        if stop.stopped and trainer.state.global_step < trainer.state.max_steps:
+            checkpoint = complete_checkpoints(output_dir)[-1]
+            raise RunStopped(f"stopped by {stop.received or 'a signal to another process'} at step {trainer.state.global_step}; checkpoint: {checkpoint}",
+                             checkpoint, EXIT_STOPPED)  # fmt: skip
         trainer.save_model()
         trainer.save_state()
         if kernel_report is not None and main_process:  # again, with the fallbacks seen at run time
@@ -145,7 +173,8 @@ def _apply_kernels(model, spec):
 
 
 def find_resume_checkpoint(cfg: TuneConfig, output_dir: Path) -> Path | None:
-    """The checkpoint to resume from: `resume_from_checkpoint` as a path, or the last one when true."""
+    """The checkpoint to resume from: `resume_from_checkpoint` as a path, or when true the last one whose files
+    match their manifest (a damaged one is named and passed over)."""
     value = cfg.resume_from_checkpoint
     if value in (None, False):
         return None
@@ -153,10 +182,21 @@ def find_resume_checkpoint(cfg: TuneConfig, output_dir: Path) -> Path | None:
         checkpoints = complete_checkpoints(output_dir)
         if not checkpoints:
             raise UserError(f"resume_from_checkpoint is true but {output_dir} holds no checkpoint-N folder")
-        return checkpoints[-1]
+        for checkpoint in reversed(checkpoints):
+            problem = checkpoint_problem(checkpoint)
+            if problem is None:
+                return checkpoint
+            log.warning("%s is damaged (%s); trying the one before it", checkpoint, problem)
+        raise UserError(f"every checkpoint in {output_dir} is damaged (see the warnings above); start again with "
+                        "overwrite_output_dir=true")  # fmt: skip
     path = Path(value)
     if not (path / "trainer_state.json").is_file():
         raise UserError(f"resume_from_checkpoint={value!r} is not a checkpoint folder (no trainer_state.json in it)")
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        intact = [p for p in complete_checkpoints(path.parent) if p != path and checkpoint_problem(p) is None]
+        offer = f"resume_from_checkpoint={intact[-1]} is intact" if intact else "no other checkpoint beside it is intact"
+        raise UserError(f"resume_from_checkpoint={value!r} is damaged ({problem}); {offer}")
     return path
 
 
@@ -170,11 +210,9 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
 
 def check_output_dir(cfg: TuneConfig, output_dir: Path, resuming: bool, training: bool) -> None:
     """Refuse to write over another run unless `overwrite_output_dir` (or resuming it)."""
-    if output_dir.exists() and not output_dir.is_dir():
-        raise UserError(f"output_dir {output_dir} is a file; choose a folder")
     if not training or resuming or cfg.overwrite_output_dir or not output_dir.is_dir():
         return
-    existing = sorted(p.name for p in output_dir.iterdir() if p.name != STAGING_DIR)
+    existing = sorted(p.name for p in output_dir.iterdir() if p.name not in (STAGING_DIR, LOCK_NAME))
     if existing:
         shown = ", ".join(existing[:4]) + (" ..." if len(existing) > 4 else "")
         raise UserError(
@@ -240,41 +278,64 @@ def _deepspeed_config(value):
 
 
 def _make_trainer(cfg: TuneConfig, model, tokenizer, splits, output_dir: Path):
-    from transformers import Trainer
     from transformers.trainer_callback import PrinterCallback
     from transformers.trainer_callback import ProgressCallback as PlainProgress
     from transformers.trainer_utils import rotate_checkpoints
 
-    from tiletune.data.collator import data_collator
     from tiletune.train.callbacks import JsonlLogCallback, ProgressCallback
     from tiletune.train.model import pissa_convert_callback
     from tiletune.train.optimizers import build_optimizer
 
-    class TuneTrainer(Trainer):
-        """A Trainer with the config's optimizer, whose checkpoints appear in output_dir only once they are complete."""
+    base, arguments, stage_kwargs = _stage(cfg, model, tokenizer)
+
+    class TuneTrainer(base):
+        """A Trainer with the config's optimizer, whose checkpoints appear in output_dir only once they are complete,
+        stopping at a non-finite loss before the optimizer steps on it."""
 
         staging = False
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if not torch.isfinite(loss):
+                layer = first_nonfinite_output(model, self._prepare_inputs(inputs))
+                raise _nonfinite_loss(loss.item(), self.state.global_step + 1, layer, Path(self.args.output_dir))
+            return loss
 
         def create_optimizer(self, model=None):
             if self.optimizer is None:
                 self.optimizer = build_optimizer(cfg, self.model if model is None else model, self.args)
             return super().create_optimizer(model)
 
+        def _run_epoch(self, *args, **kwargs):
+            if self.state.global_step >= self.state.max_steps:  # resumed from the last step: transformers would
+                self.control.should_training_stop = True  # train one more before checking
+                return
+            super()._run_epoch(*args, **kwargs)
+
         def _get_output_dir(self, trial):
             run_dir = super()._get_output_dir(trial)
             return os.path.join(run_dir, STAGING_DIR) if self.staging else run_dir
 
         def _save_checkpoint(self, model, trial):
+            run_dir = Path(self._get_output_dir(trial))
+            name = f"checkpoint-{self.state.global_step}"
+            staged = run_dir / STAGING_DIR / name
+            if self.args.should_save:
+                shutil.rmtree(staged, ignore_errors=True)  # left by a run killed while writing it
             self.staging = True
             try:
                 super()._save_checkpoint(model, trial)
+            except OSError as err:
+                if err.errno != errno.ENOSPC:
+                    raise
+                shutil.rmtree(staged, ignore_errors=True)
+                raise _disk_full(run_dir, name) from None
             finally:
                 self.staging = False
             self.accelerator.wait_for_everyone()
             if self.args.should_save:
-                run_dir = Path(self._get_output_dir(trial))
-                name = f"checkpoint-{self.state.global_step}"
-                _move_into_place(run_dir / STAGING_DIR / name, run_dir / name)
+                write_manifest(staged)
+                _move_into_place(staged, run_dir / name)
                 rotate_checkpoints(
                     output_dir=str(run_dir),
                     save_total_limit=self.args.save_total_limit,
@@ -287,17 +348,51 @@ def _make_trainer(cfg: TuneConfig, model, tokenizer, splits, output_dir: Path):
         raise UserError("eval_strategy is set but there is no eval data; set eval_dataset or val_size")
     trainer = TuneTrainer(
         model=model,
-        args=training_arguments(cfg, output_dir, model),
+        args=arguments(training_arguments(cfg, output_dir, model)),
         train_dataset=splits.train,
         eval_dataset=splits.eval,
-        data_collator=data_collator(cfg, tokenizer),
         processing_class=tokenizer,
         callbacks=[JsonlLogCallback(output_dir)] + ([pissa_convert_callback()] if cfg.pissa_convert else []),
+        **stage_kwargs,
     )
     trainer.remove_callback(PlainProgress)
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(ProgressCallback())
     return trainer
+
+
+def _nonfinite_loss(loss: float, step: int, layer: str | None, run_dir: Path) -> RunStopped:
+    """The stop at a non-finite loss, naming the first module whose output went non-finite."""
+    where = (f"the first output that went non-finite is {layer}'s" if layer else
+             "every module's output was finite when the batch ran again: the loss itself is not (a batch without "
+             "a label token?)")  # fmt: skip
+    intact = complete_checkpoints(run_dir)
+    last = f"{intact[-1]} is the last checkpoint" if intact else "no checkpoint was written"
+    return RunStopped(f"loss is {loss} at step {step}; {where}; stopped before the optimizer step, {last}",
+                      intact[-1] if intact else None, EXIT_NONFINITE)  # fmt: skip
+
+
+def _disk_full(run_dir: Path, name: str) -> RunStopped:
+    """The clean stop when a save runs out of space: the partial save removed, the checkpoint before it named."""
+    intact = complete_checkpoints(run_dir)
+    before = f"{intact[-1].name} before it is intact" if intact else "there is no earlier checkpoint"
+    return RunStopped(f"disk full while writing {name} in {run_dir}; the partial save was removed and {before}; "
+                      "free some space and resume", intact[-1] if intact else None, EXIT_DISK_FULL)  # fmt: skip
+
+
+def _stage(cfg: TuneConfig, model, tokenizer):
+    """The stage's Trainer class, its arguments from the Seq2SeqTrainingArguments, and extra Trainer keywords."""
+    from tiletune.train import preference
+
+    if cfg.stage in preference.STAGES:
+        from tiletune.train.model import load_model
+
+        return preference.preference_stage(cfg, model, tokenizer, load_model)
+    from transformers import Trainer
+
+    from tiletune.data.collator import data_collator
+
+    return Trainer, (lambda args: args), {"data_collator": data_collator(cfg, tokenizer)}
 
 
 def _move_into_place(staged: Path, final: Path) -> None:
@@ -329,14 +424,16 @@ def _summary(cfg: TuneConfig, model, splits, template) -> dict:
 
 
 def _dry_run_report(summary: dict, tokenizer, splits) -> str:
+    from tiletune.data.processing import example_ids
+
     lines = ["dry run: config, model and data are valid"]
     lines += [f"  {key}: {value}" for key, value in summary.items()]
     if splits.train is not None and len(splits.train):
-        lengths = [len(ids) for ids in splits.train["input_ids"]]
+        lengths = [len(example_ids(row)) for row in splits.train]
         lines.append(f"  train tokens: {sum(lengths)} (longest example {max(lengths)})")
         first = splits.train[0]
         lines.append("  first example, as the model sees it:")
-        lines.append("    " + tokenizer.decode(first["input_ids"]).replace("\n", "\n    "))
+        lines.append("    " + tokenizer.decode(example_ids(first)).replace("\n", "\n    "))
     return "\n".join(lines)
 
 
