@@ -163,6 +163,9 @@ class TuneConfig:
     use_muon: bool = False
     # -- tiletune
     kernels: Any = None
+    # a micro-batch whose loss is not finite: stop the run (naming the step and first non-finite module), or skip
+    # it (no gradient from it; warned with the same names) and go on
+    nonfinite_loss: Literal["stop", "skip"] = "stop"
     # -- everything handed to transformers' Seq2SeqTrainingArguments
     training: dict[str, Any] = field(default_factory=dict)
 

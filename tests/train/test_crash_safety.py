@@ -293,9 +293,36 @@ def test_nonfinite_loss_stops_naming_the_step_and_the_first_layer(setup, tmp_pat
         run_train(build_config({**setup.raw, "disable_gradient_checkpointing": True}))  # one forward a micro-batch
     assert str(stopped.value) == (
         "loss is nan at step 3; the first output that went non-finite is base_model.model.model.layers.1.mlp's; "
-        f"stopped before the optimizer step, {out / 'checkpoint-2'} is the last checkpoint"
+        f"stopped before the optimizer step, {out / 'checkpoint-2'} is the last checkpoint; "
+        "nonfinite_loss=skip would skip such micro-batches"
     )
     assert stopped.value.exit_code == EXIT_NONFINITE and stopped.value.checkpoint == out / "checkpoint-2"
+
+
+def test_nonfinite_loss_skip_drops_those_micro_batches_and_trains_on(setup, tmp_path, monkeypatch, caplog):
+    """`nonfinite_loss: skip`: a micro-batch with a non-finite loss adds no gradient (warned, named) and the run
+    finishes with finite adapter weights."""
+    from safetensors.torch import load_file
+
+    from tiletune.train import model as model_module
+
+    load, forwards = model_module.load_model, []
+
+    def poison_the_fifth_forward(module, args, output):  # and its run again that looks for the module
+        forwards.append(module)
+        return output * float("inf") if len(forwards) in (5, 6) else None
+
+    def load_poisoned(*args, **kwargs):
+        model = load(*args, **kwargs)
+        model.get_submodule("base_model.model.model.layers.1.mlp").register_forward_hook(poison_the_fifth_forward)
+        return model
+
+    monkeypatch.setattr(model_module, "load_model", load_poisoned)
+    run_train(build_config({**setup.raw, "disable_gradient_checkpointing": True, "nonfinite_loss": "skip"}))
+    assert "loss is nan at step 3; the first output that went non-finite is" in caplog.text
+    assert "nonfinite_loss=skip: this micro-batch adds no gradient" in caplog.text
+    adapter = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
+    assert adapter and all(torch.isfinite(t).all() for t in adapter.values())
 
 
 def test_a_checkpoint_from_before_manifests_resumes_unverified(tmp_path):

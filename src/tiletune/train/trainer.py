@@ -294,6 +294,17 @@ def _make_trainer(cfg: TuneConfig, model, tokenizer, splits, output_dir: Path):
 
         staging = False
 
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            result = super().compute_loss(model, inputs, *args, **kwargs)
+            loss = result[0] if isinstance(result, tuple) else result
+            if cfg.nonfinite_loss == "skip" and not torch.isfinite(loss):  # before its backward: no gradient from it
+                layer = first_nonfinite_output(model, inputs)
+                log.warning("%s; nonfinite_loss=skip: this micro-batch adds no gradient",
+                            _nonfinite_where(loss.item(), self.state.global_step + 1, layer))  # fmt: skip
+                zero = loss.new_zeros((), requires_grad=True)
+                return (zero, *result[1:]) if isinstance(result, tuple) else zero
+            return result
+
         def training_step(self, model, inputs, num_items_in_batch=None):
             loss = super().training_step(model, inputs, num_items_in_batch)
             if not torch.isfinite(loss):
@@ -361,15 +372,21 @@ def _make_trainer(cfg: TuneConfig, model, tokenizer, splits, output_dir: Path):
     return trainer
 
 
-def _nonfinite_loss(loss: float, step: int, layer: str | None, run_dir: Path) -> RunStopped:
-    """The stop at a non-finite loss, naming the first module whose output went non-finite."""
+def _nonfinite_where(loss: float, step: int, layer: str | None) -> str:
+    """The loss, the step and the first module whose output went non-finite."""
     where = (f"the first output that went non-finite is {layer}'s" if layer else
              "every module's output was finite when the batch ran again: the loss itself is not (a batch without "
              "a label token?)")  # fmt: skip
+    return f"loss is {loss} at step {step}; {where}"
+
+
+def _nonfinite_loss(loss: float, step: int, layer: str | None, run_dir: Path) -> RunStopped:
+    """The stop at a non-finite loss (`nonfinite_loss: stop`), naming where it went non-finite."""
     intact = complete_checkpoints(run_dir)
     last = f"{intact[-1]} is the last checkpoint" if intact else "no checkpoint was written"
-    return RunStopped(f"loss is {loss} at step {step}; {where}; stopped before the optimizer step, {last}",
-                      intact[-1] if intact else None, EXIT_NONFINITE)  # fmt: skip
+    return RunStopped(f"{_nonfinite_where(loss, step, layer)}; stopped before the optimizer step, {last}; "
+                      "nonfinite_loss=skip would skip such micro-batches", intact[-1] if intact else None,
+                      EXIT_NONFINITE)  # fmt: skip
 
 
 def _disk_full(run_dir: Path, name: str) -> RunStopped:
