@@ -38,8 +38,13 @@ class _Throughput:
         return rate
 
 
+LOGGED = ("loss", "eval_loss", "learning_rate", "grad_norm", "eval_accuracy")
+LOGGED_GROUPS = ("rewards/", "logps/", "kl")  # the preference stages' (TRL's) metrics, train and eval_
+
+
 class JsonlLogCallback(TrainerCallback):
-    """Appends step, loss, learning rate, epoch, elapsed, tokens/s and peak memory to trainer_log.jsonl."""
+    """Appends step, loss, learning rate, epoch, elapsed, tokens/s and peak memory to trainer_log.jsonl, and the
+    preference stages' rewards, log-probs, KL and pairwise accuracy as LLaMA-Factory's log has them."""
 
     def __init__(self, output_dir: str | Path):
         self.path = Path(output_dir) / LOG_NAME
@@ -63,9 +68,9 @@ class JsonlLogCallback(TrainerCallback):
         if not state.is_world_process_zero or not logs:
             return
         record = {"step": state.global_step, "total_steps": state.max_steps}
-        for key in ("loss", "eval_loss", "learning_rate", "grad_norm"):
-            if key in logs:
-                record[key] = round(float(logs[key]), 6)
+        for key, value in logs.items():
+            if key in LOGGED or key.removeprefix("eval_").startswith(LOGGED_GROUPS):
+                record[key] = round(float(value), 6)
         if len(record) == 2:  # a summary line (train_runtime ...), not a step
             return
         record["epoch"] = round(state.epoch or 0.0, 4)
