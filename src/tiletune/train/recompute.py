@@ -27,8 +27,9 @@ When even every layer recomputed does not fit (a budget below the weights plus o
 or a long sequence), the planner pulls `levers_for(model)`, cheapest first, and probes again after each: the frozen
 input embedding table to host memory (`tiletune.train.host_embedding`: a CPU gather and a 64 MiB copy per
 step at 8,192 tokens), then the MLPs in 2, 4, ... chunks of tokens (`tiletune.train.tiled_mlp`: one more
-MLP forward per layer; the fewest chunks that fit). A probe that itself runs out of memory (its two spared layers at a long sequence) counts as
-not fitting; once no lever is left it runs again with every layer recomputed.
+MLP forward per layer; the fewest chunks that fit). A probe that itself runs out of memory (its two spared
+layers at a long sequence) counts as not fitting; once no lever is left it runs again with every layer
+recomputed.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from tiletune.errors import UserError
+from tiletune.train.host_embedding import embedding_to_host, why_not_on_host
+from tiletune.train.tiled_mlp import chunks_of, mlp_chunks, tile_mlp
 
 log = logging.getLogger("tiletune")
 
@@ -300,7 +303,6 @@ def _mlp_lever(chunks: int) -> Lever:
 
     def why_not(model) -> str | None:
         from tiletune.patch import layer_modules
-        from tiletune.train.tiled_mlp import chunks_of
 
         mlps = layer_modules(model, "mlp")
         if not mlps:
@@ -309,24 +311,11 @@ def _mlp_lever(chunks: int) -> Lever:
 
     def pull(model) -> None:
         from tiletune.patch import layer_modules
-        from tiletune.train.tiled_mlp import tile_mlp
 
         for mlp in layer_modules(model, "mlp"):
             tile_mlp(mlp, chunks)
 
     return Lever("chunked MLP", why_not, pull, lambda model: f"the MLPs in {chunks} chunks of tokens")
-
-
-def _why_not_host(model) -> str | None:
-    from tiletune.train.host_embedding import why_not_on_host
-
-    return why_not_on_host(model)
-
-
-def _to_host(model) -> None:
-    from tiletune.train.host_embedding import embedding_to_host
-
-    embedding_to_host(model)
 
 
 def levers_for(model) -> list[Lever]:
@@ -335,11 +324,10 @@ def levers_for(model) -> list[Lever]:
     intermediate within the hidden states (each costs one more MLP forward per layer and step, and over a
     quantized base one more dequantization of its weights per chunk: the fewest that fit)."""
     from tiletune.patch.sites import causal_lm
-    from tiletune.train.tiled_mlp import mlp_chunks
 
     most = 2 * mlp_chunks(causal_lm(model)[0].config)
     chunks = [2**i for i in range(1, most.bit_length()) if 2**i <= most]
-    return [Lever("embedding on host", _why_not_host, _to_host, lambda model: "the input embeddings in host memory"),
+    return [Lever("embedding on host", why_not_on_host, embedding_to_host, lambda model: "the input embeddings in host memory"),
             *map(_mlp_lever, chunks)]
 
 
