@@ -74,12 +74,14 @@ def main() -> None:
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap * GIB / total))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    rows = [one_length(model, seq, args.cap, optimizer) for seq in sorted(int(s) for s in args.seqs.split(","))]
     os.makedirs(args.out, exist_ok=True)
+    rows = []
     result = {"preset": args.preset, "cap_gib": args.cap, "rows": rows, "environment": run_stamp(),
               "kernels": report.to_dict()["ops"] if report else None}
-    with open(os.path.join(args.out, "long_context.json"), "w") as handle:
-        json.dump(result, handle, indent=1)
+    for seq in sorted(int(s) for s in args.seqs.split(",")):
+        rows.append(one_length(model, seq, args.cap, optimizer))
+        with open(os.path.join(args.out, "long_context.json"), "w") as handle:  # after each length: a timeout keeps the rest
+            json.dump(result, handle, indent=1)
     print(f"| {args.preset} QLoRA, cap {args.cap:g} GiB | fits | step s | peak GiB |\n|---|---|---|---|")
     for row in rows:
         print(f"| {row['seq']:,} tokens | {'yes' if row['fits'] else 'no: ' + row['error'][:80]} | "
