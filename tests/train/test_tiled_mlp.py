@@ -106,7 +106,35 @@ def test_chunked_mlp_under_autocast_and_undo():
     torch.testing.assert_close(loss, reference, rtol=2e-2, atol=0)
     untile_mlp(mlp)
     assert chunks_of(mlp) == 0 and "forward" not in mlp.__dict__
+    tile_mlp(mlp, 4)
+    model.eval()
     with torch.no_grad():  # evaluation never chunks
-        tile_mlp(mlp, 4)
         hidden = torch.randn(1, 40, 32)
         assert torch.equal(mlp(hidden), type(mlp).forward(mlp, hidden))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_chunked_mlp_inside_reentrant_checkpoints(dropout):
+    """Under re-entrant gradient checkpointing the layer's first forward runs without autograd: it is chunked
+    too (its peak is one chunk's) and draws the same dropout masks as the recomputation, so the gradients
+    are the reference's (the same chunks recorded by autograd, no checkpointing)."""
+    model = _model(dropout)
+    model.train()
+    tokens = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1))
+    mlps = layer_modules(model, "mlp")
+    for mlp in mlps:
+        _split_in_autograd(mlp, 13)
+    reference_loss, reference_grads = _loss_and_grads(model, tokens)
+    for mlp in mlps:
+        mlp.__dict__.pop("forward")
+        tile_mlp(mlp, 3)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()
+    pieces = []
+    hook = mlps[0].down_proj.register_forward_pre_hook(lambda module, args: pieces.append(args[0].shape[-2]))
+    loss, grads = _loss_and_grads(model, tokens)
+    hook.remove()
+    assert pieces == [13, 13, 11] * 3  # the first forward, the recomputation and its backward's replay, alike
+    torch.testing.assert_close(loss, reference_loss, rtol=1e-6, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-7, msg=name)

@@ -74,9 +74,13 @@ def tile_mlp(mlp: nn.Module, chunks: int) -> None:
     trainable = tuple(p for p in mlp.parameters() if p.requires_grad)
 
     def forward(hidden: Tensor) -> Tensor:
-        if not (torch.is_grad_enabled() and mlp.training) or hidden.dim() < 2 or hidden.shape[-2] < 2 * chunks:
+        if not mlp.training or hidden.dim() < 2 or hidden.shape[-2] < 2 * chunks:
             return current(hidden)
-        return _ChunkedMlp.apply(current, math.ceil(hidden.shape[-2] / chunks), hidden, *trainable)
+        chunk = math.ceil(hidden.shape[-2] / chunks)
+        if not torch.is_grad_enabled():  # a re-entrant checkpoint's first forward: chunked too, so its peak is
+            # a chunk's and its random draws are the ones the recomputation (chunked, below) replays
+            return torch.cat([current(piece) for piece in hidden.split(chunk, dim=-2)], dim=-2)
+        return _ChunkedMlp.apply(current, chunk, hidden, *trainable)
 
     mlp._tiletune_untiled = mlp.__dict__.get("forward")  # None: the class's forward
     mlp._tiletune_chunks = chunks
