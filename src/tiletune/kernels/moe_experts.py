@@ -294,8 +294,9 @@ def _experts_forward_binding(site: Site, impl: str, strict: bool, current: Calla
     return forward
 
 
-# No compile key yet: `tiletune kernels warmup` leaves the grouped GEMMs to their first call. Opt-in until the
-# grouped GEMMs have passed their GPU tests (tests/kernels/test_moe_experts.py -m gpu): lowered for every target.
+# No compile key yet: `tiletune kernels warmup` leaves the grouped GEMMs to their first call. Opt-in: the grouped
+# GEMMs pass their GPU tests (H200, 2026-12-04) but are slower there than torch's grouped_mm, which transformers
+# runs by default (experts forward + backward 10.9 ms vs 9.0, benchmarks/results/h200-2026-12-04/moe-b9531ff).
 define(Op("moe_experts", (Binding("moe_experts", "experts", _experts_forward_binding, _fit, unfit_now=unfit_now),),
           opt_in=True, profile_pattern=r"grouped_gemm_(nt|nn)", lowering=lowering_kernels))
 add(Impl("moe_experts", "reference", reference_forward, reference_backward,
