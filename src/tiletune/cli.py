@@ -137,12 +137,14 @@ def hipify(ctx: click.Context, paths: tuple[str, ...], explain_rule: str | None,
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--strict", is_flag=True, help="Exit 1 when any check fails.")
+@click.option("--library", type=click.Path(file_okay=False),
+              help="Also check a kernel library (`tiletune kernels build`) against this machine (default: $TILETUNE_KERNEL_LIBRARY).")
 @click.pass_context
-def env(ctx: click.Context, as_json: bool, strict: bool) -> None:
+def env(ctx: click.Context, as_json: bool, strict: bool, library: str | None) -> None:
     """Check this machine: GPU, torch build, library versions and toolchains against the compatibility matrix."""
     from tiletune.env import collect_environment, render_json, render_text
 
-    report = collect_environment()
+    report = collect_environment(library)
     click.echo(render_json(report) if as_json else render_text(report), nl=False)
     if strict and report.failed:
         ctx.exit(1)
@@ -230,30 +232,88 @@ def kernels_lower(targets: tuple[str, ...], out_dir: str) -> None:
         sys.exit(1)
 
 
+def _meta_model(cfg, preset: str | None):
+    """CONFIG's model (or a preset's shape) on the meta device, with the config's LoRA wrappers: its structure only."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tiletune.train.model import prepare_for_training
+    from tiletune.train.presets import preset_config
+
+    if preset:
+        model_config = preset_config(preset)
+    else:
+        model_config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
+    if cfg.finetuning_type == "lora" and not cfg.adapter_name_or_path:
+        model = prepare_for_training(cfg, model)  # the LoRA wrappers lora_linear patches, at the config's rank
+    return model
+
+
 @kernels.command("warmup")
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1)
 def kernels_warmup(config: str, overrides: tuple[str, ...]) -> None:
     """Compile ahead of time every kernel CONFIG's `kernels:` block needs (on this machine's GPU)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from tiletune.config import load_config
-    from tiletune.train.model import compute_dtype, prepare_for_training
     from tiletune.patch.warmup import warmup_kernels
+    from tiletune.train.model import compute_dtype
 
     cfg = load_config(config, overrides)
-    dtype = compute_dtype(cfg)
-    model_config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
-    if cfg.finetuning_type == "lora" and not cfg.adapter_name_or_path:
-        model = prepare_for_training(cfg, model)  # the LoRA wrappers lora_linear patches, at the config's rank
-    done = warmup_kernels(model, cfg.kernels, dtype)
+    done = warmup_kernels(_meta_model(cfg, None), cfg.kernels, compute_dtype(cfg))
     for line in done:
         click.echo(f"compiled {line}")
     if not done:
         click.echo("nothing to compile: the config selects no TileLang kernel")
+
+
+@kernels.command("build")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+@click.option("--target", "targets", multiple=True, metavar="TARGET",
+              help="cuda:sm_90, hip:gfx942, ... (repeatable; default: this machine's GPU).")
+@click.option("--model-preset", help=f"Build for a known model shape instead of CONFIG's model: {', '.join(PRESETS)}.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Library folder (one per target inside).")
+def kernels_build(config: str, overrides: tuple[str, ...], targets: tuple[str, ...], model_preset: str | None, out_dir: str) -> None:
+    """Compile every kernel CONFIG's model needs into one library per TARGET (`kernels: {library: OUT/<target>}`).
+
+    The kernels are found by running each op once on this machine's GPU; each target's library is compiled
+    with its own compiler (nvcc; hipcc from ROCm >= 6), or written as a source package with build.sh.
+    """
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from tiletune.config import load_config
+    from tiletune.kernels import _tilelang, library
+    from tiletune.patch.warmup import record_kernels
+    from tiletune.train.model import compute_dtype
+
+    if not _tilelang.installed():
+        raise UserError("kernels build needs TileLang to compile the kernels: pip install tilelang")
+    here = _tilelang.device_target()
+    if here is None:
+        raise UserError("kernels build runs each op once on this machine's GPU to learn which kernels the model needs; "
+                        "no CUDA or ROCm GPU is visible")  # fmt: skip
+    for target in targets:
+        try:
+            _tilelang.parse_target(target)
+        except ValueError as err:
+            raise UserError(f"--target: {err}") from None
+    cfg = load_config(config, overrides)
+    recorded = record_kernels(_meta_model(cfg, model_preset), cfg.kernels, compute_dtype(cfg))
+    if not recorded:
+        raise UserError(f"kernels build: {config}'s `kernels:` selects no TileLang kernel for this model; nothing to build")
+    for target in targets or (here,):
+        with tqdm(total=2 * len(recorded), desc=f"kernels build {target}", unit="kernel") as bar:
+            manifest = library.build(recorded.items(), target, out_dir, progress=lambda _: bar.update())
+        where = Path(out_dir) / target.replace(":", "-")
+        if manifest.library:
+            click.echo(f"{target}: {len(manifest.kernels)} kernels in {where / manifest.library}; "
+                       f"train with `kernels: {{all: true, library: {where}}}`")  # fmt: skip
+        else:
+            click.echo(f"{target}: source package in {where} ({manifest.why_not_compiled}); run its build.sh where that compiler is")
 
 
 # ---- verify -------------------------------------------------------------------------------------

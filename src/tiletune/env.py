@@ -390,8 +390,27 @@ def check_environment(report: EnvReport, probed: list[Gpu], requires: dict[str, 
     return checks
 
 
-def collect_environment() -> EnvReport:
-    """Probe this machine and check it against the compatibility matrix."""
+def library_check(folder: str) -> Check:
+    """Whether this machine can load the kernel library in `folder` (target, torch ABI), and what to rebuild."""
+    from pathlib import Path
+
+    from tiletune.errors import UserError
+    from tiletune.kernels import _tilelang
+    from tiletune.kernels.library import Manifest, why_not_loadable
+
+    subject = f"kernel library {folder}"
+    try:
+        manifest = Manifest.read(Path(folder))
+    except UserError as err:
+        return Check("fail", subject, str(err), "tiletune kernels build CONFIG --out DIR")
+    reason = why_not_loadable(manifest, Path(folder), _tilelang.device_target())
+    if reason:
+        return Check("fail", subject, reason, f"tiletune kernels build CONFIG --target {_tilelang.device_target() or '<target>'} --out DIR")
+    return Check("pass", subject, f"{len(manifest.kernels)} kernels for {manifest.target}, built against torch {manifest.torch}")
+
+
+def collect_environment(library: str | None = None) -> EnvReport:
+    """Probe this machine and check it against the compatibility matrix (and a kernel library when given)."""
     torch_facts, gpus = _torch_facts()
     smi_gpus, driver = nvidia_smi_gpus()
     installed = {name: installed_distribution(entry.get("dists", [name])) for name, entry in compat_matrix()["packages"].items()}
@@ -403,6 +422,9 @@ def collect_environment() -> EnvReport:
     )
     requires = {name: importlib.metadata.requires(found[0]) or [] for name, found in installed.items() if found}
     report.checks = check_environment(report, smi_gpus or kfd_gpus(), requires)
+    library = library or os.environ.get("TILETUNE_KERNEL_LIBRARY")
+    if library:
+        report.checks.append(library_check(library))
     return report
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +37,10 @@ def tilelang_cache_dir() -> Path:
 
 
 def installed() -> bool:
-    """True when the tilelang package can be found, without importing it."""
+    """True when the tilelang package can be found, without importing it (False where imports of it are
+    blocked, sys.modules["tilelang"] = None)."""
+    if "tilelang" in sys.modules:
+        return sys.modules["tilelang"] is not None
     return importlib.util.find_spec("tilelang") is not None
 
 
@@ -102,8 +106,10 @@ def device_target(device: torch.device | int | None = None) -> str | None:
 @functools.cache
 def machine_unavailable_reason() -> str | None:
     """Why TileLang kernels cannot run on this machine at all, or None if they can."""
-    if not installed():
-        return "tilelang is not installed (pip install tilelang)"
+    from tiletune.kernels import library
+
+    if not installed() and library.active() is None:
+        return f"tilelang is not installed (pip install tilelang) and no kernel library is loaded ({library.LIBRARY_ENV})"
     arch = device_arch()
     if arch is None:
         return "no CUDA or ROCm GPU visible to torch"
@@ -120,17 +126,26 @@ def compiled(key: tuple, build: Callable[[], Any], **compile_kwargs) -> Any:
     """Compile the PrimFunc `build()` for this machine's GPU once per process and key.
 
     `key` names the kernel and every static parameter (shapes, dtype, config); TileLang's disk
-    cache makes the compile a load after the first run on a machine.
+    cache makes the compile a load after the first run on a machine. With a kernel library active
+    (`tiletune.kernels.library`) its kernel for `key` is taken instead; `recording` lists what was asked.
     """
     kernel = _compiled.get(key)
     if kernel is None:
+        from tiletune.kernels import library
+
         with _compile_lock:
             kernel = _compiled.get(key)
             if kernel is None:
-                target = parse_target(device_target())
-                kernel = tilelang().compile(build(), target=target, **compile_kwargs)
+                if recording is not None:
+                    recording.setdefault(key, build)
+                kernel = library.lookup(key)
+                if kernel is None:
+                    kernel = tilelang().compile(build(), target=parse_target(device_target()), **compile_kwargs)
                 _compiled[key] = kernel
     return kernel
+
+
+recording: dict[tuple, Callable[[], Any]] | None = None  # set by `tiletune kernels build`: key -> PrimFunc builder
 
 
 def lower_source(func, target: str) -> str:

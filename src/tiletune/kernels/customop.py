@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tiletune.kernels.registry import backward_of, select
+from tiletune.kernels.registry import backward_of, note_fallback, reference, select
 
 
 @dataclass(frozen=True)
@@ -56,14 +56,17 @@ def make_custom_op(sig: Signature):
 
     def forward(*args):
         *inputs, impl, strict = args
-        outputs = select(sig.name, impl, strict, *inputs).forward(*inputs)
+        chosen = select(sig.name, impl, strict, *inputs)
+        outputs = _run_or_fall_back(sig.name, impl, strict, chosen.forward, reference(sig.name).forward, inputs)
         return _finish(outputs, sig.layout, None)
 
     def backward(*args):
         *rest, impl, strict = args
         grads, saved = rest[: sig.differentiable], rest[sig.differentiable :]
         chosen = select(sig.name, impl, strict, *sig.judged_on(grads, saved))
-        return _finish(backward_of(chosen)(*grads, *saved), sig.layout, grads[0])
+        outputs = _run_or_fall_back(sig.name, impl, strict, backward_of(chosen), backward_of(reference(sig.name)),
+                                    (*grads, *saved))  # fmt: skip
+        return _finish(outputs, sig.layout, grads[0])
 
     forward_op = torch.library.custom_op(f"tiletune::{sig.name}", forward, mutates_args=(),
                                          schema=f"({sig.inputs}, str impl, bool strict) -> {sig.outputs}")
@@ -93,6 +96,20 @@ def make_custom_op(sig: Signature):
 
     forward_op.register_autograd(autograd_backward, setup_context=setup_context)
     return forward_op
+
+
+def _run_or_fall_back(op: str, impl: str, strict: bool, run: Callable, fallback: Callable, args: tuple):
+    """`run(*args)`, or the reference's `fallback(*args)` when a kernel the loaded kernel library lacks cannot be
+    compiled here (the reason counted like every fallback; raised under strict)."""
+    from tiletune.kernels.library import KernelMissing
+
+    try:
+        return run(*args)
+    except KernelMissing as missing:
+        if strict:
+            raise
+        note_fallback(op, impl, str(missing))
+        return fallback(*args)
 
 
 def _finish(outputs, layout: Callable[[Tensor], Tensor], empty_like: Tensor | None):

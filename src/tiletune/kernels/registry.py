@@ -189,6 +189,11 @@ def note_fallback(op: str, name: str, reason: str) -> None:
     runtime_fallbacks[key] = runtime_fallbacks.get(key, 0) + 1
 
 
+def reference(op: str) -> Impl:
+    """The PyTorch reference implementation of `op`."""
+    return impls(op)[REFERENCE]
+
+
 def backward_of(impl: Impl) -> Callable:
     """The backward to run for `impl` (its own, or the reference's)."""
     return impl.backward or _impls[impl.op][REFERENCE].backward

@@ -43,6 +43,10 @@ def apply_kernels(model: nn.Module, spec: Any) -> PatchReport:
     """
     spec = parse_kernel_spec(spec)
     revert_kernels(model)
+    if spec.library:
+        from tiletune.kernels.library import activate
+
+        activate(spec.library)
     report = PatchReport(spec)
     model._tiletune_kernels = report
     if not spec.ops:

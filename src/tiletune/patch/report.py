@@ -74,7 +74,8 @@ class PatchReport:
                            "modules": sorted({e.module for e in mine}), "fallback": fallbacks.get(sel.op)}
         return {"spec": self.spec.to_dict(), "family": self.family,
                 "decoder_layers": {"path": self.layers_path, "count": self.num_layers}, "unbound_roles": self.unbound_roles,
-                "ops": ops, "entries": [asdict(e) for e in self.entries], "runtime_fallbacks": self.runtime_fallbacks()}
+                "ops": ops, "entries": [asdict(e) for e in self.entries], "runtime_fallbacks": self.runtime_fallbacks(),
+                "library": _library_use()}
 
     def save(self, output_dir: str | Path) -> Path:
         """Write kernels.json into output_dir; returns its path."""
@@ -92,19 +93,35 @@ class PatchReport:
         for op, info in self.to_dict()["ops"].items():
             modules = ", ".join(info["modules"]) or "-"
             status = (f"falls back to reference: {info['fallback']}" if info["fallback"]
-                      else "active" if info["patched"] else "no module in the decoder layers fits this op")
+                      else "active" if info["patched"] else "no binding: the training stage calls it"
+                      if not registry.ops()[op].bindings else "no module in the decoder layers fits this op")
             lines.append(f"  {op:9s} {info['impl']:10s} {info['patched']:4d} modules  layers {info['layers'] or '-':10s} "
                          f"[{_clip(modules, 48)}]  {status}")
         for role, count in self.unbound_roles.items():
             opt_in = self.opt_in_for.get(role)
             why = f"no selected op binds them (opt-in: {', '.join(opt_in)})" if opt_in else "no tiletune op binds them yet"
             lines.append(f"  {role}: {count} modules {why}: stock forwards")
+        from tiletune.kernels.library import summary
+
+        if summary():
+            lines.append(f"  {summary()}")
         known = self.fallbacks()
         for item in self.runtime_fallbacks():
             if known.get(item["op"]) == item["reason"]:
                 continue  # already said above
             lines.append(f"  {item['op']:9s} {item['impl']:10s} fell back at run time on {item['calls']} calls: {item['reason']}")
         return "\n".join(lines)
+
+
+def _library_use() -> dict | None:
+    """The active kernel library's folder, target and which kernels it served or lacked (None without one)."""
+    from tiletune.kernels import library
+
+    found = library.loaded()
+    if found is None:
+        return None
+    return {"folder": str(found.folder), "target": found.manifest.target, "kernels": len(found.by_key),
+            "used": sorted(found.used), "not_in_it": sorted(found.not_in_it)}
 
 
 def _ranges(values: list[int]) -> str:

@@ -3,6 +3,7 @@
     kernels: all                                   # every op but the opt-in ones, default implementations
     kernels: {rms_norm: tilelang, linear: {impl: tilelang, layers: "0-15", modules: ["mlp.*"]}, strict: true}
     kernels: rms_norm,swiglu                       # on the command line: kernels=rms_norm,swiglu
+    kernels: {all: true, library: ./kernels-lib}   # the kernels from a library `tiletune kernels build` wrote
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tiletune.errors import UserError
 from tiletune.kernels import registry
 from tiletune.kernels.binding import MODEL_ROLES
 
-_OPTIONS = ("strict", "plugins")
+_OPTIONS = ("strict", "plugins", "library")
 _OP_KEYS = ("impl", "layers", "modules")
 
 # ---- the spec -------------------------------------------------------------------------------------
@@ -43,9 +44,11 @@ class KernelSpec:
     ops: tuple[OpSelection, ...] = ()
     strict: bool = False
     plugins: tuple[str, ...] = ()
+    library: str | None = None  # a folder `tiletune kernels build` wrote (tiletune.kernels.library)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ops": {s.op: s.to_dict() for s in self.ops}, "strict": self.strict, "plugins": list(self.plugins)}
+        return {"ops": {s.op: s.to_dict() for s in self.ops}, "strict": self.strict, "plugins": list(self.plugins),
+                "library": self.library}
 
 
 def parse_kernel_spec(value: Any) -> KernelSpec:
@@ -98,6 +101,9 @@ def _parse_mapping(mapping: dict) -> KernelSpec:
             importlib.import_module(module)
         except ImportError as err:
             raise UserError(f"kernels.plugins: cannot import {module!r}: {err}") from None
+    library = mapping.get("library")
+    if library is not None and not isinstance(library, str):
+        raise UserError(f"kernels.library: expected the folder `tiletune kernels build` wrote, got {library!r}")
     default = mapping.get("all")
     known = registry.ops()
     ops = {op: default for op, definition in known.items() if not definition.opt_in} if default not in (None, False, "none") else {}
@@ -111,7 +117,7 @@ def _parse_mapping(mapping: dict) -> KernelSpec:
                             f"(options: all, {', '.join(_OPTIONS)})")
         ops[key] = value
     selections = [sel for op, value in ops.items() if (sel := _parse_op(op, value)) is not None]
-    return KernelSpec(tuple(selections), strict, plugins)
+    return KernelSpec(tuple(selections), strict, plugins, library)
 
 
 def _parse_op(op: str, value: Any) -> OpSelection | None:

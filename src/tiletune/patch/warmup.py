@@ -49,3 +49,16 @@ def warmup_kernels(model: nn.Module, spec: Any, dtype: torch.dtype) -> list[str]
         _run_once(binding, key, impl, dtype)
         done.append(f"{op} {impl} {'x'.join(str(s) for s in key)} {str(dtype).removeprefix('torch.')}")
     return done
+
+
+def record_kernels(model: nn.Module, spec: Any, dtype: torch.dtype) -> dict[tuple, Any]:
+    """The TileLang kernels (key -> PrimFunc builder) `spec` needs for `model` in `dtype`: each op runs once on
+    this machine's GPU as `warmup_kernels` does, and every kernel it asks for is noted (`tiletune kernels build`)."""
+    from tiletune.kernels import _tilelang
+
+    _tilelang.recording, recorded = {}, None
+    try:
+        warmup_kernels(model, spec, dtype)
+    finally:
+        recorded, _tilelang.recording = _tilelang.recording, None
+    return recorded

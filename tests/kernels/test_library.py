@@ -1,0 +1,207 @@
+"""Ahead-of-time kernel library: the manifest, the generated registration, refusals, fallback rules, and (where
+nvcc is installed) a real library built for sm_90, loaded in a process where TileLang cannot be imported."""
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from tiletune.cli import main
+from tiletune.env import library_check
+from tiletune.errors import UserError
+from tiletune.kernels import _tilelang, library, registry
+from tiletune.kernels.customop import _run_or_fall_back
+from tiletune.kernels.library import Kernel, Library, Manifest, Param, why_not_loadable
+from tiletune.patch import apply_kernels, parse_kernel_spec
+
+RMS_KEY = ("rms_norm_fwd", 4096, 1e-6, "bfloat16", 0.0)
+needs_tilelang = pytest.mark.skipif(not _tilelang.installed(), reason="needs TileLang (pip install tilelang)")
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("objcopy") is None,
+                                reason="needs nvcc (CUDA toolkit) and objcopy: install the CUDA toolkit to build a library")  # fmt: skip
+
+
+def rms_norm_kernels():
+    from tiletune.kernels import rms_norm
+
+    return [(RMS_KEY, lambda: rms_norm.forward_kernel(4096, 1e-6, "bfloat16", offset=0.0))]
+
+
+def manifest(**changes) -> Manifest:
+    kernel = Kernel(repr(RMS_KEY), library.kernel_name(RMS_KEY),
+                    [Param("X", "bfloat16", ["m", 4096]), Param("W", "bfloat16", [4096]),
+                     Param("Y", "bfloat16", ["m", 4096])], ["m"], "0" * 64)  # fmt: skip
+    built = Manifest("cuda:sm_90", torch.__version__, bool(torch._C._GLIBCXX_USE_CXX11_ABI), "0.1.15", "nvcc 13.0",
+                     library.LIBRARY_FILE, [kernel])  # fmt: skip
+    return replace(built, **changes)
+
+
+@pytest.fixture
+def no_library(monkeypatch):
+    monkeypatch.setattr(library, "_active", None)
+    monkeypatch.delenv(library.LIBRARY_ENV, raising=False)
+
+
+def test_manifest_round_trip_and_damage(tmp_path):
+    manifest().write(tmp_path)
+    assert Manifest.read(tmp_path) == manifest()
+    assert not list(tmp_path.glob(".*.tmp"))  # written atomically
+    (tmp_path / library.MANIFEST).write_text('{"target": "cuda:sm_90"')
+    with pytest.raises(UserError, match="is damaged"):
+        Manifest.read(tmp_path)
+    with pytest.raises(UserError, match="no manifest.json; build one with `tiletune kernels build`"):
+        Manifest.read(tmp_path / "elsewhere")
+
+
+@pytest.mark.parametrize(("changes", "target", "said"), [
+    ({}, "cuda:sm_90", None),
+    ({}, "hip:gfx942", "was built for cuda:sm_90; this machine is hip:gfx942: `tiletune kernels build --target hip:gfx942`"),
+    ({}, None, "this machine is without a GPU"),
+    ({"torch": "1.0.0"}, "cuda:sm_90", "built against torch 1.0.0; this is torch"),
+    ({"cxx11_abi": not torch._C._GLIBCXX_USE_CXX11_ABI}, "cuda:sm_90", "the ops' C++ ABI differs"),
+    ({"library": None, "why_not_compiled": "hipcc 5.2 is older than ROCm 6"}, "cuda:sm_90", "is a source package"),
+    ({"format": 99}, "cuda:sm_90", "has format 99"),
+])  # fmt: skip
+def test_refusals_are_one_line_with_what_to_do(changes, target, said):
+    reason = why_not_loadable(manifest(**changes), Path("/libs/x"), target)
+    if said is None:
+        assert reason is None
+    else:
+        assert said in reason and "\n" not in reason
+
+
+def test_activate_refuses_another_target_with_one_line(tmp_path, no_library, monkeypatch):
+    manifest(target="hip:gfx942").write(tmp_path)
+    monkeypatch.setattr(_tilelang, "device_target", lambda device=None: "cuda:sm_90")
+    with pytest.raises(UserError, match="was built for hip:gfx942; this machine is cuda:sm_90"):
+        library.activate(tmp_path)
+    assert library.loaded() is None
+
+
+def test_registration_checks_every_tensor_and_reads_dynamic_dims():
+    source = library._registration_source(manifest().kernels)
+    name = library.kernel_name(RMS_KEY)
+    assert f'm.def("{name}(Tensor(a0!) a0, Tensor(a1!) a1, Tensor(a2!) a2, int stream) -> ()", &{name});' in source
+    for check in ("a1.size(0) == 4096", "a0.size(1) == 4096", "a2.size(0) == a0.size(0)"):
+        assert check in source
+    assert "a0.scalar_type() == at::kBFloat16" in source and "a2.is_cuda() && a2.is_contiguous()" in source
+    assert f"{name}_call(a0.data_ptr(), a1.data_ptr(), a2.data_ptr(), static_cast<int>(a0.size(0)), " in source
+    # a scalar (NF4 dequantization's nested offset) keeps its C type: a float, not a pointer, in the launch
+    scaled = replace(manifest().kernels[0], name="dq", params=[Param("Data", "uint8", [64]), Param("offset", "float32"),
+                                                               Param("Out", "bfloat16", [128])], dims=[])  # fmt: skip
+    source = library._registration_source([scaled])
+    assert 'extern "C" int dq_call(void*, float, void*, void*);' in source
+    assert 'm.def("dq(Tensor(a0!) a0, float a1, Tensor(a2!) a2, int stream) -> ()", &dq);' in source
+    assert "dq_call(a0.data_ptr(), static_cast<float>(a1), a2.data_ptr(), reinterpret_cast<void*>(stream))" in source
+    orphan = replace(manifest().kernels[0], dims=["m", "n"])  # a launch dimension no tensor carries
+    with pytest.raises(RuntimeError, match="dynamic dimension n is not the size of any tensor"):
+        library._registration_source([orphan])
+
+
+def test_lookup_takes_the_librarys_kernel_and_counts_what_it_lacks(monkeypatch, no_library):
+    found = Library(Path("/libs/x"), manifest(), {k.key: k for k in manifest().kernels})
+    monkeypatch.setattr(library, "_active", found)
+    stand_in = torch.library.Library(library.NAMESPACE, "FRAGMENT")  # the op a loaded library would register
+    stand_in.define(f"{library.kernel_name(RMS_KEY)}(Tensor(a0!) a0, Tensor(a1!) a1, Tensor(a2!) a2, int stream) -> ()")
+    assert callable(library.lookup(RMS_KEY))
+    other = ("rms_norm_fwd", 5120, 1e-6, "bfloat16", 0.0)
+    monkeypatch.setattr(_tilelang, "installed", lambda: True)
+    assert library.lookup(other) is None  # compiled just in time by the caller
+    monkeypatch.setattr(_tilelang, "installed", lambda: False)
+    with pytest.raises(library.KernelMissing, match="has no kernel \\(rms_norm_fwd, 5120.*TileLang is not installed"):
+        library.lookup(other)
+    assert found.used == {library.kernel_name(RMS_KEY)} and found.not_in_it == {repr(other)}
+    assert "1 used; 1 kernels not in it, their ops ran the reference" in library.summary()
+
+
+def test_a_missing_kernel_runs_the_reference_and_is_counted(monkeypatch):
+    def missing(x):
+        raise library.KernelMissing("the kernel library /libs/x has no kernel (rms_norm_fwd, 5120)")
+
+    before = dict(registry.runtime_fallbacks)
+    out = _run_or_fall_back("rms_norm", "tilelang", False, missing, lambda x: x + 1, (torch.zeros(2),))
+    assert torch.equal(out, torch.ones(2))
+    new = {k: n - before.get(k, 0) for k, n in registry.runtime_fallbacks.items() if n != before.get(k, 0)}
+    assert new == {("rms_norm", "tilelang", "the kernel library /libs/x has no kernel (rms_norm_fwd, 5120)"): 1}
+    with pytest.raises(library.KernelMissing):
+        _run_or_fall_back("rms_norm", "tilelang", True, missing, lambda x: x, (torch.zeros(2),))
+
+
+def test_the_spec_names_a_library_and_a_bad_one_is_one_line(tmp_path, no_library):
+    assert parse_kernel_spec({"all": True, "library": str(tmp_path)}).library == str(tmp_path)
+    with pytest.raises(UserError, match="kernels.library: expected the folder"):
+        parse_kernel_spec({"all": True, "library": 3})
+    with pytest.raises(UserError, match="no manifest.json; build one with `tiletune kernels build`"):
+        apply_kernels(torch.nn.Linear(2, 2), {"all": True, "library": str(tmp_path / "missing")})
+
+
+def test_env_checks_a_library(tmp_path, no_library):
+    manifest(target="hip:gfx942").write(tmp_path)
+    check = library_check(str(tmp_path))
+    assert check.level == "fail" and "was built for hip:gfx942" in check.message and "--target" in check.fix
+
+
+def test_kernels_build_without_a_gpu_is_one_line(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("model_name_or_path: examples/tiny-llama\nkernels: all\n")
+    result = CliRunner().invoke(main, ["kernels", "build", str(config), "--out", str(tmp_path / "lib")])
+    assert result.exit_code == 2
+    if not _tilelang.installed():
+        assert "kernels build needs TileLang" in result.output
+    elif not torch.cuda.is_available():
+        assert "no CUDA or ROCm GPU is visible" in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+@needs_tilelang
+def test_a_target_without_its_compiler_gets_a_source_package(tmp_path, monkeypatch):
+    monkeypatch.setattr(library, "toolchain", lambda target: "hipcc (ROCm) is not installed; install ROCm >= 6 or set HIPCC")
+    built = library.build(rms_norm_kernels(), "hip:gfx942", tmp_path)
+    folder = tmp_path / "hip-gfx942"
+    assert built.library is None and "hipcc (ROCm) is not installed" in built.why_not_compiled
+    name = library.kernel_name(RMS_KEY)
+    source = (folder / "objects" / f"{name}.hip").read_text()
+    assert f"{name}_kernel" in source and f"int {name}_call(" in source and "hipStream_t" in source
+    script = (folder / "build.sh").read_text()
+    assert "--offload-arch=gfx942" in script and f"objcopy --weaken objects/{name}.o" in script
+    assert json.loads((folder / "manifest.json").read_text())["kernels"][0]["dims"] == ["m"]
+    assert "is a source package" in why_not_loadable(Manifest.read(folder), folder, "hip:gfx942")
+
+
+@needs_tilelang
+@needs_nvcc
+def test_a_built_library_loads_and_checks_without_tilelang(tmp_path):
+    """sm_90 library from nvcc on this machine; a fresh process that cannot import TileLang loads it with
+    torch.ops.load_library alone and its op refuses CPU tensors through the generated checks."""
+    said = []
+    first = library.build(rms_norm_kernels(), "cuda:sm_90", tmp_path, progress=said.append)
+    name = library.kernel_name(RMS_KEY)
+    assert first.library == library.LIBRARY_FILE and first.kernels[0].name == name
+    assert [p.shape for p in first.kernels[0].params] == [["m", 4096], [4096], ["m", 4096]]
+    assert f"compiled {name}" in said
+    said.clear()
+    library.build(rms_norm_kernels(), "cuda:sm_90", tmp_path, progress=said.append)
+    assert f"reused {name} (its source is unchanged)" in said  # a second build recompiles nothing unchanged
+    probe = textwrap.dedent(f"""
+        import sys
+        sys.modules["tilelang"] = None  # TileLang cannot be imported
+        import torch
+        torch.ops.load_library({str(tmp_path / "cuda-sm_90" / library.LIBRARY_FILE)!r})
+        op = torch.ops.tiletune_aot.{name}
+        print(op.default._schema)
+        x = torch.zeros(3, 4096, dtype=torch.bfloat16)
+        try:
+            op(x, torch.zeros(4096, dtype=torch.bfloat16), torch.empty_like(x), 0)
+        except RuntimeError as err:
+            print("refused:", str(err).splitlines()[0])
+    """)
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"tiletune_aot::{name}(Tensor(a0!) a0, Tensor(a1!) a1, Tensor(a2!) a2, int stream) -> ()" in result.stdout
+    assert "refused: " in result.stdout and "tensor 0 (X) must be a contiguous GPU tensor" in result.stdout
