@@ -205,3 +205,59 @@ def test_a_built_library_loads_and_checks_without_tilelang(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"tiletune_aot::{name}(Tensor(a0!) a0, Tensor(a1!) a1, Tensor(a2!) a2, int stream) -> ()" in result.stdout
     assert "refused: " in result.stdout and "tensor 0 (X) must be a contiguous GPU tensor" in result.stdout
+
+
+TINY_STEP = textwrap.dedent("""
+    import json, sys
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiletune.config import build_config
+    from tiletune.patch import apply_kernels
+    from tiletune.train.model import prepare_for_training
+
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg = build_config({"model_name_or_path": "x", "finetuning_type": "lora", "lora_target": "q_proj,v_proj"})
+
+    def model():
+        torch.manual_seed(0)
+        return prepare_for_training(cfg, LlamaForCausalLM(config).to("cuda", torch.bfloat16))
+
+    def step(net, spec):
+        report = apply_kernels(net, spec)
+        tokens = torch.randint(0, 512, (2, 96), generator=torch.Generator().manual_seed(1)).cuda()
+        loss = net(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        grads = {n: p.grad.float().cpu() for n, p in net.named_parameters() if p.grad is not None}
+        return loss.item(), grads, report
+""")
+
+
+@pytest.mark.gpu
+@needs_tilelang
+def test_a_library_built_here_trains_like_the_jit_kernels_without_tilelang(tmp_path):
+    """Build this GPU's library for a tiny Llama with every op; a fresh process that cannot import TileLang
+    takes every kernel from it (none missing, no fallback) and computes the JIT kernels' loss and gradients."""
+    from tiletune.patch.warmup import record_kernels
+
+    namespace = {}
+    exec(TINY_STEP, namespace)  # noqa: S102 - the same step text runs here and in the fresh process
+    recorded = record_kernels(namespace["model"](), "all", torch.bfloat16)
+    assert {"rms_norm_fwd", "rms_norm_bwd", "silu", "rope", "linear"} <= {key[0] for key in recorded}
+    built = library.build(recorded.items(), _tilelang.device_target(), tmp_path)
+    assert built.library and not built.left_out
+    loss, grads, _ = namespace["step"](namespace["model"](), "all")
+    torch.save(grads, tmp_path / "jit_grads.pt")
+    folder = tmp_path / _tilelang.device_target().replace(":", "-")
+    probe = ("import sys\nsys.modules['tilelang'] = None\n" + TINY_STEP + textwrap.dedent(f"""
+        loss, grads, report = step(model(), {{"all": True, "library": {str(folder)!r}}})
+        jit = torch.load({str(tmp_path / "jit_grads.pt")!r})
+        print(json.dumps({{"loss": loss, "same_grads": all(torch.equal(grads[n], jit[n]) for n in jit),
+                           "library": report.to_dict()["library"], "fallbacks": report.runtime_fallbacks()}}))
+    """))
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["fallbacks"] == [] and seen["library"]["not_in_it"] == []
+    assert len(seen["library"]["used"]) == len(built.kernels)
+    assert seen["loss"] == loss and seen["same_grads"]  # the same kernels: bit for bit

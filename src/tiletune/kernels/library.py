@@ -262,12 +262,14 @@ class Toolchain:
 
 def toolchain(target: str) -> Toolchain | str:
     """The compiler for `target` on this machine, or why there is none (one line)."""
+    if shutil.which("objcopy") is None:
+        return "objcopy (binutils) is not installed; the build weakens each kernel object's symbols with it"
     tl_root = Path(_tilelang.tilelang().__file__).parent
     includes = [f"-I{tl_root / 'src'}"]
     kind, _, arch = target.partition(":")
     if kind == "cuda":
-        nvcc = shutil.which("nvcc") or (os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if "CUDA_HOME" in os.environ else None)
-        if not nvcc or not os.access(nvcc, os.X_OK):
+        nvcc = _nvcc()
+        if nvcc is None:
             return "nvcc (the CUDA toolkit) is not on PATH; install it or set CUDA_HOME"
         code = _tilelang.parse_target(target)["arch"].removeprefix("sm_")
         flags = ["-std=c++20", "-w", "-Xcudafe", "--diag_suppress=177", "-lineinfo", f"-gencode=arch=compute_{code},code=sm_{code}",
@@ -283,6 +285,17 @@ def toolchain(target: str) -> Toolchain | str:
         return f"hipcc {version} is older than ROCm 6, whose headers (hip/hip_bf16.h) TileLang's HIP kernels need"
     flags = ["-x", "hip", f"--offload-arch={arch}", "-std=c++17", "-w", "-fPIC", *includes]
     return Toolchain("hip", hipcc, flags, ["-shared", "-fPIC"], {**os.environ, "HIP_PLATFORM": "amd"})
+
+
+def _nvcc() -> str | None:
+    """The nvcc TileLang's own JIT uses (its CUDA home), else the one on PATH."""
+    try:
+        from tilelang.contrib.nvcc import get_nvcc_compiler
+
+        found = get_nvcc_compiler()
+    except Exception:  # noqa: BLE001 - TileLang finds no CUDA home: look on PATH
+        found = None
+    return found if found and os.access(found, os.X_OK) else shutil.which("nvcc")
 
 
 def _torch_flags() -> tuple[list[str], list[str]]:
