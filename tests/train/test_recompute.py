@@ -15,8 +15,10 @@ from tiletune.errors import UserError
 from tiletune.patch import decoder_layers
 from tiletune.train.model import prepare_for_training
 from tiletune.train.recompute import (
+    RecomputePlan,
     apply_treatments,
     choose_treatments,
+    place_recomputed_inputs,
     plan_recomputation,
 )
 
@@ -221,6 +223,23 @@ def test_bench_variant_with_overrides_records_the_plan(tmp_path):
 
 
 @pytest.mark.gpu
+def test_recomputed_inputs_go_to_the_host_up_to_its_room_then_stay_on_the_device():
+    """The host holds 3 layers' inputs; 2 more stay on the device (10 each), within the free bytes; when they do
+    not fit, spared layers are recomputed instead, lowest first; when nothing is left to give way, a clear error."""
+    spared = {"keep": 25, "selective": 15}
+    five = ["recompute"] * 5
+    assert place_recomputed_inputs(five, 3, 10, 20, spared) == ["recompute"] * 3 + ["recompute_device"] * 2
+    assert place_recomputed_inputs(five, 9, 10, 0, spared) == five  # room for all: nothing on the device
+    mixed = ["recompute"] * 4 + ["selective", "keep"]
+    # 1 input on the device (10) + selective (15) + keep (25) = 50 > 45: the selective layer gives way
+    assert place_recomputed_inputs(mixed, 3, 10, 45, spared) == ["recompute"] * 3 + ["recompute_device"] * 2 + ["keep"]
+    with pytest.raises(ValueError, match="host memory holds 3 layers' inputs and the GPU budget 1 more; 5 are recomputed"):
+        place_recomputed_inputs(five, 3, 10, 19, spared)
+    plan = RecomputePlan(["recompute", "recompute_device", "keep"], 100, 50, 25, 15, "cuda memory", input_bytes=10,
+                         offload_inputs=True)  # fmt: skip
+    assert plan.predicted_peak_bytes == 50 + 10 + 25 + 10  # the device-held input and the kept layer (with its input)
+
+
 def test_levers_are_pulled_in_order_when_recomputation_is_not_enough():
     """A budget below the all-recomputed step moves the input embeddings to the host first; one below what that
     saves also chunks the MLPs; each plan's step stays within its budget and computes the same loss."""

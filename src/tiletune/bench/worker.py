@@ -209,7 +209,7 @@ def _peak_memory(device: torch.device) -> tuple[float, float]:
 
 def _recomputed_share(cfg: TuneConfig, plan) -> float:
     if plan is not None:
-        return plan.counts["recompute"] / len(plan.treatments)
+        return (plan.counts["recompute"] + plan.counts["recompute_device"]) / len(plan.treatments)
     return 0.0 if cfg.checkpointing == "off" else 1.0
 
 

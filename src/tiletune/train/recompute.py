@@ -52,7 +52,7 @@ log = logging.getLogger("tiletune")
 
 GIB = 2**30
 MARGIN = 0.05  # of the budget, left for the allocator's fragmentation and what the probe cannot see
-TREATMENTS = ("keep", "selective", "offload", "recompute")
+TREATMENTS = ("keep", "selective", "offload", "recompute", "recompute_device")
 HOST_SHARE = 0.5  # of the host memory available at planning time, the most offloaded tensors may take
 
 
@@ -80,7 +80,8 @@ class RecomputePlan:
     @property
     def predicted_peak_bytes(self) -> int:
         extra = self.input_bytes if self.offload_inputs else 0  # a spared layer's input no longer counted in base
-        per_layer = {"keep": self.keep_bytes + extra, "selective": self.selective_bytes + extra, "offload": 0, "recompute": 0}
+        per_layer = {"keep": self.keep_bytes + extra, "selective": self.selective_bytes + extra, "offload": 0, "recompute": 0,
+                     "recompute_device": self.input_bytes}  # fmt: skip
         spared = sum(per_layer[t] for t in self.treatments)
         in_flight = self.offload_bytes if "offload" in self.treatments else 0
         return self.base_bytes + max(spared, in_flight)
@@ -127,6 +128,27 @@ def choose_treatments(layers: int, keep_bytes: int, selective_bytes: int, free_b
     return treatments
 
 
+def place_recomputed_inputs(treatments: list[str], host_room: int, input_bytes: int, free_bytes: int,
+                            spared_bytes: dict[str, int]) -> list[str]:  # fmt: skip
+    """With recomputed layers' inputs waiting in host memory: the host holds at most `host_room` of them (the
+    lowest layers'); the others keep theirs on the device (``recompute_device``, `input_bytes` each, within
+    `free_bytes` beside the spared layers' `spared_bytes` per treatment), spared layers giving way (recomputed
+    instead, lowest first) while they do not fit. ValueError when they do not fit with every layer recomputed."""
+    treatments = list(treatments)
+    while True:
+        recomputed = [i for i, t in enumerate(treatments) if t in ("recompute", "recompute_device")]
+        for rank, index in enumerate(recomputed):
+            treatments[index] = "recompute" if rank < host_room else "recompute_device"
+        on_device = treatments.count("recompute_device") * input_bytes + sum(spared_bytes.get(t, 0) for t in treatments)
+        if on_device <= free_bytes:
+            return treatments
+        spared = [i for i, t in enumerate(treatments) if t in ("keep", "selective")]
+        if not spared:
+            raise ValueError(f"host memory holds {host_room} layers' inputs and the GPU budget "
+                             f"{max(free_bytes, 0) // max(input_bytes, 1)} more; {len(recomputed)} are recomputed")  # fmt: skip
+        treatments[spared[0]] = "recompute"
+
+
 def apply_treatments(layers, treatments: list[str], use_reentrant: bool, offload=None, offload_inputs: bool = False,
                      prefetch_distance: int = 1) -> None:  # fmt: skip
     """Set each decoder layer's checkpointing as its treatment says (transformers' per-layer switch).
@@ -148,7 +170,7 @@ def apply_treatments(layers, treatments: list[str], use_reentrant: bool, offload
             recompute = functools.partial(checkpoint, use_reentrant=True)
             layer._gradient_checkpointing_func = functools.partial(offload.run, index, recompute)
             prefetch_at.setdefault(index + 1, []).append(index)
-        elif treatment == "recompute":
+        elif treatment in ("recompute", "recompute_device"):  # the latter: its input stays on the device
             layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=use_reentrant)
         elif treatment == "offload":
             if offload is None:
@@ -282,6 +304,18 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
                                             offload_every, plan.offload_bytes, max_offloaded)  # fmt: skip
     else:
         plan.treatments = ["recompute"] * len(layers)
+    if plan.offload_inputs:
+        host_room = (int(_host_available_bytes() * HOST_SHARE) - plan.treatments.count("offload") * plan.offload_bytes) \
+            // max(probe.input_bytes, 1)  # fmt: skip
+        spared = {"keep": keep_bytes + extra, "selective": selective_bytes + extra}
+        in_flight = plan.offload_bytes if "offload" in plan.treatments else 0
+        try:
+            plan.treatments = place_recomputed_inputs(plan.treatments, max(host_room, 0), probe.input_bytes,
+                                                      free - in_flight, spared)  # fmt: skip
+        except ValueError as err:
+            raise UserError(f"the step at batch {batch} x {seq} tokens does not fit gradient_checkpointing_budget="
+                            f"{budget / GIB:.1f} GiB: {err}; raise the budget, free host memory, or lower "
+                            "per_device_train_batch_size or cutoff_len") from None  # fmt: skip
     apply_treatments(layers, plan.treatments, use_reentrant, activation_offload, plan.offload_inputs,
                      prefetch_distance=offload_every)  # fmt: skip
     log.info("%s", plan.summary())
