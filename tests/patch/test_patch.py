@@ -72,6 +72,8 @@ def test_parse_layers(layers, expected):
     ({"linear": {"layers": "x"}}, "bad layer selector 'x'"),
     ({"plugins": ["no_such_plugin_mod"]}, "cannot import 'no_such_plugin_mod'"),
     ({"strict": "yes"}, "kernels.strict"),
+    ({"linear_logprobs": {"layers": "0-3"}}, "binds to no module \\(the training stage calls it\\); it takes no layers"),
+    ({"library": 3}, "kernels.library: expected the folder"),
 ])
 def test_parse_errors_name_the_culprit(value, message):
     with pytest.raises(UserError, match=message):
@@ -89,7 +91,7 @@ def test_apply_all_patches_every_op_and_keeps_parameters():
     report = apply_kernels(model, "all")
     counts = {op: info["patched"] for op, info in report.to_dict()["ops"].items()}
     assert counts == {"rms_norm": 4, "swiglu": 2, "rope": 2, "linear": 14, "lora_linear": 0, "linear_cross_entropy": 1,
-                      "quant_linear": 0, "quant_lora_linear": 0, "geglu": 0}
+                      "quant_linear": 0, "quant_lora_linear": 0, "geglu": 0, "linear_logprobs": 0}
     assert [(n, id(p)) for n, p in model.named_parameters()] == params
     with torch.no_grad():
         torch.testing.assert_close(model(tokens()).logits, before, rtol=1e-5, atol=1e-5)

@@ -1,4 +1,5 @@
-"""Preference stages: dpo (losses against TRL's and hand-written formulas), kto, rm; key checks; LLaMA-Factory's configs."""
+"""Preference stages: dpo (losses against TRL's and hand-written formulas), kto (with pref_ftx), rm; the log-probs from
+tiletune's linear_logprobs equal TRL's fused head's; key checks; LLaMA-Factory's configs; the offline DPO demo."""
 
 import json
 from pathlib import Path
@@ -19,6 +20,7 @@ RECORDS = [  # alpaca ranking: the chosen answer repeats the letters, the reject
     for w in ("a b c", "d e f g", "h i", "j k l m n", "o p q", "r s t u", "v w", "x y z")
 ]
 VENDORED = Path(__file__).parent / "compat" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture
@@ -125,6 +127,48 @@ def test_reference_free_losses_match_their_formulas(dpo_config, tmp_path, pref_l
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
 
 
+def _loss_and_lora_grads(trainer, batch):
+    loss = trainer.compute_loss(trainer.model, batch)
+    lora = [p for name, p in trainer.model.named_parameters() if "lora_" in name]
+    return loss.detach(), torch.autograd.grad(loss, lora)
+
+
+@pytest.mark.parametrize("keys", [{"pref_loss": "sigmoid"}, {"pref_loss": "simpo", "pref_ftx": 0.3},
+                                  {"stage": "kto", "dataset": "feedback", "kto_rejected_weight": 0.8}])  # fmt: skip
+def test_linear_logprobs_gives_trls_loss_and_lora_gradients(dpo_config, tmp_path, monkeypatch, keys):
+    """`kernels: {linear_logprobs: chunked}`: policy, reference (and KTO's KL answers) through tiletune's op."""
+    from tiletune.kernels import customop
+
+    trl_loss, trl_grads = _loss_and_lora_grads(*_trainer_and_batch(dpo_config(**keys), tmp_path))
+    calls = []
+    select = customop.select
+    monkeypatch.setattr(customop, "select", lambda op, *args: calls.append(op) or select(op, *args))
+    trainer, batch = _trainer_and_batch(dpo_config(kernels={"linear_logprobs": "chunked"}, **keys), tmp_path)
+    loss, grads = _loss_and_lora_grads(trainer, batch)
+    assert calls.count("linear_logprobs") >= 2  # the forward and backward of (at least) the policy's call
+    assert trl_loss.item() != pytest.approx(0.0) and loss.item() == pytest.approx(trl_loss.item(), rel=1e-6)
+    for mine, theirs in zip(grads, trl_grads, strict=True):
+        assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-7)
+
+
+def test_kto_sft_term_is_llamafactorys(dpo_config, tmp_path):
+    """pref_ftx x the desirable answers' mean per-token NLL x batch / desirable answers (LLaMA-Factory's scaling)."""
+    ftx, keys = 0.4, {"stage": "kto", "dataset": "feedback"}
+    trainer, batch = _trainer_and_batch(dpo_config(**keys), tmp_path)
+    with torch.no_grad():
+        plain = trainer.compute_loss(trainer.model, batch)
+    trainer, batch = _trainer_and_batch(dpo_config(pref_ftx=ftx, **keys), tmp_path)
+    with torch.no_grad():
+        logits = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        token_logps = logits.float().log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+        mask = batch["completion_mask"][:, 1:]
+        average = (token_logps * mask).sum(1) / mask.sum(1)
+        desirable = batch["label"].bool()
+        assert 0 < desirable.sum() < len(desirable)
+        expected = plain - ftx * average[desirable].mean() * len(desirable) / desirable.sum()
+        assert trainer.compute_loss(trainer.model, batch).item() == pytest.approx(expected.item(), rel=1e-5)
+
+
 def test_conservative_dpo_with_sft_term_matches_its_formula(dpo_config, tmp_path):
     """sigmoid with dpo_label_smoothing and pref_ftx, against the LoRA base (adapter disabled) as the reference."""
     beta, smoothing, ftx = 0.1, 0.2, 0.5
@@ -148,7 +192,8 @@ def test_conservative_dpo_with_sft_term_matches_its_formula(dpo_config, tmp_path
         ({"simpo_gamma": 0.3}, "simpo_gamma is read only with pref_loss=simpo"),
         ({"pref_loss": "hinge", "dpo_label_smoothing": 0.1}, "dpo_label_smoothing is read only with pref_loss=sigmoid"),
         ({"stage": "sft", "pref_beta": 0.2}, "pref_beta is read only with stage=dpo or kto"),
-        ({"stage": "kto", "pref_ftx": 0.2}, "pref_ftx is read only with stage=dpo"),
+        ({"stage": "rm", "pref_ftx": 0.2}, "pref_ftx is read only with stage=dpo or kto"),
+        ({"stage": "kto", "pref_loss": "orpo"}, "pref_loss is read only with stage=dpo"),
     ],
 )
 def test_wrong_key_combination_is_one_line_and_exit_2(tmp_path, tiny_model_dir, keys, expected):
@@ -208,3 +253,20 @@ def test_full_fine_tuning_trains_against_a_reference(dpo_config, tiny_model_dir,
     history = json.loads((cfg.output_dir / "trainer_state.json").read_text())["log_history"]
     assert history[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-5)  # the first step: policy = reference
     assert any(abs(h.get("rewards/margins", 0.0)) > 1e-4 for h in history[1:])
+
+
+def test_demo_dpo_teaches_the_preference(tmp_path, monkeypatch, capsys):
+    """examples/demo_dpo.yaml, shortened: the held-out preference accuracy it prints rises from the base's."""
+    import re
+
+    from tiletune.config import load_config
+    from tiletune.train.trainer import run_train
+
+    monkeypatch.chdir(EXAMPLES.parent)
+    cfg = load_config(EXAMPLES / "demo_dpo.yaml", [f"output_dir={tmp_path / 'out'}", "max_steps=4", "plot_loss=false"])
+    run_train(cfg)
+    printed = re.search(r"held-out preference accuracy on (\d+) eval pairs: before training ([\d.]+) .*after training "
+                        r"([\d.]+)", capsys.readouterr().out)  # fmt: skip
+    assert printed, "no accuracy line"
+    pairs, before, after = int(printed[1]), float(printed[2]), float(printed[3])
+    assert pairs == 60 and before <= 0.6 and after >= 0.9

@@ -29,39 +29,60 @@ IGNORE_INDEX = -100
 CHUNK_BYTES = 2**28  # float32 logits per chunk: 256 MiB
 
 
-def _chunk_gradients(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, softcap: float):
-    """(summed loss, d loss/d logits already divided by divisor) of one block of tokens, in float32 (or 64)."""
+def chunk_tokens(weight: Tensor) -> int:
+    """How many tokens' float32 logits fit in `CHUNK_BYTES`."""
+    return max(1, CHUNK_BYTES // (4 * weight.shape[0]))
+
+
+def capped_logits(hidden: Tensor, weight: Tensor, softcap: float) -> tuple[Tensor, Tensor | None]:
+    """(logits of a block of tokens in float32 (or 64), soft-capped when `softcap`; the cap's slope or None)."""
     logits = (hidden @ weight.t()).to(accumulate_dtype(hidden))
-    if softcap:
-        capped = torch.tanh(logits / softcap)
-        logits = capped * softcap
-    valid = labels != IGNORE_INDEX
-    safe = labels.clamp(min=0)
-    log_norm = torch.logsumexp(logits, dim=-1)
-    target = logits.gather(1, safe[:, None])[:, 0]
-    loss = ((log_norm - target) * valid).sum()
-    grad = torch.softmax(logits, dim=-1)
-    grad[torch.arange(len(labels), device=labels.device), safe] -= 1.0
-    grad *= (valid.to(grad.dtype) / divisor)[:, None]
-    if softcap:
-        grad *= 1 - capped.square()
-    return loss, grad
+    if not softcap:
+        return logits, None
+    capped = torch.tanh(logits / softcap)
+    return capped * softcap, 1 - capped.square()
+
+
+def logit_gradient(logits: Tensor, log_norm: Tensor, labels: Tensor, scale: Tensor, slope: Tensor | None) -> Tensor:
+    """d/d(raw logits) of `sum_i scale_i·(log_norm_i - logit_i[label_i])`: (softmax - one-hot) x scale (x the cap's
+    slope). `scale` is 0 where the label is -100."""
+    grad = torch.exp(logits - log_norm[:, None])
+    grad[torch.arange(len(labels), device=labels.device), labels.clamp(min=0)] -= 1.0
+    grad *= scale[:, None]
+    if slope is not None:
+        grad *= slope
+    return grad
+
+
+def backpropagate(hidden: Tensor, weight: Tensor, weight_grad: bool, chunk: int, logit_grad: Callable):
+    """(d hidden, d weight or an empty tensor) from `logit_grad(start, hidden block)`, the gradient of the raw logits
+    of `chunk` tokens at a time."""
+    dhidden = torch.empty_like(hidden)
+    acc = accumulate_dtype(hidden)
+    dweight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if weight_grad else None
+    for start in range(0, hidden.shape[0], chunk):
+        h = hidden[start : start + chunk]
+        grad = logit_grad(start, h)
+        dhidden[start : start + chunk] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
+        if dweight is not None:
+            dweight += grad.t() @ h.to(acc)
+    return dhidden, dweight.to(weight.dtype) if dweight is not None else weight.new_empty(0)
 
 
 def _forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, weight_grad: bool, softcap: float,
              chunk: int):  # fmt: skip
-    dhidden = torch.empty_like(hidden)
-    acc = accumulate_dtype(hidden)
-    dweight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if weight_grad else None
-    total = torch.zeros((), dtype=acc, device=hidden.device)
-    for start in range(0, hidden.shape[0], chunk):
-        h, y = hidden[start : start + chunk], labels[start : start + chunk]
-        loss, grad = _chunk_gradients(h, weight, y, divisor, softcap)
-        total += loss
-        dhidden[start : start + chunk] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
-        if dweight is not None:
-            dweight += grad.t() @ h.to(acc)
-    return total / divisor, dhidden, dweight.to(weight.dtype) if dweight is not None else weight.new_empty(0)
+    losses = [torch.zeros((), dtype=accumulate_dtype(hidden), device=hidden.device)]
+
+    def logit_grad(start: int, h: Tensor) -> Tensor:
+        y = labels[start : start + len(h)]
+        logits, slope = capped_logits(h, weight, softcap)
+        valid = (y != IGNORE_INDEX).to(logits.dtype)
+        log_norm = torch.logsumexp(logits, dim=-1)
+        losses.append(((log_norm - logits.gather(1, y.clamp(min=0)[:, None])[:, 0]) * valid).sum())
+        return logit_gradient(logits, log_norm, y, valid / divisor, slope)
+
+    dhidden, dweight = backpropagate(hidden, weight, weight_grad, chunk, logit_grad)
+    return sum(losses) / divisor, dhidden, dweight
 
 
 def reference_forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, weight_grad: bool,
@@ -73,8 +94,7 @@ def reference_forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: f
 def chunked_forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, weight_grad: bool,
                     softcap: float = 0.0):  # fmt: skip
     """The same, `CHUNK_BYTES` of float32 logits at a time."""
-    chunk = max(1, CHUNK_BYTES // (4 * weight.shape[0]))
-    return _forward(hidden, weight, labels, divisor, weight_grad, softcap, chunk)
+    return _forward(hidden, weight, labels, divisor, weight_grad, softcap, chunk_tokens(weight))
 
 
 def reference_backward(dloss: Tensor, dhidden: Tensor, dweight: Tensor):

@@ -133,6 +133,8 @@ def _parse_op(op: str, value: Any) -> OpSelection | None:
     if unknown:
         raise UserError(f"kernels.{op}: unknown key {sorted(unknown)[0]!r}; keys: {', '.join(_OP_KEYS)}")
     impl = value.get("impl", registry.default_impl(op))
+    if not registry.ops()[op].bindings and (value.get("layers", "all") != "all" or value.get("modules")):
+        raise UserError(f"kernels.{op}: binds to no module (the training stage calls it); it takes no layers or modules")
     if is_model_level(op) and (value.get("layers", "all") != "all" or value.get("modules")):
         raise UserError(f"kernels.{op}: works on the whole model ({', '.join(b.role for b in registry.ops()[op].bindings)}); "
                         "it takes no layers or modules")

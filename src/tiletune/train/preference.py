@@ -8,10 +8,17 @@ DPO) the subclass computes LLaMA-Factory's formula from the same fused log-probs
 answers' log-probs, the others their sums; `pref_ftx` adds `pref_ftx` x the chosen answer's average negative
 log-likelihood. The reference: `ref_model` (+ `ref_model_adapters`) when set; with LoRA the base model with the
 adapter disabled; in full fine-tuning a copy of the model (or its log-probs computed before training with
-`precompute_ref_log_probs`). orpo and simpo need none.
+`precompute_ref_log_probs`). orpo and simpo need none. After training with eval data and a reference, the run prints
+the held-out preference accuracy before training (the reference's: log p(chosen) > log p(rejected)) and after (the
+policy's implicit reward: its log-ratio to the reference, chosen > rejected).
 
 `stage: kto` is TRL's KTO loss: `pref_beta`, `kto_chosen_weight` / `kto_rejected_weight` (TRL's desirable /
 undesirable weights), the same reference; the KL term's mismatched answers come with the data (data/processing.py).
+`pref_ftx` adds LLaMA-Factory's SFT term: `pref_ftx` x the desirable answers' average negative log-likelihood, scaled
+by batch size / desirable answers as LLaMA-Factory's CustomKTOTrainer does.
+
+Every log-prob (policy, reference, KTO's KL answers) comes from `model(..., fused_lm_head=True)`: TRL's fused LM
+head, or with `kernels:` selecting `linear_logprobs` (`all` does) tiletune's op in its place (`add_logprob_head`).
 
 `stage: rm` is LLaMA-Factory's PairwiseTrainer: a value head (a Linear from the last hidden state to a score) on
 the causal LM, each answer scored at its last token, loss -log σ(score chosen - score rejected); evaluation
@@ -21,8 +28,11 @@ reports the pairwise accuracy. The head is saved beside the model as value_head.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import os
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -108,7 +118,7 @@ def _dpo_stage(cfg: TuneConfig, model, tokenizer, model_loader):
             "precompute_ref_log_probs": cfg.precompute_ref_log_probs}
     settings = {"loss": PREF_LOSSES[cfg.pref_loss], "ftx": cfg.pref_ftx, "simpo_gamma": cfg.simpo_gamma}
     return (preference_trainer_class(), lambda args: _trl_arguments(DPOConfig, args, **keys),
-            {"ref_model": _reference(cfg, tokenizer, model_loader), **settings})
+            {"ref_model": _reference(cfg, tokenizer, model_loader), "logprob_head": logprob_kernel(cfg), **settings})  # fmt: skip
 
 
 def _kto_stage(cfg: TuneConfig, model, tokenizer, model_loader):
@@ -118,23 +128,126 @@ def _kto_stage(cfg: TuneConfig, model, tokenizer, model_loader):
             "undesirable_weight": cfg.kto_rejected_weight, "precompute_ref_log_probs": cfg.precompute_ref_log_probs}
 
     class FeedbackTrainer(_TokenisedData, KTOTrainer):
-        def __init__(self, *args, **kwargs):
+        def __init__(self, *args, ftx: float, **kwargs):
             strategy, kwargs["args"].train_sampling_strategy = kwargs["args"].train_sampling_strategy, "sequential"
             super().__init__(*args, **kwargs)  # TRL insists on it: its KL answers are the batch neighbours'
             self.args.train_sampling_strategy = strategy  # tiletune's are stored with each example: shuffling keeps them
+            self.ftx = ftx
+
+        def _compute_loss(self, model, inputs, return_outputs):
+            """TRL's KTO loss, plus with `pref_ftx` LLaMA-Factory's SFT term (see the module's docstring)."""
+            if not self.ftx:
+                return super()._compute_loss(model, inputs, return_outputs)
+            with _policy_log_probs(model, inputs["input_ids"]) as policy:
+                result = super()._compute_loss(model, inputs, return_outputs)
+            desirable = torch.as_tensor(inputs["label"], dtype=torch.bool, device=policy[0].device)
+            if not desirable.any():
+                return result
+            sums, lengths = answer_log_probs(policy[0], inputs["completion_mask"])
+            sft_loss = -(sums / lengths)[desirable].mean()
+            self._metrics["train" if self.model.training else "eval"]["sft_loss"].append(sft_loss.item())
+            extra = self.ftx * sft_loss * len(desirable) / desirable.sum()
+            return (result[0] + extra, *result[1:]) if isinstance(result, tuple) else result + extra
 
     return (FeedbackTrainer, lambda args: _trl_arguments(KTOConfig, args, **keys),
-            {"ref_model": _reference(cfg, tokenizer, model_loader)})
+            {"ref_model": _reference(cfg, tokenizer, model_loader), "logprob_head": logprob_kernel(cfg),
+             "ftx": cfg.pref_ftx})  # fmt: skip
+
+
+@contextlib.contextmanager
+def _policy_log_probs(model, input_ids):
+    """Yields a list that gets the per-token log-probs of the first fused-head call of `model` on `input_ids` (the
+    policy's forward, made before the reference's): a forward hook, as TRL keeps them inside its loss."""
+    found = []
+
+    def keep(module, args, kwargs, output):
+        if kwargs.get("fused_lm_head") and kwargs.get("input_ids") is input_ids and not found:
+            found.append(output.log_probs)
+
+    handle = model.register_forward_hook(keep, with_kwargs=True)
+    try:
+        yield found
+    finally:
+        handle.remove()
+
+
+def answer_log_probs(log_probs, completion_mask):
+    """(sum of each answer's per-token log-probs, its number of tokens, at least 1) from a fused head's
+    `log_probs` [batch, seq - 1] and the batch's `completion_mask` [batch, seq]."""
+    mask = completion_mask[:, 1:]
+    return (log_probs[:, -mask.size(1) :] * mask).sum(1), mask.sum(1).clamp(min=1)
+
+
+def logprob_kernel(cfg: TuneConfig) -> tuple[str, bool] | None:
+    """(implementation, strict) of `linear_logprobs` when `kernels:` selects it (`all` does), else None."""
+    if cfg.kernels is None:
+        return None
+    from tiletune.patch import parse_kernel_spec
+
+    spec = parse_kernel_spec(cfg.kernels)
+    return next(((sel.impl, spec.strict) for sel in spec.ops if sel.op == "linear_logprobs"), None)
+
+
+def add_logprob_head(model, impl: str, strict: bool) -> None:
+    """Make `model(..., labels=labels, fused_lm_head=True)`, how TRL's DPO and KTO trainers get every log-prob
+    (policy, reference, KL answers, precomputed reference), run tiletune's `linear_logprobs` on the backbone's last
+    hidden states instead of TRL's fused LM head; other calls (and MoE router losses, pre-shifted labels) go to the
+    forward it replaces. Idempotent."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    from tiletune.kernels.linear_logprobs import linear_logprobs
+
+    if getattr(model, "_tiletune_logprob_head", False):
+        return
+    current = model.forward
+    text_config = model.config.get_text_config()
+    softcap = float(getattr(text_config, "final_logit_softcapping", None) or 0.0)
+
+    @functools.wraps(type(model).forward)  # generate validates its keywords against the signature
+    def forward(self, *args, fused_lm_head=False, labels=None, **kwargs):
+        if not fused_lm_head or "shift_labels" in kwargs or kwargs.get("output_router_logits"):
+            return current(*args, fused_lm_head=fused_lm_head, labels=labels, **kwargs)
+        kwargs.pop("num_items_in_batch", None)
+        hidden = self.base_model(*args, **{**kwargs, "use_cache": False}).last_hidden_state[:, :-1]
+        weight = self.get_output_embeddings().weight
+        labels = labels[:, 1:].to(weight.device)
+        logp, stats = linear_logprobs(hidden.reshape(-1, hidden.size(-1)).to(weight.device), weight,
+                                      labels.reshape(-1), impl, strict, softcap)  # fmt: skip
+        entropy, mean_logits, is_top1 = stats.view(*labels.shape, -1).unbind(-1)
+        mask = labels != -100
+        logp = logp.view(labels.shape)
+        return FusedCausalLMOutput(loss=-logp.sum() / mask.sum().clamp(min=1), log_probs=logp, entropy=entropy,
+                                   mean_logits=mean_logits, is_top1=is_top1.bool(), label_mask=mask)  # fmt: skip
+
+    model.forward = types.MethodType(forward, model)
+    model._tiletune_logprob_head = True
 
 
 class _TokenisedData:
-    """For a TRL trainer: data tiletune has tokenised with the template; with LoRA, the reference is the base."""
+    """For a TRL trainer: data tiletune has tokenised with the template; with LoRA, the reference is the base;
+    with `logprob_head` (implementation, strict) the log-probs come from `linear_logprobs`."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, logprob_head: tuple[str, bool] | None, **kwargs):
+        self.logprob_head = logprob_head
         super().__init__(*args, **kwargs)
         model = self.accelerator.unwrap_model(self.model)
         if "ref" in getattr(model, "peft_config", {}):  # TRL's copy of the adapter: the reference is the adapter disabled
             model.delete_adapter("ref")
+        self._add_logprob_heads()
+
+    def _add_logprob_heads(self):
+        """tiletune's head over TRL's on the policy (the base model under PEFT, where TRL puts its own) and the
+        reference."""
+        if self.logprob_head is None:
+            return
+        model = self.accelerator.unwrap_model(self.model)
+        for target in (model.get_base_model() if hasattr(model, "get_base_model") else model, self.ref_model):
+            if target is not None:
+                add_logprob_head(target, *self.logprob_head)
+
+    def _precompute_ref_logps(self, *args, **kwargs):
+        self._add_logprob_heads()  # TRL precomputes in its __init__, after adding its heads
+        return super()._precompute_ref_logps(*args, **kwargs)
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         return dataset
@@ -159,12 +272,7 @@ def preference_trainer_class():
 
         def _llamafactory_loss(self, model, inputs):
             mode = "train" if self.model.training else "eval"
-            mask = inputs["completion_mask"][:, 1:]
-            labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
-            outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=labels,
-                            use_cache=False, fused_lm_head=True)
-            sums = (outputs.log_probs[:, -mask.size(1) :] * mask).sum(1)
-            lengths = mask.sum(1).clamp(min=1)
+            sums, lengths = self._answers_forward(model, inputs)
             scale = lengths if self.pref.average else torch.ones_like(lengths)
             chosen, rejected = (sums / scale).chunk(2)
             if self.pref.reference:
@@ -192,6 +300,41 @@ def preference_trainer_class():
             for key, value in metrics.items():
                 self._metrics[mode][key].append(self.accelerator.gather_for_metrics(value).mean().item())
             return losses.mean()
+
+        def _answers_forward(self, model, inputs):
+            """The answers' summed log-probs and lengths (chosen answers first) from one fused-head forward."""
+            labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+            outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=labels,
+                            use_cache=False, fused_lm_head=True)  # fmt: skip
+            return answer_log_probs(outputs.log_probs, inputs["completion_mask"])
+
+        def train(self, *args, **kwargs):
+            result = super().train(*args, **kwargs)
+            if self.eval_dataset is not None and self.pref.reference and self.is_world_process_zero():
+                before, after, pairs = self.held_out_accuracy()
+                print(f"held-out preference accuracy on {pairs} eval pairs: before training {before:.2f} (the "
+                      f"reference prefers the chosen answer: log p(chosen) > log p(rejected)), after training "
+                      f"{after:.2f} (the policy's implicit reward: log-ratio to the reference of chosen > of rejected)")  # fmt: skip
+            return result
+
+        @torch.no_grad()
+        def held_out_accuracy(self) -> tuple[float, float, int]:
+            """(share of eval pairs the reference prefers the chosen answer of, share the trained policy's implicit
+            DPO reward does, number of pairs). With LoRA the reference is the base model."""
+            model = self.model.eval()
+            before = after = pairs = 0
+            for batch in self.get_eval_dataloader():
+                batch = self._prepare_inputs(batch)
+                chosen, rejected = self._answers_forward(model, batch)[0].chunk(2)
+                if self.precompute_ref_logps:
+                    ref_chosen, ref_rejected = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+                else:
+                    reference = self.ref_model if self.ref_model is not None else model
+                    ref_chosen, ref_rejected = self.compute_ref_log_probs(reference, batch)
+                before += int((ref_chosen > ref_rejected).sum())
+                after += int((chosen - ref_chosen > rejected - ref_rejected).sum())
+                pairs += len(chosen)
+            return before / max(pairs, 1), after / max(pairs, 1), pairs
 
     return PreferenceTrainer
 
