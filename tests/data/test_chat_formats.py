@@ -1,5 +1,6 @@
-"""gemma, gemma3, llama2, mistral, phi and phi4 write conversations as LLaMA-Factory's templates of the
-same names do, and as the model families' own jinja chat templates do where those agree with LLaMA-Factory.
+"""gemma, gemma3, gemma3n, llama2, llama4, mistral, phi, phi_small, phi4 and phi4_mini write conversations as
+LLaMA-Factory's templates of the same names do, and as the model families' own jinja chat templates do where
+those agree with LLaMA-Factory.
 
 Two kinds of reference:
 
@@ -24,6 +25,7 @@ import re
 import subprocess
 import sys
 import tarfile
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -43,10 +45,14 @@ WANTED = {
 SPECIAL = {  # the tokens each family's tokenizer has as single special tokens
     "gemma": ["<start_of_turn>", "<end_of_turn>"],
     "gemma3": ["<start_of_turn>", "<end_of_turn>"],
+    "gemma3n": ["<start_of_turn>", "<end_of_turn>"],
     "llama2": [],
+    "llama4": ["<|header_start|>", "<|header_end|>", "<|eot|>", "<|eom|>"],
     "mistral": ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"],
     "phi": ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
+    "phi_small": ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
     "phi4": ["<|im_start|>", "<|im_sep|>", "<|im_end|>"],
+    "phi4_mini": ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>", "<|/tool|>"],
 }
 NEW = sorted(SPECIAL)
 
@@ -103,25 +109,49 @@ def default_tools_text() -> str:
     )
 
 
+LLAMA3_TOOLS = (
+    "Cutting Knowledge Date: December 2023\nToday Date: {date}\n\n"
+    "You have access to the following functions. To call a function, please respond with JSON for a function call. "
+    'Respond in the format {{"name": function name, "parameters": dictionary of argument name and its value}}. '
+    "Do not use variables.\n\n{tools}"
+)
+LLAMA4_HEADS = {"user": "user", "observation": "ipython"}  # the header of each prompt-side role
+
+
+def lf_tool_text(name: str, tools: list) -> str:
+    """The tool description LLaMA-Factory's template `name` appends to the system prompt."""
+    wrapped = [{"type": "function", "function": t} for t in tools]
+    if not tools:
+        return ""
+    if name == "mistral":
+        return f"[AVAILABLE_TOOLS] {json.dumps(wrapped)}[/AVAILABLE_TOOLS]"
+    if name == "phi4_mini":  # the dataset's tool JSON as given
+        return f"<|tool|>{json.dumps(tools)}<|/tool|>"
+    if name == "llama4":
+        listing = "".join(json.dumps(w, indent=4) + "\n\n" for w in wrapped)
+        return LLAMA3_TOOLS.format(date=datetime.now().strftime("%d %b %Y"), tools=listing)
+    return default_tools_text()
+
+
+def lf_call_text(name: str, call: dict) -> str:
+    """A function-call message's content as LLaMA-Factory's template `name` writes it."""
+    if name == "mistral":
+        return json.dumps([call])
+    if name == "llama4":
+        return json.dumps({"name": call["name"], "parameters": call["arguments"]})
+    return f"Action: {call['name']}\nAction Input: {json.dumps(call['arguments'])}"
+
+
 def lf_turns(name: str, messages, system: str, tools: list, bos: str, eos: str) -> list[tuple[str, str]]:
     """(prompt, answer) texts per turn, written out from LLaMA-Factory's definition of `name`."""
-    wrapped = [{"type": "function", "function": t} for t in tools]
-    if name == "mistral":
-        tool_text = f"[AVAILABLE_TOOLS] {json.dumps(wrapped)}[/AVAILABLE_TOOLS]" if tools else ""
-    else:
-        tool_text = default_tools_text() if tools else ""
-    sys_text = system + tool_text
+    sys_text = system + lf_tool_text(name, tools)
     out: list[str] = []
     for i, m in enumerate(messages):
         role, c = m["role"], m["content"]
         if role == "function":
-            call = json.loads(c)
-            if name == "mistral":
-                c = json.dumps([call])
-            else:
-                c = f"Action: {call['name']}\nAction Input: {json.dumps(call['arguments'])}"
-        first = bos if i == 0 and name in ("gemma", "gemma3", "mistral") else ""
-        if name in ("gemma", "gemma3"):
+            c = lf_call_text(name, json.loads(c))
+        first = bos if i == 0 and name in ("gemma", "gemma3", "gemma3n", "mistral", "phi_small", "llama4") else ""
+        if name in ("gemma", "gemma3", "gemma3n"):
             if i == 0 and sys_text:
                 c = f"{sys_text}\n\n{c}"
             text = {
@@ -132,6 +162,13 @@ def lf_turns(name: str, messages, system: str, tools: list, bos: str, eos: str) 
             if i == 0 and sys_text:
                 c = f"<<SYS>>\n{sys_text}\n<</SYS>>\n\n{c}"
             text = f"{bos}[INST] {c} [/INST]" if role in ("user", "observation") else f"{c}{eos}"
+        elif name == "llama4":
+            head = f"<|header_start|>system<|header_end|>\n\n{sys_text}<|eot|>" if i == 0 and sys_text else ""
+            text = head + (
+                f"<|header_start|>{LLAMA4_HEADS[role]}<|header_end|>\n\n{c}<|eot|><|header_start|>assistant<|header_end|>\n\n"
+                if role in LLAMA4_HEADS
+                else f"{c}<|eot|>"
+            )
         elif name == "mistral":
             if i == 0 and sys_text:
                 c = f"{sys_text}\n\n{c}"
@@ -140,9 +177,12 @@ def lf_turns(name: str, messages, system: str, tools: list, bos: str, eos: str) 
                 "observation": f'[TOOL_RESULTS] {{"content": {c}}}[/TOOL_RESULTS]',
                 "function": f"[TOOL_CALLS] {c}{eos}",
             }.get(role, f" {c}{eos}")
-        elif name == "phi":
+        elif name in ("phi", "phi_small"):
             head = f"<|system|>\n{sys_text}<|end|>\n" if i == 0 and sys_text else ""
             text = head + (f"<|user|>\n{c}<|end|>\n<|assistant|>\n" if role in ("user", "observation") else f"{c}<|end|>\n")
+        elif name == "phi4_mini":
+            head = f"<|system|>{sys_text}<|end|>" if i == 0 and sys_text else ""
+            text = head + (f"<|user|>{c}<|end|><|assistant|>" if role in ("user", "observation") else f"{c}<|end|>")
         else:  # phi4
             head = f"<|im_start|>system<|im_sep|>{sys_text}<|im_end|>" if i == 0 and sys_text else ""
             text = head + (
@@ -185,7 +225,7 @@ def test_renders_as_llamafactory_writes_it(tokenizer_dir, name, system, tools, m
 
 def test_system_goes_into_the_first_user_message_only_where_the_template_says():
     fused = {n for n, t in TEMPLATES.items() if t.system_in_user}
-    assert fused == {"gemma", "gemma3", "llama2", "mistral"}
+    assert fused == {"gemma", "gemma3", "gemma3n", "llama2", "mistral"}
     pieces = TEMPLATES["gemma"].render(CHAT[:2], system="S")
     assert pieces[0][1] == "<start_of_turn>user\nS\n\nHi there<end_of_turn>\n<start_of_turn>model\n"
 
@@ -232,6 +272,7 @@ def real_templates() -> dict[str, str]:
     return {
         "gemma": (CACHE / "gemma2.jinja").read_text(),
         "phi": (CACHE / "phi3.5.jinja").read_text(),
+        "phi_small": _cxx_template(cxx, "Phi-3-small"),
         "phi4": _cxx_template(cxx, "phi-4"),
         "mistral": _cxx_template(
             cxx, "Mistral-Large-Instruct-2407 (mistralai 'v3' template; modified to have system prompt at start)"
@@ -245,9 +286,9 @@ def real_render(tokenizer, template: str, messages, generation_prompt: bool) -> 
     )
 
 
-def compare_with_real(name, tokenizer, real, system: str, messages, real_messages, drop_tail: str = ""):
+def compare_with_real(name, tokenizer, real, system: str, messages, real_messages, drop_tail: str = "", tools: str = ""):
     """tiletune's whole conversation and its last prompt equal the real template's, token for token."""
-    pairs = TEMPLATES[name].encode_pairs(tokenizer, messages, system)
+    pairs = TEMPLATES[name].encode_pairs(tokenizer, messages, system, tools)
     whole = real_render(tokenizer, real, real_messages, generation_prompt=False)
     assert whole.endswith(drop_tail)
     whole = whole[: len(whole) - len(drop_tail)]
@@ -310,3 +351,66 @@ def test_mistral_system_prompt_goes_where_llamafactory_puts_it(tokenizer_dir, re
         last_user = messages[-2]["content"]
         real = real.replace(f"{SYSTEM}\n\n{last_user}", last_user).replace("[INST] ", f"[INST] {SYSTEM}\n\n", 1)
     assert ours == real
+
+
+@pytest.mark.parametrize("system", ["", SYSTEM])
+def test_phi_small_matches_phi_3_smalls_own_template(tokenizer_dir, real_templates, system):
+    """Phi-3-small's template starts with its BOS (<|endoftext|> there) and, like Phi-3.5's, ends a conversation
+    with its EOS after the last `<|end|>\\n`, where tiletune (and LLaMA-Factory) stop. LLaMA-Factory writes no
+    BOS: its phi_small prefix {"<|endoftext|>"} is a set it encodes to nothing; tiletune follows the model."""
+    tokenizer = tokenizer_for("phi_small", tokenizer_dir)
+    real_messages = ([{"role": "system", "content": system}] if system else []) + CHAT
+    compare_with_real(
+        "phi_small", tokenizer, real_templates["phi_small"], system, CHAT, real_messages, drop_tail=tokenizer.eos_token
+    )
+
+
+@pytest.fixture(scope="session")
+def gemma3_template() -> str:
+    """Gemma 3's own chat template, as TRL stores it (trl/chat_templates/gemma3.jinja)."""
+    pytest.importorskip("trl", reason="Gemma 3's template is read from TRL (the `preference` extra)")
+    from importlib.resources import files
+
+    return (files("trl") / "chat_templates" / "gemma3.jinja").read_text()
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma3n"])
+@pytest.mark.parametrize("system", ["", SYSTEM])
+def test_gemma3_and_3n_match_gemma_3s_own_template(tokenizer_dir, gemma3_template, name, system):
+    """Gemma 3's template takes a system message and writes it as LLaMA-Factory does: `system + "\\n\\n"` at the
+    start of the first user message."""
+    tokenizer = tokenizer_for(name, tokenizer_dir)
+    real_messages = ([{"role": "system", "content": system}] if system else []) + CHAT
+    compare_with_real(name, tokenizer, gemma3_template, system, CHAT, real_messages)
+
+
+@pytest.mark.parametrize("system", ["", SYSTEM])
+def test_llama4_matches_llama_4s_own_template(tokenizer_dir, system):
+    """Llama 4's template as transformers' Llama4Processor carries it. Without tools the two agree; with tools
+    Llama 4's template writes them into the first user message and tiletune, as LLaMA-Factory, into the system
+    prompt in Llama 3's words (pinned by test_renders_as_llamafactory_writes_it)."""
+    from transformers.models.llama4.processing_llama4 import chat_template
+
+    tokenizer = tokenizer_for("llama4", tokenizer_dir)
+    real_messages = ([{"role": "system", "content": system}] if system else []) + CHAT
+    compare_with_real("llama4", tokenizer, chat_template, system, CHAT, real_messages)
+
+
+# microsoft/Phi-4-mini-instruct, tokenizer_config.json "chat_template" (MIT)
+PHI4_MINI_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and message['tools'] is "
+    "not none %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + message['tools'] + '<|/tool|>' + "
+    "'<|end|>' }}{% else %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("system, tools", [("", ""), (SYSTEM, ""), (SYSTEM, json.dumps(TOOLS)), ("", json.dumps(TOOLS))],
+                         ids=["plain", "system", "system+tools", "tools"])
+def test_phi4_mini_matches_phi_4_minis_own_template(tokenizer_dir, system, tools):
+    """Phi-4-mini's template writes the tool list, as given, between <|tool|> and <|/tool|> in the system message,
+    and ends a conversation with its EOS, where tiletune (and LLaMA-Factory) stop."""
+    tokenizer = tokenizer_for("phi4_mini", tokenizer_dir)
+    head = [{"role": "system", "content": system, **({"tools": tools} if tools else {})}] if system or tools else []
+    compare_with_real("phi4_mini", tokenizer, PHI4_MINI_TEMPLATE, system, CHAT, head + CHAT,
+                      drop_tail=tokenizer.eos_token, tools=tools)

@@ -1,9 +1,11 @@
 """Every family end to end on the CPU, as a user runs it: a tiny random-init model of the family saved with the
-demo tokenizer, then `tiletune train` with every kernel (the PatchReport in kernels.json names what took which
+demo tokenizer (holding the family template's stop words, as the family's own tokenizer does), then `tiletune
+train` with every kernel in the family's chat template (the PatchReport in kernels.json names what took which
 modules), `tiletune verify` of every kernel's reference (the TileLang kernels cannot run on a CPU), `tiletune
 export` of the adapter and one `tiletune chat` turn."""
 
 import json
+from fnmatch import fnmatch
 
 import pytest
 import torch
@@ -11,12 +13,16 @@ import transformers
 from test_records import EVERY_KERNEL, MODELS
 
 from tiletune.config import build_config
+from tiletune.data.templates import TEMPLATES
 from tiletune.families import family_of
 from tiletune.train.chat import load_session, run_chat
 from tiletune.train.export import run_export
 from tiletune.train.trainer import run_train
 from tiletune.verify.run import VerifyOptions, run_verify
 
+# each family's chat template, by LLaMA-Factory's name (Gemma 2 writes Gemma's format)
+TEMPLATE_OF = {"llama": "llama3", "mistral": "mistral", "qwen2": "qwen", "qwen3": "qwen3", "qwen3_moe": "qwen3",
+               "mixtral": "mistral", "llama4_text": "llama4", "gemma2": "gemma", "gemma3_text": "gemma3", "phi3": "phi"}
 RECORDS = [{"instruction": f"say {w}", "input": "", "output": f"{w} {w}"} for w in "abcdefgh"]
 
 
@@ -29,16 +35,19 @@ def data_dir(tmp_path_factory):
 
 
 def saved_model(model_type: str, folder, tokenizer_dir):
-    """A 2-layer random-init model of the family with the demo tokenizer, saved in `folder`."""
+    """A 2-layer random-init model of the family with the demo tokenizer and its template's stop words, in `folder`."""
     from transformers import AutoTokenizer
 
     config_class, model_class, extra = MODELS[model_type]
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    stops = list(TEMPLATES[TEMPLATE_OF[model_type]].stop_words)
+    tokenizer.add_special_tokens({"additional_special_tokens": stops}, replace_extra_special_tokens=False)
     tokenizer.save_pretrained(folder)
-    shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                 pad_token_id=tokenizer.pad_token_id)
+    shape = {"vocab_size": -(-len(tokenizer) // 64) * 64,  # padded, as real vocabularies are
+             "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+             "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+             "pad_token_id": tokenizer.pad_token_id}
     config = getattr(transformers, config_class)(**shape, **{k: v for k, v in extra.items() if k not in shape})
     torch.manual_seed(0)
     getattr(transformers, model_class)(config).save_pretrained(folder)
@@ -49,13 +58,18 @@ def saved_model(model_type: str, folder, tokenizer_dir):
 def test_train_verify_export_chat(model_type, tmp_path, tokenizer_dir, data_dir):
     model_dir = saved_model(model_type, tmp_path / "model", tokenizer_dir)
     keys = {"model_name_or_path": str(model_dir), "stage": "sft", "do_train": True, "finetuning_type": "lora",
-            "lora_target": "all", "dataset": "t", "dataset_dir": str(data_dir), "template": "chatml", "cutoff_len": 32,
+            "lora_target": "all", "dataset": "t", "dataset_dir": str(data_dir), "template": TEMPLATE_OF[model_type],
+            "cutoff_len": 32,
             "per_device_train_batch_size": 4, "learning_rate": 1e-3, "max_steps": 2, "logging_steps": 1,
             "report_to": "none", "output_dir": str(tmp_path / "out"), "kernels": EVERY_KERNEL}
     run_train(build_config(keys))
     patched = json.loads((tmp_path / "out" / "kernels.json").read_text())
-    assert patched["family"] == family_of(transformers.AutoConfig.from_pretrained(model_dir)).name
-    assert patched["ops"]["rms_norm"]["patched"] > 0 and patched["ops"]["lora_linear"]["patched"] >= 8  # LoRA on all linears
+    family = family_of(transformers.AutoConfig.from_pretrained(model_dir))
+    assert patched["family"] == family.name
+    ops = patched["ops"]
+    assert ops["rms_norm"]["patched"] > 0 and ops["lora_linear"]["patched"] >= 8  # LoRA on all linears
+    assert all(any(fnmatch(m, norm.path) for norm in family.norms) for m in ops["rms_norm"]["modules"])
+    assert ops["rope"]["patched"] >= 1 and ops["rope"]["modules"] == [family.attention.path]
     log = [json.loads(line) for line in (tmp_path / "out" / "trainer_log.jsonl").read_text().splitlines()]
     assert len(log) == 2 and all(torch.isfinite(torch.tensor(row["loss"])) for row in log)
 

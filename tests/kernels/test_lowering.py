@@ -8,7 +8,7 @@ from tiletune.kernels import _tilelang
 
 pytest.importorskip("tilelang", reason="TileLang is not installed or cannot be imported: pip install -e '.[test]'")
 
-KERNELS = ["rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope_fwd", "rope_bwd",
+KERNELS = ["rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope_fwd", "rope_bwd", "rope_pairs_fwd", "rope_pairs_bwd",
            "linear_fwd", "linear_dgrad", "linear_wgrad", "lora_linear_fwd", "lora_linear_dgrad",
            "attention_fwd", "attention_bwd_preprocess", "attention_bwd", "dequantize_nf4", "geglu_fwd", "geglu_bwd",
            "grouped_gemm_nt", "grouped_gemm_nn"]
@@ -66,6 +66,15 @@ def test_attention_kernels_use_the_matrix_units_and_a_dynamic_sequence(lowered, 
     assert "exp2" in fwd and "atomicadd" in bwd.lower().replace("_", "")
     if suffix == ".hip":  # loads past the sequence end are zero-filled, which the kernels rely on
         assert "< seq)" in fwd and "make_uint4(" in fwd
+
+
+def test_rope_pairs_reads_float32_angles_per_pair(lowered):
+    """Llama 4's layout: cos and sin stay float32 (its freqs_cis precision), one per pair of head dimensions;
+    the halves layout reads them in the input dtype."""
+    for target, suffix in (("cuda-sm_90", ".cu"), ("hip-gfx942", ".hip")):
+        for kind in ("fwd", "bwd"):
+            assert "float* __restrict__ C" in (lowered / target / f"rope_pairs_{kind}{suffix}").read_text()
+            assert "float* __restrict__ C" not in (lowered / target / f"rope_{kind}{suffix}").read_text()
 
 
 def test_unknown_target_is_a_user_error(tmp_path):

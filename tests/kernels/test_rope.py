@@ -1,9 +1,17 @@
-"""rope: reference semantics (incl. Llama-3 scaling) and autograd on the CPU; the TileLang kernel on the GPU."""
+"""rope: reference semantics (incl. Llama-3 scaling; Llama 4's pairs) and autograd on the CPU, the TileLang kernel's
+index arithmetic in both layouts; the TileLang kernel itself on the GPU."""
 
 import pytest
 import torch
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers import Llama4TextConfig, LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+from transformers.models.llama4.modeling_llama4 import (
+    Llama4TextRotaryEmbedding,
+    apply_rotary_emb,
+)
 
 from tiletune.kernels import rope as op
 
@@ -20,6 +28,15 @@ def cos_sin(batch, seq, heads, head_dim, device="cpu", dtype=torch.float32):
     return rotary(x, positions)
 
 
+def freqs_cis(batch, seq, heads, head_dim, device="cpu"):
+    """Llama 4's complex rotation per (batch, position, pair), with its llama3 rope scaling."""
+    config = Llama4TextConfig(hidden_size=heads * head_dim, num_attention_heads=heads, head_dim=head_dim,
+                              max_position_embeddings=131072, rope_theta=500000.0, rope_scaling=LLAMA3_SCALING)
+    rotary = Llama4TextRotaryEmbedding(config).to(device)
+    x = torch.empty(batch, seq, heads * head_dim, device=device)
+    return rotary(x, torch.arange(seq, device=device).expand(batch, seq) + 100)
+
+
 def test_reference_matches_transformers_with_llama3_scaling():
     cos, sin = cos_sin(2, 9, 4, 16, dtype=torch.bfloat16)
     q = torch.randn(2, 4, 9, 16, dtype=torch.bfloat16)
@@ -34,6 +51,57 @@ def test_gradcheck_float64():
     q = torch.randn(2, 2, 5, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 1, 5, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda q, k: op.rope(q, k, cos.double(), sin.double()), (q, k))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_pairs_reference_is_llama4s_apply_rotary_emb(dtype):
+    """Llama 4 multiplies adjacent pairs as complex numbers in float32 and rounds once: so does the pairs form."""
+    freqs = freqs_cis(2, 9, 4, 16)
+    q, k = torch.randn(2, 9, 4, 16, dtype=dtype), torch.randn(2, 9, 2, 16, dtype=dtype)
+    for ours, theirs in zip(op.rope_pairs(q, k, freqs), apply_rotary_emb(q, k, freqs)):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        assert ours.shape == theirs.shape and ours.dtype == dtype
+
+
+def test_pairs_gradcheck_float64():
+    freqs = freqs_cis(2, 5, 2, 8).to(torch.complex128)
+    q = torch.randn(2, 5, 2, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 5, 1, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, k: op.rope_pairs(q, k, freqs), (q, k))
+
+
+@pytest.mark.parametrize("layout", [op.HALVES, op.PAIRS], ids=lambda layout: layout.name)
+def test_kernel_index_arithmetic_is_the_reference(layout):
+    """The kernel's per-element formula, with the layout's partner, sign and angle columns evaluated here on
+    integer indices, equals the reference forward and backward (float64)."""
+    d = 16
+    j = torch.arange(d)
+    p, a = layout.partner(j, d), layout.angle(j, d)
+    sign = torch.where(layout.leads(j, d), -1.0, 1.0).double()
+    x = torch.randn(3, 5, 2, d, dtype=torch.float64)
+    cos, sin = torch.randn(2, 3, 5, layout.angles(d), dtype=torch.float64)
+    c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+    forward = x * c[..., a] + sign * x[..., p] * s[..., a]
+    backward = x * c[..., a] - sign * x[..., p] * s[..., layout.angle(p, d)]
+    interleaved = layout is op.PAIRS
+    torch.testing.assert_close(forward, op.reference_forward(x, x, cos, sin, interleaved)[0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(backward, op.reference_backward(x, x, cos, sin, interleaved)[0], rtol=0, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch,seq", [(1, 1), (1, 77), (4, 2048)])
+def test_tilelang_pairs_matches_float64(dtype, batch, seq):
+    """Llama-4-Scout's 40 q / 8 kv heads of 128; cos and sin are the real and imaginary parts of freqs_cis."""
+    from _gpu_check import check
+
+    freqs = freqs_cis(batch, seq, 40, 128, device="cuda")
+    q = torch.randn(batch, seq, 40, 128, device="cuda", dtype=dtype).requires_grad_()
+    k = torch.randn(batch, seq, 8, 128, device="cuda", dtype=dtype).requires_grad_()
+    check("rope", f"pairs tokens={batch * seq}", dtype, [q, k, freqs.real.contiguous(), freqs.imag.contiguous()],
+          lambda q, k, c, s: apply_rotary_emb(q, k, torch.complex(c.float(), s.float())),
+          lambda q, k, c, s: torch.ops.tiletune.rope(q, k, c, s, True, "tilelang", True),
+          ["q", "k", "dq", "dk"])
 
 
 @pytest.mark.gpu
@@ -57,8 +125,8 @@ def test_phi3s_fused_qkv_takes_the_kernel_and_phi4_minis_partial_rotation_is_a_n
 
     from tiletune.patch import apply_kernels
 
-    shape = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
-                 num_key_value_heads=2, pad_token_id=0)
+    shape = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0}
     for factor, installed in ((1.0, True), (0.75, False)):
         torch.manual_seed(0)
         model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**shape, partial_rotary_factor=factor)).eval()

@@ -7,7 +7,8 @@ pair per turn; the caller masks prompts from the loss.
 
 Most formats give the system prompt a slot of its own before the first user message; some (gemma,
 mistral, llama2: LLaMA-Factory's `Llama2Template`) write it inside the first user message instead, which
-a template says with `system_in_user`.
+a template says with `system_in_user`. Tool descriptions are written by the template's `tool_format`
+(data/tools.py), or, for a template with a `tools` slot (phi4_mini), as the dataset's JSON text in that slot.
 
 The `tokenizer` template uses the tokenizer's own jinja chat template instead.
 """
@@ -18,14 +19,13 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Union
 
 from tiletune.data.tools import format_function_call, format_tools
 from tiletune.errors import UserError
 
 BOS = ("bos",)  # a piece standing for tokenizer.bos_token_id
 EOS = ("eos",)  # a piece standing for tokenizer.eos_token_id
-Piece = Union[str, tuple]
+Piece = str | tuple
 
 USER, ASSISTANT, SYSTEM, FUNCTION, OBSERVATION = "user", "assistant", "system", "function", "observation"
 
@@ -43,6 +43,7 @@ class Template:
     prefix: tuple = ()
     default_system: str = ""
     tool_format: str = "default"
+    tools: tuple | None = None  # a slot for the dataset's tool JSON as given, instead of tool_format's prompt
     stop_words: tuple[str, ...] = ()
     replace_eos: bool = False
     thought_words: tuple[str, str] | None = None  # a reasoning template adds an empty thought to answers
@@ -94,7 +95,7 @@ class Template:
             role, content = message["role"], message["content"]
             if index == 0:
                 pieces += list(self.prefix)
-                tool_text = format_tools(self.tool_format, tools) if tools else ""
+                tool_text = self._tool_text(tools) if tools else ""
                 if (system or tool_text) and not self.system_in_user:
                     pieces += _fill(self.system, system + tool_text)
                 elif (system or tool_text) and role == USER:
@@ -106,6 +107,11 @@ class Template:
                 pieces += _fill(slot, content)
             rendered.append(pieces)
         return rendered
+
+    def _tool_text(self, tools: str) -> str:
+        if self.tools is None:
+            return format_tools(self.tool_format, tools)
+        return "".join(_fill(self.tools, tools))
 
     def _prepare_thoughts(self, messages, enable_thinking: bool):
         if not self.thought_words or enable_thinking:
@@ -200,18 +206,45 @@ def _hf_message(message: dict) -> dict:
     return {"role": message["role"], "content": message["content"]}
 
 
-CHATML = dict(
-    user=("<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n",),
-    assistant=("{content}<|im_end|>\n",),
-    system=("<|im_start|>system\n{content}<|im_end|>\n",),
-    stop_words=("<|im_end|>",),
-    replace_eos=True,
-)
+CHATML = {
+    "user": ("<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n",),
+    "assistant": ("{content}<|im_end|>\n",),
+    "system": ("<|im_start|>system\n{content}<|im_end|>\n",),
+    "stop_words": ("<|im_end|>",),
+    "replace_eos": True,
+}
 QWEN = dict(
     CHATML,
     observation=("<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n<|im_start|>assistant\n",),
     tool_format="qwen",
 )
+
+PHI3 = {
+    "user": ("<|user|>\n{content}<|end|>\n<|assistant|>\n",),
+    "assistant": ("{content}<|end|>\n",),
+    "system": ("<|system|>\n{content}<|end|>\n",),
+    "stop_words": ("<|end|>",),
+    "replace_eos": True,
+}
+
+
+def _headers(start: str, end: str, eot: str, eom: str) -> dict:
+    """Llama 3's and Llama 4's format: a header per role, an end-of-turn token, tools and calls as llama3's."""
+
+    def head(role: str) -> str:
+        return f"{start}{role}{end}\n\n"
+
+    return {
+        "user": (head("user") + "{content}" + eot + head("assistant"),),
+        "assistant": ("{content}" + eot,),
+        "system": (head("system") + "{content}" + eot,),
+        "observation": (head("ipython") + "{content}" + eot + head("assistant"),),
+        "prefix": (BOS,),
+        "tool_format": "llama3",
+        "stop_words": (eot, eom),
+        "replace_eos": True,
+    }
+
 
 GEMMA = {
     "user": ("<start_of_turn>user\n{content}<end_of_turn>\n<start_of_turn>model\n",),
@@ -243,26 +276,12 @@ TEMPLATES: dict[str, Template] = {
                 "Write a response that appropriately completes the request.\n\n"
             ),
         ),
-        Template(
-            "llama3",
-            user=(
-                "<|start_header_id|>user<|end_header_id|>\n\n{content}<|eot_id|>"
-                "<|start_header_id|>assistant<|end_header_id|>\n\n",
-            ),
-            assistant=("{content}<|eot_id|>",),
-            system=("<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",),
-            observation=(
-                "<|start_header_id|>ipython<|end_header_id|>\n\n{content}<|eot_id|>"
-                "<|start_header_id|>assistant<|end_header_id|>\n\n",
-            ),
-            prefix=(BOS,),
-            tool_format="llama3",
-            stop_words=("<|eot_id|>", "<|eom_id|>"),
-            replace_eos=True,
-        ),
+        Template("llama3", **_headers("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>")),
+        Template("llama4", **_headers("<|header_start|>", "<|header_end|>", "<|eot|>", "<|eom|>")),
         Template("chatml", **CHATML),
         Template("gemma", **GEMMA),
         Template("gemma3", **GEMMA),  # Gemma 3 writes text as Gemma (1 and 2) does
+        Template("gemma3n", **GEMMA),  # and so does Gemma 3n
         Template(
             "llama2",
             user=(BOS, "[INST] {content} [/INST]"),
@@ -280,20 +299,25 @@ TEMPLATES: dict[str, Template] = {
             tool_format="mistral",
             system_in_user=True,
         ),
-        Template(
-            "phi",
-            user=("<|user|>\n{content}<|end|>\n<|assistant|>\n",),
-            assistant=("{content}<|end|>\n",),
-            system=("<|system|>\n{content}<|end|>\n",),
-            stop_words=("<|end|>",),
-            replace_eos=True,
-        ),
+        Template("phi", **PHI3),
+        # Phi-3-small's template starts with its BOS (<|endoftext|>); LLaMA-Factory's prefix {"<|endoftext|>"}
+        # is a set naming neither bos_token nor eos_token, which it encodes to nothing
+        Template("phi_small", prefix=(BOS,), **PHI3),
         Template(
             "phi4",
             user=("<|im_start|>user<|im_sep|>{content}<|im_end|><|im_start|>assistant<|im_sep|>",),
             assistant=("{content}<|im_end|>",),
             system=("<|im_start|>system<|im_sep|>{content}<|im_end|>",),
             stop_words=("<|im_end|>",),
+            replace_eos=True,
+        ),
+        Template(
+            "phi4_mini",
+            user=("<|user|>{content}<|end|><|assistant|>",),
+            assistant=("{content}<|end|>",),
+            system=("<|system|>{content}<|end|>",),
+            tools=("<|tool|>{content}<|/tool|>",),
+            stop_words=("<|end|>",),
             replace_eos=True,
         ),
         Template("qwen", default_system="You are Qwen, created by Alibaba Cloud. You are a helpful assistant.", **QWEN),
