@@ -12,41 +12,19 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tiletune.cli import main
 from tiletune.config import build_config
 from tiletune.errors import UserError
-from tiletune.patch import decoder_layers
 from tiletune.train.model import prepare_for_training
-from tiletune.train.recompute import (
-    RecomputePlan,
-    apply_treatments,
-    choose_treatments,
-    place_recomputed_inputs,
-    plan_recomputation,
-)
+from tiletune.patch import decoder_layers
+from tiletune.train.recompute import (RecomputePlan, apply_treatments, choose_treatments, place_recomputed_inputs,
+                                     plan_recomputation)
 
 
 def test_choose_spares_the_last_layers_and_prefers_the_cheaper_treatment():
-    assert (
-        choose_treatments(4, keep_bytes=10, selective_bytes=6, free_bytes=0)
-        == ["recompute"] * 4
-    )
-    assert choose_treatments(4, 10, 6, 13) == [
-        "recompute",
-        "recompute",
-        "selective",
-        "selective",
-    ]
+    assert choose_treatments(4, keep_bytes=10, selective_bytes=6, free_bytes=0) == ["recompute"] * 4
+    assert choose_treatments(4, 10, 6, 13) == ["recompute", "recompute", "selective", "selective"]
     # 2 selective cost 12; the 1 left cannot upgrade one (needs 4); with 16, one layer is kept whole
-    assert choose_treatments(4, 10, 6, 16) == [
-        "recompute",
-        "recompute",
-        "selective",
-        "keep",
-    ]
+    assert choose_treatments(4, 10, 6, 16) == ["recompute", "recompute", "selective", "keep"]
     assert choose_treatments(4, 10, 6, 10**9) == ["keep"] * 4
-    assert choose_treatments(3, keep_bytes=5, selective_bytes=5, free_bytes=11) == [
-        "recompute",
-        "keep",
-        "keep",
-    ]
+    assert choose_treatments(3, keep_bytes=5, selective_bytes=5, free_bytes=11) == ["recompute", "keep", "keep"]
     assert choose_treatments(3, 5, 5, -7) == ["recompute"] * 3
 
 
@@ -64,9 +42,7 @@ def _loss_and_grads(model, tokens):
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=tokens, labels=tokens).loss
     loss.backward()
-    return loss.detach(), {
-        n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad
-    }
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def test_every_treatment_gives_the_same_loss_and_gradients():
@@ -76,18 +52,12 @@ def test_every_treatment_gives_the_same_loss_and_gradients():
     tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
     apply_treatments(layers, ["keep"] * 4, use_reentrant=False)
     reference_loss, reference_grads = _loss_and_grads(model, tokens)
-    for treatments in (
-        ["recompute"] * 4,
-        ["selective"] * 4,
-        ["recompute", "selective", "keep", "selective"],
-    ):
+    for treatments in (["recompute"] * 4, ["selective"] * 4, ["recompute", "selective", "keep", "selective"]):
         apply_treatments(layers, treatments, use_reentrant=False)
         loss, grads = _loss_and_grads(model, tokens)
         torch.testing.assert_close(loss, reference_loss, rtol=0, atol=0)
         for name, grad in grads.items():
-            torch.testing.assert_close(
-                grad, reference_grads[name], rtol=1e-6, atol=1e-7, msg=name
-            )
+            torch.testing.assert_close(grad, reference_grads[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_selective_recompute_reruns_elementwise_ops_but_not_matmuls(monkeypatch):
@@ -98,9 +68,7 @@ def test_selective_recompute_reruns_elementwise_ops_but_not_matmuls(monkeypatch)
     model = _model(layers=1)
     model.train()
     _, layers = decoder_layers(model)
-    apply_kernels(
-        model, {"linear": "reference", "rms_norm": "reference"}
-    )  # through tiletune's custom ops
+    apply_kernels(model, {"linear": "reference", "rms_norm": "reference"})  # through tiletune's custom ops
     calls = {"linear": 0, "rms_norm": 0}
     for op in calls:
         impl = registry.get(op, "reference")
@@ -109,9 +77,7 @@ def test_selective_recompute_reruns_elementwise_ops_but_not_matmuls(monkeypatch)
             calls[_op] += 1
             return _forward(*args)
 
-        monkeypatch.setitem(
-            registry._impls[op], "reference", dataclasses.replace(impl, forward=counted)
-        )
+        monkeypatch.setitem(registry._impls[op], "reference", dataclasses.replace(impl, forward=counted))
     tokens = torch.randint(0, 96, (2, 24))
     counts = {}
     for treatment in ("keep", "selective", "recompute"):
@@ -119,62 +85,22 @@ def test_selective_recompute_reruns_elementwise_ops_but_not_matmuls(monkeypatch)
         calls.update(linear=0, rms_norm=0)
         _loss_and_grads(model, tokens)
         counts[treatment] = dict(calls)
-    assert (
-        counts["selective"]["linear"]
-        == counts["keep"]["linear"]
-        < counts["recompute"]["linear"]
-    )
-    assert (
-        counts["keep"]["rms_norm"]
-        < counts["selective"]["rms_norm"]
-        == counts["recompute"]["rms_norm"]
-    )
+    assert counts["selective"]["linear"] == counts["keep"]["linear"] < counts["recompute"]["linear"]
+    assert counts["keep"]["rms_norm"] < counts["selective"]["rms_norm"] == counts["recompute"]["rms_norm"]
 
 
 def test_plan_on_cpu_measures_saved_activations_and_fits_the_budget():
     model = _model()
-    plan = plan_recomputation(
-        model,
-        batch=2,
-        seq=32,
-        dtype=torch.float32,
-        budget_gib=None,
-        use_reentrant=False,
-    )
-    assert (
-        plan.treatments == ["keep"] * 4 and plan.keep_bytes > 0
-    )  # no budget on the CPU: recompute nothing
+    plan = plan_recomputation(model, batch=2, seq=32, dtype=torch.float32, budget_gib=None, use_reentrant=False)
+    assert plan.treatments == ["keep"] * 4 and plan.keep_bytes > 0  # no budget on the CPU: recompute nothing
     layer_bytes, base = plan.keep_bytes, plan.base_bytes
-    budget = (
-        (base + 2.5 * layer_bytes) / 0.95 / 2**30
-    )  # room for two layers and a half after the margin
-    plan = plan_recomputation(
-        model,
-        batch=2,
-        seq=32,
-        dtype=torch.float32,
-        budget_gib=budget,
-        use_reentrant=False,
-    )
+    budget = (base + 2.5 * layer_bytes) / 0.95 / 2**30  # room for two layers and a half after the margin
+    plan = plan_recomputation(model, batch=2, seq=32, dtype=torch.float32, budget_gib=budget, use_reentrant=False)
     assert plan.treatments == ["recompute", "recompute", "keep", "keep"]
-    assert [layer.gradient_checkpointing for layer in decoder_layers(model)[1]] == [
-        True,
-        True,
-        False,
-        False,
-    ]
-    assert all(
-        p.grad is None for p in model.parameters()
-    )  # the probe leaves no gradients behind
+    assert [layer.gradient_checkpointing for layer in decoder_layers(model)[1]] == [True, True, False, False]
+    assert all(p.grad is None for p in model.parameters())  # the probe leaves no gradients behind
     with pytest.raises(UserError, match="below the .* GiB this step needs"):
-        plan_recomputation(
-            model,
-            batch=2,
-            seq=32,
-            dtype=torch.float32,
-            budget_gib=base / 2 / 2**30,
-            use_reentrant=False,
-        )
+        plan_recomputation(model, batch=2, seq=32, dtype=torch.float32, budget_gib=base / 2 / 2**30, use_reentrant=False)
 
 
 @pytest.mark.parametrize("raw,message", [
@@ -194,26 +120,18 @@ def test_checkpointing_follows_llamafactory_keys_unless_set():
         return build_config({"model_name_or_path": "x", **raw}).checkpointing
 
     assert mode() == "on" and mode(disable_gradient_checkpointing=True) == "off"
-    assert (
-        mode(gradient_checkpointing=False) == "off"
-        and mode(gradient_checkpointing="auto") == "auto"
-    )
+    assert mode(gradient_checkpointing=False) == "off" and mode(gradient_checkpointing="auto") == "auto"
 
 
 def test_bench_variant_with_overrides_records_the_plan(tmp_path):
     config = tmp_path / "b.yaml"
-    config.write_text(
-        "model_name_or_path: unused\nfinetuning_type: lora\nlora_target: q_proj,v_proj\n"
-    )
+    config.write_text("model_name_or_path: unused\nfinetuning_type: lora\nlora_target: q_proj,v_proj\n")
     out = tmp_path / "bench"
     args = ["bench", str(config), "--model-preset", "tiny", "--variants", "baseline,rms_norm+swiglu:gradient_checkpointing=auto",
             "--batch", "2", "--seq", "32", "--steps", "2", "--warmup", "1", "--repeats", "1", "--out", str(out)]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
-    rows = {
-        r["variant"]: r
-        for r in json.loads((out / "bench.json").read_text())["variants"]
-    }
+    rows = {r["variant"]: r for r in json.loads((out / "bench.json").read_text())["variants"]}
     auto = rows["rms_norm+swiglu:gradient_checkpointing=auto"]
     assert auto["tflops_per_step"] < rows["baseline"]["tflops_per_step"]
     assert set(auto["patched"]["ops"]) == {"rms_norm", "swiglu"}
@@ -261,16 +179,12 @@ def test_levers_are_pulled_in_order_when_recomputation_is_not_enough():
         from tiletune.patch import apply_kernels
 
         torch.manual_seed(0)
-        model = prepare_for_training(
-            cfg, LlamaForCausalLM(config).to("cuda", torch.bfloat16)
-        )
+        model = prepare_for_training(cfg, LlamaForCausalLM(config).to("cuda", torch.bfloat16))
         apply_kernels(model, {"linear_cross_entropy": "chunked"})
         return model
 
     model = fresh()
-    unconstrained = plan_recomputation(
-        model, 1, 8192, torch.bfloat16, budget_gib=None, use_reentrant=True
-    )
+    unconstrained = plan_recomputation(model, 1, 8192, torch.bfloat16, budget_gib=None, use_reentrant=True)
     assert unconstrained.levers == []
     reference, _ = measured_step(model, tokens)
     embedding_only = (unconstrained.base_bytes - table // 2) / (1 - MARGIN) / 2**30
@@ -280,13 +194,8 @@ def test_levers_are_pulled_in_order_when_recomputation_is_not_enough():
         gc.collect()
         torch.cuda.empty_cache()
         model = fresh()
-        plan = plan_recomputation(
-            model, 1, 8192, torch.bfloat16, budget_gib=budget, use_reentrant=True
-        )
-        assert (
-            plan.levers[0] == "the input embeddings in host memory"
-            and len(plan.levers) >= levers
-        ), plan.summary()
+        plan = plan_recomputation(model, 1, 8192, torch.bfloat16, budget_gib=budget, use_reentrant=True)
+        assert plan.levers[0] == "the input embeddings in host memory" and len(plan.levers) >= levers, plan.summary()
         assert levers == 1 or plan.levers[1].startswith("the MLPs in "), plan.summary()
         loss, peak = measured_step(model, tokens)
         assert peak <= budget * 2**30, (peak, plan.to_dict())
@@ -294,11 +203,4 @@ def test_levers_are_pulled_in_order_when_recomputation_is_not_enough():
     del model
     gc.collect()
     with pytest.raises(UserError, match="with every layer recomputed"):
-        plan_recomputation(
-            fresh(),
-            1,
-            8192,
-            torch.bfloat16,
-            budget_gib=unconstrained.base_bytes / 4 / 2**30,
-            use_reentrant=True,
-        )
+        plan_recomputation(fresh(), 1, 8192, torch.bfloat16, budget_gib=unconstrained.base_bytes / 4 / 2**30, use_reentrant=True)
