@@ -8,12 +8,13 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from port_corpus import CORPUS
 
 from tiletune.hipcc import find_hipcc, hipcc_version
+from tiletune.port import compile_check
 from tiletune.port.compile_check import compile_units, line_map, probe_arch
 from tiletune.port.hipify import run_hipify
-
-from port_corpus import CORPUS
+from tiletune.port.report import to_text
 
 
 def _hipcc_problem() -> str:
@@ -119,3 +120,74 @@ def test_missing_hipcc_skips_with_the_install_hint(tmp_path, monkeypatch):
     monkeypatch.delenv("HIPCC", raising=False)
     check = compile_units([], {}, "gfx90a")
     assert "hipcc not found" in check.skipped and "apt-get install hipcc" in check.skipped
+
+
+_TORCH_EXTENSION_KERNEL = """\
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Half.h>
+#include <torch/extension.h>
+
+__global__ void scale_kernel(at::Half* x, float alpha, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) x[i] = at::Half(float(x[i]) * alpha);
+}
+
+void scale(at::Tensor x, float alpha) {
+  TORCH_CHECK(x.is_contiguous(), "x must be contiguous");
+  int n = x.numel();
+  scale_kernel<<<(n + 255) / 256, 256, 0, at::cuda::getCurrentCUDAStream()>>>(x.data_ptr<at::Half>(), alpha, n);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+"""
+
+
+@needs_hipcc
+def test_torch_extension_compiles_against_the_stubs_where_torch_has_no_hip_headers(tmp_path):
+    source = tmp_path / "scale.cu"
+    source.write_text(_TORCH_EXTENSION_KERNEL)
+    report = run_hipify([str(source)], str(tmp_path / "hip"), engine="torch", compile_check=True)
+    result, = report.compile.results
+    assert result.ok, [d.message for d in result.diagnostics] or result.unparsed
+    assert any("stubs" in note or "torch's HIP headers from" in note for note in report.compile.notes)
+
+
+@needs_hipcc
+def test_missing_library_is_one_line_and_its_units_are_not_compiled(tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_check, "LIBRARIES", [
+        compile_check.Library("nolib", ("nolib/",), "nolib/nolib.hpp", "install nolib")])
+    tree = tmp_path / "src"
+    tree.mkdir()
+    (tree / "common.cuh").write_text("#pragma once\n#include <nolib/nolib.hpp>\n")
+    for name in ("a.cu", "b.cu"):
+        (tree / name).write_text('#include "common.cuh"\n__global__ void k(float* x) { x[0] = 1.f; }\n')
+    (tree / "plain.cu").write_text("__global__ void k(float* x) { x[0] = 1.f; }\n")
+    report = run_hipify([str(tree)], str(tmp_path / "hip"), engine="torch", compile_check=True)
+    check = report.compile
+    assert [note for note in check.notes if "nolib" in note] == ["nolib not found by hipcc (<nolib/nolib.hpp>): install nolib"]
+    assert {(Path(r.source).name, r.ok, r.not_compiled) for r in check.results} == {
+        ("a.cu", False, "needs nolib"), ("b.cu", False, "needs nolib"), ("plain.cu", True, "")}
+    assert (check.error_count, check.not_compiled_count) == (0, 2)
+    assert "2 unit(s) not compiled (a ROCm library is missing)" in report.strict_failures()
+
+
+@needs_hipcc
+def test_header_only_kernel_compiles_through_a_generated_unit_with_errors_on_cuda_lines(tmp_path):
+    tree = tmp_path / "src"
+    tree.mkdir()
+    (tree / "used.cuh").write_text("#pragma once\n__device__ inline float twice(float v) { return 2.f * v; }\n")
+    (tree / "unit.cu").write_text('#include "used.cuh"\n__global__ void k(float* x) { x[0] = twice(x[0]); }\n')
+    (tree / "lonely.cuh").write_text(
+        "#pragma once\n"
+        "template <typename T>\n"
+        "__global__ void fill(T* x) {\n"
+        "  x[threadIdx.x] = undeclared_value;\n"
+        "}\n")
+    report = run_hipify([str(tree)], str(tmp_path / "hip"), engine="torch", compile_check=True)
+    results = {Path(r.source).name: r for r in report.compile.results}
+    assert set(results) == {"unit.cu", "lonely.cuh"}  # used.cuh is compiled through unit.cu
+    lonely = results["lonely.cuh"]
+    assert lonely.generated and not lonely.ok
+    diagnostic, = (d for d in lonely.diagnostics if d.severity == "error")
+    assert (Path(diagnostic.path).name, diagnostic.line) == ("lonely.cuh", 4)
+    assert "(header, through a generated unit)" in to_text(report)

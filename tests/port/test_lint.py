@@ -3,11 +3,10 @@
 from pathlib import Path
 
 import pytest
+from port_corpus import CLEAN_SAMPLE, CORPUS, SAMPLES, expected_findings
 
 from tiletune.port.lint import lint_file, lint_text, strip_comments
 from tiletune.port.rules import RULES, RULES_BY_ID, evaluate_int, source_constants
-
-from port_corpus import CLEAN_SAMPLE, CORPUS, SAMPLES, expected_findings
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.name)
@@ -54,9 +53,37 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("__shared__ float sums[BLOCK / WARP_SIZE];\nif (wid == 0) v = sums[lane_id];", "lane-indexed-warp-array"),
     ("k<<<g, dim3(32), 0, s>>>(x);", "block-32-threads"),
     ("dim3 block(32);", "block-32-threads"),
+    ("    selective_scan_fwd_launch<32, 4, input_t, weight_t>(params, stream);", "block-32-threads"),
+    ("  if (blockSize > 32) {", "warp-size-literal"),
+    ("  int block_x = max(32, min(MAX_BLOCK_SIZE, h_last_pow2(space_size) / 4));", "block-32-threads"),
+    ("static constexpr int kN = kBytes == 4 ? 4 : std::min(8, kNItems);", "constexpr-std-minmax"),
+    ("static constexpr int kSmem = kEven\n    ? 0\n    : std::max({sizeof(A), sizeof(B)});", "constexpr-std-minmax"),
+    ("#include <cuda/std/type_traits>", "libcudacxx"),
+    ("template <typename Ktraits> __device__ void f(float* x) {\n  Ktraits::BlockLoadT(smem).Load(x, v);\n}",
+     "dependent-template-name"),
 ])
 def test_rule_variants_fire(code, rule):
     assert rule in {f.rule for f in lint_text(code, "snippet.cu")}
+
+
+@pytest.mark.parametrize(("code", "rule"), [
+    ("int chunks = std::max(1, seqlen / 64);", "constexpr-std-minmax"),  # not a constexpr initialiser
+    ("static constexpr int kNWarps = kNThreads / 32;", "warp-size-literal"),  # as often a tile decomposition
+    ("if (num_threads > 320) return;", "warp-size-literal"),
+    ("int cols = std::max(32, n / 4);", "block-32-threads"),  # not a block dimension
+    ("constexpr int kA = 4;\nint n = std::min(a, b);", "constexpr-std-minmax"),  # the constexpr ended at its `;`
+    ("template <typename Ktraits> __device__ void f() { v = Ktraits::helper(x).y; }", "dependent-template-name"),
+    ("template <typename K> __device__ void f() { typename K::BlockLoadT(smem).Load(x, v); }", "dependent-template-name"),
+    (("template <typename T> __global__ void k(T* output) {\n  output[0] = T(1);\n}\n"
+      "void launch(at::Tensor* output) {\n  k<<<1, 64>>>(output->data_ptr<float>());\n}"), "dependent-template-name"),
+    ("using T = cuda::std::remove_cv_t<U>;\nusing V = cuda::std::decay_t<U>;\n#include <cuda/std/utility>", None),
+])
+def test_rule_variants_stay_silent(code, rule):
+    found = [f for f in lint_text(code, "snippet.cu") if f.rule in ({rule} if rule else {"libcudacxx"})]
+    if rule is None:  # libcu++: one finding, on the include, for the whole file
+        assert [f.line for f in found] == [3]
+    else:
+        assert found == []
 
 
 @pytest.mark.parametrize("code", [

@@ -3,7 +3,13 @@
 hipcc (found and run by tiletune.hipcc, with `HIP_PLATFORM=amd`) compiles device code for a gfx
 target without a GPU. Each diagnostic that points into a translated file is mapped back to the line
 of the CUDA source it came from, using a line alignment of the two texts, so it works whatever engine
-produced them.
+produced them. Around that:
+
+- torch's HIP headers: where the installed torch has none (a CPU or CUDA wheel), `torch_stubs/` stands
+  in for `ATen/hip/...`, `c10/...` and `torch/extension.h` so extension code compiles to the syntax level;
+- ROCm libraries (`LIBRARIES`): each one a unit includes is probed once; a missing one is one line in the
+  report and its units are listed as not compiled, instead of one "file not found" per unit;
+- header-only kernels: a header no unit includes is compiled through a generated one-line unit.
 """
 
 from __future__ import annotations
@@ -20,10 +26,36 @@ from tiletune.hipcc import find_hipcc, hipcc_version, run_hipcc
 
 _DIAGNOSTIC = re.compile(
     r"^(?P<file>[^\s:][^:\n]*):(?P<line>\d+):(?P<column>\d+): (?P<severity>fatal error|error|warning): (?P<message>.*)$",
-    re.M,
+    re.MULTILINE,
 )
 _ERROR_COUNT = re.compile(r"\d+ errors? generated")
 _PROBE_KERNEL = "#include <hip/hip_runtime.h>\n__global__ void tiletune_probe(float* x) { x[threadIdx.x] = 0.f; }\n"
+_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*[<\"]([^>\"]+)[>\"]", re.MULTILINE)
+TORCH_STUBS = Path(__file__).parent / "torch_stubs"
+
+
+@dataclass(frozen=True)
+class Library:
+    """A ROCm library translated code may include: the include prefixes that need it and its probe header."""
+
+    name: str
+    prefixes: tuple[str, ...]
+    header: str
+    install: str
+
+
+LIBRARIES = [
+    Library("hipCUB", ("hipcub/",), "hipcub/hipcub.hpp",
+            "install hipcub-dev from ROCm's apt repository (Debian 12 does not package it) or pass "
+            "--hipcc-flag=-I<dir holding hipcub/>"),
+    Library("rocPRIM", ("rocprim/",), "rocprim/rocprim.hpp",
+            "apt-get install librocprim-dev (Debian/Ubuntu) or rocprim-dev from ROCm's repository"),
+    Library("rocThrust", ("thrust/",), "thrust/version.h",
+            "install rocthrust-dev from ROCm's apt repository or pass --hipcc-flag=-I<dir holding thrust/>"),
+    Library("rocWMMA", ("rocwmma/",), "rocwmma/rocwmma.hpp",
+            "install rocwmma-dev from ROCm's apt repository or pass --hipcc-flag=-I<dir holding rocwmma/>"),
+]
+_TORCH_PREFIXES = ("ATen/", "c10/", "torch/")
 
 
 @dataclass(frozen=True)
@@ -60,6 +92,8 @@ class CompileResult:
     ok: bool
     diagnostics: list[Diagnostic] = field(default_factory=list)
     unparsed: str = ""  # compiler output with no file:line (driver errors), kept for the report
+    not_compiled: str = ""  # why the unit was not compiled (a library hipcc cannot find)
+    generated: bool = False  # a header compiled through a generated unit
 
 
 @dataclass
@@ -70,11 +104,17 @@ class CompileCheck:
     compiler: str = ""
     skipped: str = ""
     results: list[CompileResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # one line per missing library, the torch headers used
 
     @property
     def error_count(self) -> int:
         """Translation units that failed to compile."""
-        return sum(not result.ok for result in self.results)
+        return sum(not result.ok and not result.not_compiled for result in self.results)
+
+    @property
+    def not_compiled_count(self) -> int:
+        """Translation units left out because a library they include is missing."""
+        return sum(bool(result.not_compiled) for result in self.results)
 
 
 def line_map(source_text: str, translated_text: str) -> list[int]:
@@ -128,13 +168,70 @@ def probe_arch(hipcc: str, offload_arch: str, scratch: Path) -> str:
     return f"hipcc cannot compile for {offload_arch} here: {first_error.strip()}"
 
 
+def included(path: Path, include_dirs: list[Path]) -> tuple[set[str], set[Path]]:
+    """Every include name reachable from `path`, and the files found for them (quoted or angled,
+    resolved against the including file's folder, then `include_dirs`)."""
+    names, files, pending = set(), {path.resolve()}, [path.resolve()]
+    while pending:
+        current = pending.pop()
+        try:
+            text = current.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        for name in _INCLUDE.findall(text):
+            names.add(name)
+            for folder in (current.parent, *include_dirs):
+                candidate = (folder / name).resolve()
+                if candidate.is_file():
+                    if candidate not in files:
+                        files.add(candidate)
+                        pending.append(candidate)
+                    break
+    return names, files
+
+
+def torch_include_flags() -> tuple[list[str], str]:
+    """Include flags for torch's headers and a note saying which: the real HIP headers of a ROCm torch
+    when installed, else tiletune's syntax-level stubs."""
+    try:
+        from torch.utils.cpp_extension import include_paths
+        paths = [Path(p) for p in include_paths()]
+    except (ImportError, OSError, RuntimeError):  # torch missing or unusable: the stubs still serve
+        paths = []
+    if any((path / "ATen" / "hip" / "HIPContext.h").is_file() for path in paths):
+        return [f"-I{path}" for path in paths], f"torch's HIP headers from {paths[0]}"
+    if not TORCH_STUBS.is_dir():
+        return [], ("torch's HIP headers are not installed, and tiletune's stubs are missing from this install "
+                    "(install tiletune from its source tree, or pass --hipcc-flag=-I<torch HIP headers>)")
+    return [f"-I{TORCH_STUBS}"], (f"torch's HIP headers are not installed (CPU or CUDA torch): compiled against "
+                                  f"tiletune's syntax-level stubs in {TORCH_STUBS} (device code is checked, "
+                                  "host calls into torch only declared)")
+
+
+def missing_libraries(hipcc: str, offload_arch: str, wanted: set[str], flags: list[str], scratch: Path) -> dict[str, str]:
+    """For each library in `wanted` that hipcc cannot include, the one line that says so."""
+    missing = {}
+    for library in LIBRARIES:
+        if library.name not in wanted:
+            continue
+        probe = scratch / f"probe_{library.name}.hip"
+        probe.write_text(f"#include <{library.header}>\n")
+        result = run_hipcc([hipcc, "-x", "hip", f"--offload-arch={offload_arch}", "-std=c++17", *flags,
+                            "-fsyntax-only", str(probe)])
+        if result.returncode != 0:
+            missing[library.name] = f"{library.name} not found by hipcc (<{library.header}>): {library.install}"
+    return missing
+
+
 def compile_units(units: list[tuple[Path, str]], source_maps: dict[Path, SourceMap], offload_arch: str,
-                  flags: list[str] | None = None, hipcc: str | None = None) -> CompileCheck:
+                  flags: list[str] | None = None, hipcc: str | None = None,
+                  headers: list[tuple[Path, str]] | None = None) -> CompileCheck:
     """Compile each (translated file, label) with hipcc for `offload_arch`, in parallel.
 
     `source_maps` maps every translated file (units and the headers they include), by resolved
-    path, to its CUDA label and line map. Returns a CompileCheck whose `skipped` says why nothing
-    was compiled when hipcc is missing or cannot target `offload_arch`.
+    path, to its CUDA label and line map. `headers` are translated kernel headers: those no unit
+    includes are compiled through a generated unit. Returns a CompileCheck whose `skipped` says why
+    nothing was compiled when hipcc is missing or cannot target `offload_arch`.
     """
     check = CompileCheck(offload_arch=offload_arch)
     hipcc = hipcc or find_hipcc()
@@ -149,12 +246,33 @@ def compile_units(units: list[tuple[Path, str]], source_maps: dict[Path, SourceM
         if check.skipped:
             return check
 
-        def compile_one(index: int, unit: tuple[Path, str]) -> CompileResult:
-            path, label = unit
-            result = run_hipcc(_hipcc_command(hipcc, offload_arch, path, scratch / f"unit{index}.o", flags or []))
+        torch_flags, torch_note = torch_include_flags()
+        flags = [*(flags or []), *torch_flags]
+        include_dirs = [Path(flag[2:]) for flag in flags if flag.startswith("-I")]
+        jobs = [(path, label, False) for path, label in units]
+        reached = {file for path, _ in units for file in included(path, include_dirs)[1]}
+        for index, (header, label) in enumerate(headers or []):
+            if header.resolve() not in reached:
+                wrapper = scratch / f"header{index}.hip"
+                wrapper.write_text(f'#include <hip/hip_runtime.h>\n#include "{header.resolve()}"\n')
+                jobs.append((wrapper, label, True))
+        needs = {}
+        for path, _, _ in jobs:
+            names = included(path, include_dirs)[0]
+            needs[path] = {library.name for library in LIBRARIES if any(n.startswith(library.prefixes) for n in names)}
+            if any(name.startswith(_TORCH_PREFIXES) for name in names) and torch_note not in check.notes:
+                check.notes.append(torch_note)
+        missing = missing_libraries(hipcc, offload_arch, set().union(*needs.values()), flags, scratch)
+        check.notes += missing.values()
+
+        def compile_one(index: int, job: tuple[Path, str, bool]) -> CompileResult:
+            path, label, generated = job
+            if absent := sorted(needs[path] & set(missing)):
+                return CompileResult(label, False, not_compiled=f"needs {', '.join(absent)}", generated=generated)
+            result = run_hipcc(_hipcc_command(hipcc, offload_arch, path, scratch / f"unit{index}.o", flags))
             diagnostics, unparsed = _parse(result.stdout + result.stderr, source_maps)
-            return CompileResult(label, result.returncode == 0, diagnostics, unparsed)
+            return CompileResult(label, result.returncode == 0, diagnostics, unparsed, generated=generated)
 
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-            check.results = list(pool.map(compile_one, range(len(units)), units))
+            check.results = list(pool.map(compile_one, range(len(jobs)), jobs))
     return check

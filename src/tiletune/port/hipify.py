@@ -32,7 +32,7 @@ _CUDA_NAME = re.compile(
     r"|\b(?:nvcuda|wmma|cutlass|cute|cub|thrust::cuda)::\w+"
 )
 
-_MACRO_DEFINITION = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)", re.M)
+_MACRO_DEFINITION = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)", re.MULTILINE)
 
 
 def display_path(path: Path) -> str:
@@ -98,6 +98,10 @@ def _is_compile_unit(source: Path, text: str) -> bool:
     return source.suffix == ".cu" or (source.suffix in HOST_UNIT_SUFFIXES and ("__global__" in text or "<<<" in text))
 
 
+def _is_kernel_header(source: Path, text: str) -> bool:
+    return source.suffix not in HOST_UNIT_SUFFIXES | {".cu"} and ("__global__" in text or "__device__" in text)
+
+
 def _write(destination: Path, text: str, inplace: bool, notes: list[str]) -> None:
     if inplace:
         backup = destination.with_name(destination.name + BACKUP_SUFFIX)
@@ -148,7 +152,7 @@ def run_hipify(paths: list[str], out: str | None = None, *, engine: str = "auto"
         findings = [_moved(finding, line_maps[Path(finding.path).resolve()]) for finding in findings]
     report = HipifyReport(engine=translator.description,
                           destination="in place" if inplace else display_path(out_dir), files=[], findings=findings)
-    source_maps, units = {}, []
+    source_maps, units, headers = {}, [], []
     own_macros = frozenset(name for text in texts.values() for name in _MACRO_DEFINITION.findall(text))
     for source, hip_text in translations.items():
         destination = destinations[source]
@@ -163,9 +167,12 @@ def run_hipify(paths: list[str], out: str | None = None, *, engine: str = "auto"
         source_maps[destination.resolve()] = SourceMap(display_path(source), [] if inplace else line_maps[source])
         if _is_compile_unit(source, texts[source]):
             units.append((destination, display_path(source)))
+        elif _is_kernel_header(source, texts[source]):
+            headers.append((destination, display_path(source)))
     if inplace:
         report.notes.append(f"originals of changed files are kept as <name>{BACKUP_SUFFIX}")
     if compile_check:
         include_root = [f"-I{root if inplace else out_dir}"]
-        report.compile = compile_units(units, source_maps, offload_arch, [*include_root, *hipcc_flags])
+        report.compile = compile_units(units, source_maps, offload_arch, [*include_root, *hipcc_flags],
+                                       headers=headers)
     return report

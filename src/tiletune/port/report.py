@@ -73,6 +73,8 @@ class HipifyReport:
             reasons.append("the compile check could not run")
         if self.compile and self.compile.error_count:
             reasons.append(f"{self.compile.error_count} unit(s) failed to compile")
+        if self.compile and self.compile.not_compiled_count:
+            reasons.append(f"{self.compile.not_compiled_count} unit(s) not compiled (a ROCm library is missing)")
         return reasons
 
 
@@ -89,8 +91,8 @@ def _counts_line(counts: Counter, names: tuple[str, ...]) -> str:
 
 
 def _text_findings(report: HipifyReport) -> list[str]:
-    lines = [f"Findings on the CUDA input: {len(report.findings)} "
-             f"({_counts_line(report.severity_counts(), ('error', 'warning', 'note'))})"]
+    lines = [(f"Findings on the CUDA input: {len(report.findings)} "
+              f"({_counts_line(report.severity_counts(), ('error', 'warning', 'note'))})")]
     for finding in report.findings:
         lines.append(f"{finding.path}:{finding.line}:{finding.column}: {finding.severity}: "
                      f"{finding.message} [{finding.rule}]")
@@ -108,8 +110,8 @@ def _text_findings(report: HipifyReport) -> list[str]:
 
 def _text_translation(report: HipifyReport) -> list[str]:
     left = report.left_counts()
-    lines = [f"Translation with {report.engine}: {report.translated_count()} CUDA references translated, "
-             f"{sum(left.values())} left as they were"]
+    lines = [(f"Translation with {report.engine}: {report.translated_count()} CUDA references translated, "
+              f"{sum(left.values())} left as they were")]
     for file in report.files:
         lines.append(f"  {file.source} -> {file.output}: {file.translated} translated, {sum(file.left.values())} left")
     if left:
@@ -121,11 +123,16 @@ def _text_translation(report: HipifyReport) -> list[str]:
 def _text_compile(check: CompileCheck) -> list[str]:
     if check.skipped:
         return [f"Compile check (--offload-arch {check.offload_arch}): skipped: {check.skipped}"]
-    passed = len(check.results) - check.error_count
-    lines = [f"Compile check with {check.compiler}, --offload-arch {check.offload_arch}: "
-             f"{passed} of {len(check.results)} units compiled, {check.error_count} failed"]
+    passed = sum(result.ok for result in check.results)
+    left_out = f", {check.not_compiled_count} not compiled" if check.not_compiled_count else ""
+    lines = [(f"Compile check with {check.compiler}, --offload-arch {check.offload_arch}: "
+              f"{passed} of {len(check.results)} units compiled, {check.error_count} failed{left_out}")]
+    lines += [f"  note: {note}" for note in check.notes]
     for result in check.results:
-        lines.append(f"  {'ok    ' if result.ok else 'FAILED'} {result.source}")
+        status = "SKIP  " if result.not_compiled else "ok    " if result.ok else "FAILED"
+        how = " (header, through a generated unit)" if result.generated else ""
+        why = f": {result.not_compiled}" if result.not_compiled else ""
+        lines.append(f"  {status} {result.source}{how}{why}")
         for diagnostic in result.diagnostics:
             lines.append(f"    {diagnostic.path}:{diagnostic.line}:{diagnostic.column}: {diagnostic.severity}: "
                          f"{diagnostic.message}  (hipcc: {diagnostic.compiled_at})")

@@ -59,7 +59,7 @@ _SIZEOF = {
     "__nv_bfloat162": 4, "double": 8, "long": 8, "size_t": 8, "int64_t": 8, "uint64_t": 8,
     "float2": 8, "float4": 16, "int4": 16, "uint4": 16, "double2": 16,
 }
-_DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+(.+)$", re.M)
+_DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+(.+)$", re.MULTILINE)
 _CONST = re.compile(r"\b(?:constexpr|const)\b[^;=(){}]*?\b(\w+)\s*=\s*([^;{}]+);")
 _INT_SUFFIX = re.compile(r"\b(0[xX][0-9a-fA-F]+|\d+)[uUlL]+\b")
 _SIZEOF_CALL = re.compile(r"\bsizeof\s*\(\s*([\w:]+)\s*\)")
@@ -147,7 +147,7 @@ def _position(text: str, index: int) -> tuple[int, int]:
 
 
 _SET_ATTRIBUTE = re.compile(r"\b(?:cuda|hip)FuncSetAttribute\s*\(")
-_LAUNCH = re.compile(r"<<<(.*?)>>>", re.S)
+_LAUNCH = re.compile(r"<<<(.*?)>>>", re.DOTALL)
 _LAUNCH_EX_SMEM = re.compile(r"\bdynamicSmemBytes\s*=\s*([^;]+);")
 _STATIC_SHARED = re.compile(r"__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s*)?([\w:]+)\s+\w+\s*((?:\[[^\]]+\]\s*)+);")
 
@@ -190,7 +190,7 @@ _MASK32 = r"(?:0[xX][fF]{8}(?![0-9a-fA-F])[uUlL]*|~0[uU]?\b|\(unsigned\)\s*-1|ui
 _WARP_SYNC_MASK = re.compile(
     rf"\b__(?:shfl(?:_up|_down|_xor)?|ballot|any|all|uni|match_any|match_all|reduce_\w+)_sync\s*\(\s*({_MASK32}|\w+)"
 )
-_MASK32_BINDING = re.compile(rf"^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+\(?{_MASK32}|\b(\w+)\s*=\s*{_MASK32}", re.M)
+_MASK32_BINDING = re.compile(rf"^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+\(?{_MASK32}|\b(\w+)\s*=\s*{_MASK32}", re.MULTILINE)
 
 
 def check_lane_masks(text: str) -> Iterable[Hit]:
@@ -210,13 +210,17 @@ def check_lane_masks(text: str) -> Iterable[Hit]:
 
 # ---- lane arithmetic: 32 applied to a thread index, and where a lane-0 test matters ---------------
 
-_LANE_NAMES = re.compile(r"threadIdx|blockDim|\btid\b|lane|warp|\bwid\b", re.I)
+_LANE_NAMES = re.compile(r"threadIdx|blockDim|\btid\b|lane|warp|\bwid\b", re.IGNORECASE)
+# Thread counts compared with one warp: `blockSize > 32`. (`kNThreads / 32` is left alone: it is as
+# often a tile decomposition as a warp count.)
+_THREAD_COUNT_NAMES = re.compile(r"block_?size|num_?threads|n_?threads|threads_?per_?block", re.IGNORECASE)
 _WARP_LITERAL = re.compile(
     r"[%/*]\s*32[uU]?\b(?!\.)|&\s*(?:31|0[xX]1[fF])[uU]?\b|>>\s*5\b|<<\s*5\b|(?<![<>])<\s*32[uU]?\b(?!\.)(?!\s*>)"
 )
+_THREAD_COUNT_LITERAL = re.compile(r"(?<![<>-])>=?\s*32[uU]?\b(?!\.)")
 _LANE_ZERO_TEST = re.compile(r"\s*\)?\s*==\s*0\b")
 _WARP_WIDE_USE = re.compile(  # warp functions, or an index that is a warp id
-    r"__shfl|__ballot|__activemask|__any|__all|__reduce_|\w+\s*\[[^\]]*(?:/\s*32|>>\s*5|warp|\bwid\b)[^\]]*\]", re.I
+    r"__shfl|__ballot|__activemask|__any|__all|__reduce_|\w+\s*\[[^\]]*(?:/\s*32|>>\s*5|warp|\bwid\b)[^\]]*\]", re.IGNORECASE
 )
 
 
@@ -235,11 +239,16 @@ def _left_operand(line: str, end: int) -> str:
 
 
 def check_lane_arithmetic(text: str) -> Iterable[Hit]:
-    """Flag `% 32`, `/ 32`, `& 31`, `>> 5`, `< 32`... applied to a thread, lane or warp index. A lane-0
+    """Flag `% 32`, `/ 32`, `& 31`, `>> 5`, `< 32`... applied to a thread, lane or warp index, and `> 32`
+    applied to a thread count (`if (blockSize > 32)`: more than one warp). A lane-0
     test (`threadIdx.x % 32 == 0`) is flagged only when the statement it guards shuffles, votes or
     indexes a per-warp array: picking one thread per 32 is otherwise harmless."""
     lines = text.splitlines()
     for number, line in enumerate(lines, start=1):
+        for match in _THREAD_COUNT_LITERAL.finditer(line):
+            operand = _left_operand(line, match.start())
+            if _THREAD_COUNT_NAMES.search(operand) and not _LANE_NAMES.search(operand):
+                yield Hit(number, match.start() + 1, f"`{operand.strip()}` is a thread count: 32 here is one NVIDIA warp")
         for match in _WARP_LITERAL.finditer(line):
             if not _LANE_NAMES.search(_left_operand(line, match.start())):
                 continue
@@ -277,31 +286,79 @@ _TEMPLATE_HEAD = re.compile(r"\btemplate\s*<((?:[^<>]|<[^<>]*>)*)>")
 _MEMBER_TEMPLATE_CALL = re.compile(r"\b(\w+)\s*(\.|->)\s*(?!template\b)(\w+)\s*<(?:[^<>;(){}]|<[^<>;(){}]*>)*>\s*\(")
 
 
-def _template_parameters(text: str) -> set[str]:
-    """Names of the template parameters declared anywhere in `text` (`typename T`, `int kThreads = 128`)."""
-    names = set()
-    for match in _TEMPLATE_HEAD.finditer(text):
-        for parameter in _split_top_level(match.group(1)):
+_TOP_LEVEL_CLOSE = re.compile(r"^\}", re.MULTILINE)
+
+
+def _template_scopes(text: str) -> Iterable[tuple[int, int, set[str]]]:
+    """(start, end, parameter names) of each template: from its `template <...>` head to the first `}`
+    in column 0 after it (the end of a top-level function or class body), so a name declared with a
+    template parameter in one function does not make another function's same-named variable dependent."""
+    for head in _TEMPLATE_HEAD.finditer(text):
+        names = set()
+        for parameter in _split_top_level(head.group(1)):
             words = re.findall(r"\w+", parameter.split("=", 1)[0])
             if len(words) >= 2:
                 names.add(words[-1])
-    return names
+        close = _TOP_LEVEL_CLOSE.search(text, head.end())
+        if names:
+            yield head.start(), close.end() if close else len(text), names
+
+
+def _dependent_hits(text: str, start: int, end: int, parameters: set[str]) -> Iterable[Hit]:
+    scope = text[:end]
+    dependent = "|".join(map(re.escape, sorted(parameters)))
+    for match in _MEMBER_TEMPLATE_CALL.finditer(scope, start):
+        obj, arrow, member = match.groups()
+        declaration = rf"\b(?:{dependent})\b(?:[\w:<>*&]|,\s*)*?[>\s&*]\s*{re.escape(obj)}\s*[;,)=({{\[]"
+        if re.search(declaration, text[start : match.start()]):
+            yield Hit(*_position(text, match.start(3)), f"write `{obj}{arrow}template {member}<...>(...)`")
+    typename_missing = re.compile(rf"(?<!typename )(?<![\w:])((?:{dependent})::\w+)\s+[&*]*\w+\s*[;=({{]")
+    for match in typename_missing.finditer(scope, start):
+        yield Hit(*_position(text, match.start()), f"write `typename {match.group(1)}`")
+    # A dependent type built as a temporary, `Ktraits::BlockLoadT(storage).Load(...)`: clang parses the
+    # name as a value. Only CamelCase member names: types, not static member functions.
+    temporary = re.compile(rf"(?<!typename )(?<![\w:])((?:{dependent})::[A-Z]\w*)\s*\([^();]*\)\s*(?:\.|->)")
+    for match in temporary.finditer(scope, start):
+        yield Hit(*_position(text, match.start()), f"write `typename {match.group(1)}(...)`")
 
 
 def check_dependent_names(text: str) -> Iterable[Hit]:
-    """Flag `obj.member<...>(` without `template` where `obj` is declared with a type naming a template
-    parameter, and `Param::name var` without `typename`."""
-    parameters = _template_parameters(text)
-    if not parameters:
-        return
-    dependent = "|".join(map(re.escape, sorted(parameters)))
-    for match in _MEMBER_TEMPLATE_CALL.finditer(text):
-        obj, arrow, member = match.groups()
-        declaration = rf"\b(?:{dependent})\b(?:[\w:<>*&]|,\s*)*?[>\s&*]\s*{re.escape(obj)}\s*[;,)=({{\[]"
-        if re.search(declaration, text):
-            yield Hit(*_position(text, match.start(3)), f"write `{obj}{arrow}template {member}<...>(...)`")
-    for match in re.finditer(rf"(?<!typename )(?<![\w:])((?:{dependent})::\w+)\s+[&*]*\w+\s*[;=({{]", text):
-        yield Hit(*_position(text, match.start()), f"write `typename {match.group(1)}`")
+    """Flag, inside a template, `obj.member<...>(` without `template` where `obj` is declared there with a
+    type naming a template parameter, `Param::name var` without `typename`, and `Param::Type(args).f()`."""
+    hits = {}
+    for start, end, parameters in _template_scopes(text):
+        for hit in _dependent_hits(text, start, end, parameters):
+            hits.setdefault((hit.line, hit.column), hit)
+    yield from sorted(hits.values(), key=lambda hit: (hit.line, hit.column))
+
+
+# ---- constexpr initialisers that call the host standard library's min/max ----------------------
+
+_CONSTEXPR_INIT = re.compile(r"\bconstexpr\b[^;{}()]*?\b\w+\s*=(?!=)")
+_STD_MINMAX = re.compile(r"\bstd::(?:max|min)\s*\(")
+
+
+def check_constexpr_minmax(text: str) -> Iterable[Hit]:
+    """Flag `std::max(` / `std::min(` inside a `constexpr` variable's initialiser (up to its `;`, across lines)."""
+    for declaration in _CONSTEXPR_INIT.finditer(text):
+        end = text.find(";", declaration.end())
+        initialiser = text[declaration.end() : end if end >= 0 else len(text)]
+        for call in _STD_MINMAX.finditer(initialiser):
+            yield Hit(*_position(text, declaration.end() + call.start()))
+
+
+# ---- libcu++: report each file once, where it includes the headers (or first uses cuda::std) -----
+
+_LIBCUDACXX_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*[<\"]cuda/(?:std/)?\w[^>\"]*[>\"]", re.MULTILINE)
+_LIBCUDACXX_USE = re.compile(r"\bcuda::std::")
+
+
+def check_libcudacxx(text: str) -> Iterable[Hit]:
+    """Flag every `#include <cuda/...>`; when there is none, the first `cuda::std::` (one fix covers the file)."""
+    includes = list(_LIBCUDACXX_INCLUDE.finditer(text))
+    first_use = _LIBCUDACXX_USE.search(text)
+    for match in includes or ([first_use] if first_use else []):
+        yield Hit(*_position(text, match.start() + len(match.group(0)) - len(match.group(0).lstrip())))
 
 
 # ---- the table ---------------------------------------------------------------------------------
@@ -359,10 +416,12 @@ RULES: list[Rule] = [
         "throughput), and code written for 'one warp per block' sees `warpSize` 64 and a 32-thread block.",
         "Launch blocks of `warpSize` (or a multiple of 64) threads, or check that the kernel only uses the "
         "block as a group of 32 threads.",
-        before="row_kernel<<<rows, 32>>>(x);",
+        before="row_kernel<<<rows, 32>>>(x);  // or a launch table: scan_launch<32, 4, T>(params, stream);",
         after="row_kernel<<<rows, warp_size>>>(x);  // warp_size from hipDeviceProp_t::warpSize",
         pattern=re.compile(r"<<<[^,;>]+,\s*(?:32[uU]?\s*[,>]|dim3\s*\(\s*32[uU]?\s*(?:,\s*1\s*)*\))"
-                           r"|\bdim3\s+\w+\s*[({]\s*32[uU]?\s*(?:,\s*1\s*)*[)}]"),
+                           r"|\bdim3\s+\w+\s*[({]\s*32[uU]?\s*(?:,\s*1\s*)*[)}]"
+                           r"|\b\w*(?i:launch)\w*\s*<\s*32[uU]?\s*,"  # launch tables: f_launch<32, kNItems>
+                           r"|\b(?i:block\w*|\w*threads\w*)\s*=\s*(?:std::)?max\s*\(\s*32[uU]?\s*,"),  # one warp at least
     ),
     Rule(
         "warp-tile-32", "warning", "cooperative-groups tile of 32 used as a warp",
@@ -400,7 +459,7 @@ RULES: list[Rule] = [
         "Use `__popcll`, `__ffsll`, `__clzll` on lane masks.",
         before="int n = __popc(__ballot_sync(mask, pred));",
         after="int n = __popcll(__ballot_sync(mask, pred));",
-        pattern=re.compile(r"\b__(?:popc|ffs|clz|brev)\s*\(\s*(?:__ballot|__activemask|\w*(?:ballot|vote|mask)\w*\s*\))", re.I),
+        pattern=re.compile(r"\b__(?:popc|ffs|clz|brev)\s*\(\s*(?:__ballot|__activemask|\w*(?:ballot|vote|mask)\w*\s*\))", re.IGNORECASE),
     ),
     Rule(
         "inline-asm", "error", "inline assembly (PTX)",
@@ -521,7 +580,8 @@ RULES: list[Rule] = [
         "nvcc's front end guesses that `obj.get<N>()` calls a member template and that `T::value_type x` "
         "names a type when `obj` or `T` depends on a template parameter; hipcc (clang) follows the standard "
         "and stops with 'missing 'template' keyword prior to dependent template name' (or 'missing "
-        "'typename''), so the port does not compile.",
+        "'typename''; for a temporary such as `Ktraits::BlockLoadT(storage).Load(...)`, 'parsed as a "
+        "non-type, but instantiation yields a type'), so the port does not compile.",
         "Spell it out: `obj.template get<N>()`, `ptr->template get<N>()`, `typename T::value_type x`. Both "
         "forms are valid C++ that nvcc accepts too, so keep one source.",
         before="template <typename T, typename Traits> __device__ void f(Tile<T> tile, T* out) {\n"
@@ -529,6 +589,31 @@ RULES: list[Rule] = [
         after="template <typename T, typename Traits> __device__ void f(Tile<T> tile, T* out) {\n"
               "  typename Traits::index_type i = 0;  out[i] = tile.template get<2>();\n}",
         check=check_dependent_names,
+    ),
+    Rule(
+        "constexpr-std-minmax", "warning", "`std::max` / `std::min` in a `constexpr` initialiser",
+        "Kernel traits often size shared memory with `static constexpr int kSmem = std::max({sizeof(A), "
+        "sizeof(B)});` or `std::min(8, kNItems)`. nvcc evaluates the host standard library at compile time; "
+        "ROCm's hipcc (ROCm 6.0, where mamba's selective-scan port hit it) stopped on these initialisers in "
+        "device compilation and the port replaced them with its own constexpr helpers. Debian's hipcc 5.2 "
+        "accepts them, so the rule warns rather than fails.",
+        "Use a small constexpr helper of your own that both compilers evaluate (`a < b ? a : b`, or "
+        "`*std::max_element(list.begin(), list.end())`), in one header shared by the traits.",
+        before="static constexpr int kSmemIOSize = std::max({sizeof(typename LoadT::TempStorage), "
+               "sizeof(typename StoreT::TempStorage)});",
+        after="static constexpr int kSmemIOSize = constexpr_max({sizeof(typename LoadT::TempStorage), "
+              "sizeof(typename StoreT::TempStorage)});",
+        check=check_constexpr_minmax,
+    ),
+    Rule(
+        "libcudacxx", "warning", "libcu++ (`<cuda/std/...>`, `cuda::std::`)",
+        "libcu++ ships with the CUDA toolkit and CCCL; ROCm has no `<cuda/std/...>` headers (libhipcxx is a "
+        "separate, partial port) and no translator maps them, so the include fails or `cuda::std::` is unknown.",
+        "Use the standard library (`<type_traits>`, `std::`), which hipcc accepts in device code for "
+        "constexpr facilities, or alias it under `#if defined(USE_ROCM)`: `namespace cuda { namespace std = ::std; }`.",
+        before="#include <cuda/std/type_traits>\nusing U = cuda::std::remove_cv_t<T>;",
+        after="#include <type_traits>\nusing U = std::remove_cv_t<T>;",
+        check=check_libcudacxx,
     ),
     Rule(
         "cuda-arch-guard", "warning", "`__CUDA_ARCH__` version test",

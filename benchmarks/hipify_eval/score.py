@@ -1,0 +1,217 @@
+"""Score `tiletune hipify` on human CUDA -> HIP ports held out from its tests.
+
+Each `ports/*.json` names a public file (repo, path, the CUDA commit and the commit of the human AMD
+port) and lists the human changes as line ranges of the CUDA original, each with a class. This script
+reads the CUDA originals from `cache/` (it fetches nothing while scoring), runs the migration lint and
+the torch engine on them, and reports:
+
+- recall: human changes the tool translated or flagged with a rule that fits the change's class;
+- precision: findings that sit on a human change, or that `findings` in the port file labels a
+  genuine pitfall (unlabelled findings count against precision).
+
+    python benchmarks/hipify_eval/score.py --fetch               # online: fill cache/ from raw GitHub
+    python benchmarks/hipify_eval/score.py --from-git owner/name=DIR  # or from a local clone
+    python benchmarks/hipify_eval/score.py [--markdown] [--verbose]   # offline: score
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import urllib.request
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiletune.port.compile_check import line_map
+from tiletune.port.engines import select_engine
+from tiletune.port.hipify import cuda_names
+from tiletune.port.lint import lint_text
+
+HERE = Path(__file__).resolve().parent
+PORTS = HERE / "ports"
+CACHE = HERE / "cache"
+RAW = "https://raw.githubusercontent.com/{repo}/{commit}/{path}"
+
+
+@dataclass(frozen=True)
+class ChangeClass:
+    """A kind of human change: the rules that fit it, and whether a translator's rewrite covers it."""
+
+    rules: tuple[str, ...]
+    translation_covers: bool
+    what: str
+
+
+WARP_RULES = ("warp-size-define", "warp-size-literal", "warp-lane-loop", "lane-indexed-warp-array",
+              "block-32-threads", "warp-tile-32", "mask-32bit", "ballot-32bit-result", "popc-32bit")
+CLASSES: dict[str, ChangeClass] = {
+    "cub-to-hipcub": ChangeClass((), True, "CUB headers / names replaced by hipCUB"),
+    "bf16-header": ChangeClass(("bf16-type",), True, "cuda_bf16.h -> hip/hip_bf16.h"),
+    "dependent-typename": ChangeClass(("dependent-template-name",), False,
+                                      "`typename` added before a dependent type (hipcc rejects its absence)"),
+    "constexpr-minmax": ChangeClass(("constexpr-std-minmax",), False,
+                                    "std::max({...}) / std::min in constexpr initialisers replaced"),
+    "func-attribute-cast": ChangeClass(("lds-limit",), True, "cudaFuncSetAttribute needs a (const void*) kernel"),
+    "warp-size": ChangeClass(WARP_RULES, True, "warp size 32 written as a macro, CUB_WARP_THREADS or a launch table"),
+    "lane-mask": ChangeClass(("mask-32bit",), False, "32-bit lane mask in a *_sync warp function"),
+    "libcudacxx": ChangeClass(("libcudacxx",), False, "libcu++ <cuda/std/...> replaced"),
+    "hipcub-api": ChangeClass((), False, "a hipCUB call differs from CUB (extra argument)"),
+    "missing-return": ChangeClass((), False, "non-void function fell off its end"),
+    "device-only-math": ChangeClass((), False, "a device-only math function called from a host function (rsqrtf)"),
+    "launch-bounds-added": ChangeClass((), False, "__launch_bounds__(max block size) added to kernels for ROCm"),
+}
+# Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
+# counted where it matters (a warp-size parameter threaded through callers, a helper's definition).
+EXCLUDED = ("not-needed", "plumbing")
+
+
+def cached(repo: str, commit: str, path: str) -> Path:
+    """Where the cache keeps `path` of `repo` at `commit`."""
+    return CACHE / repo.replace("/", "+") / commit / path
+
+
+def load_ports() -> list[dict]:
+    """Every ground-truth file under ports/, sorted by name."""
+    return [json.loads(path.read_text()) for path in sorted(PORTS.glob("*.json"))]
+
+
+def fill_cache(get) -> None:
+    """Store each port's CUDA original and its repository's license file; `get(repo, commit, path)` -> text."""
+    for port in load_ports():
+        repo, commit = port["repo"], port["cuda"]["commit"]
+        for path in (port["cuda"]["path"], port["license_file"]):
+            target = cached(repo, commit, path)
+            if not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(get(repo, commit, path), encoding="utf-8")
+                print(f"cached {repo}@{commit[:10]}:{path}")
+
+
+def fetch_raw(repo: str, commit: str, path: str) -> str:
+    with urllib.request.urlopen(RAW.format(repo=repo, commit=commit, path=path), timeout=60) as response:
+        return response.read().decode("utf-8")
+
+
+def from_git(clones: dict[str, str]):
+    def get(repo: str, commit: str, path: str) -> str:
+        if repo not in clones:
+            raise SystemExit(f"no clone given for {repo}: add --from-git {repo}=DIR")
+        return subprocess.run(["git", f"--git-dir={clones[repo]}", "show", f"{commit}:{path}"],
+                              capture_output=True, text=True, check=True).stdout
+    return get
+
+
+@dataclass
+class PortScore:
+    name: str
+    changes: int = 0
+    covered: int = 0
+    by_translation: int = 0  # covered by the translator alone (what plain hipify gives)
+    findings: int = 0
+    on_change: int = 0
+    pitfalls: int = 0
+    unlabelled: int = 0
+    excluded: int = 0
+
+
+def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortScore:
+    """Recall and precision counts of one port; misses by class go to `missed`, details to `notes`."""
+    source = cached(port["repo"], port["cuda"]["commit"], port["cuda"]["path"])
+    if not source.exists():
+        raise SystemExit(f"{source} is missing: run `score.py --fetch` online (or --from-git) first")
+    text = source.read_text(encoding="utf-8")
+    findings = lint_text(text, port["cuda"]["path"])
+    translated = engine.translate(source)
+    original_lines, translated_lines = text.splitlines(), translated.splitlines()
+    back = line_map(text, translated)
+    translated_of = defaultdict(list)
+    for index, line in enumerate(back):
+        translated_of[line].append(translated_lines[index])
+
+    result = PortScore(port["name"])
+    ranges = []
+    for change in port["changes"]:
+        first, last = change["lines"]
+        ranges.append((first, last))
+        if change["class"] in EXCLUDED:
+            result.excluded += 1
+            continue
+        kind = CLASSES[change["class"]]
+        result.changes += 1
+        flagged = any(f.rule in kind.rules and first <= f.line <= last for f in findings)
+        before = "\n".join(original_lines[first - 1 : last])
+        after = "\n".join(line for n in range(first, last + 1) for line in translated_of[n])
+        rewritten = kind.translation_covers and after.strip() != before.strip() and not cuda_names(after)
+        result.covered += bool(flagged or rewritten)
+        result.by_translation += bool(rewritten)
+        if not (flagged or rewritten):
+            missed[change["class"]] += 1
+            notes.append(f"missed {port['name']}:{first}-{last} [{change['class']}] {change.get('note', '')}")
+    labels = port.get("findings", {})
+    for finding in findings:
+        result.findings += 1
+        if any(first - 1 <= finding.line <= last + 1 for first, last in ranges):
+            result.on_change += 1
+            continue
+        label = labels.get(f"{finding.line} {finding.rule}")
+        if label is None:
+            result.unlabelled += 1
+            notes.append(f"unlabelled finding {port['name']}:{finding.line} [{finding.rule}] {finding.code}")
+        elif label.startswith("pitfall"):
+            result.pitfalls += 1
+        else:
+            notes.append(f"false finding {port['name']}:{finding.line} [{finding.rule}] {label}")
+    return result
+
+
+def percent(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.0f}%" if whole else "n/a"
+
+
+def table(scores: list[PortScore], missed: Counter) -> str:
+    """The results as a Markdown table plus the misses by class."""
+    header = ("| port | human changes | covered | recall | translator alone | findings | on a change | "
+              "genuine pitfall | precision |")
+    rows = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    total = PortScore("**all**")
+    for score in [*scores, total]:
+        if score is not total:
+            for name in ("changes", "covered", "by_translation", "findings", "on_change", "pitfalls", "unlabelled",
+                         "excluded"):
+                setattr(total, name, getattr(total, name) + getattr(score, name))
+        good = score.on_change + score.pitfalls
+        rows.append(f"| {score.name} | {score.changes} | {score.covered} | {percent(score.covered, score.changes)} | "
+                    f"{percent(score.by_translation, score.changes)} | {score.findings} | {score.on_change} | "
+                    f"{score.pitfalls} | {percent(good, score.findings)} |")
+    left_out = (f"Human edits left out (no AMD reason, or plumbing of a counted fix): {total.excluded}. "
+                f"Unlabelled findings: {total.unlabelled}.")
+    misses = ", ".join(f"{name} {count} ({CLASSES[name].what})" for name, count in missed.most_common()) or "none"
+    rows += ["", left_out, "", f"Missed, by class: {misses}"]
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fetch", action="store_true", help="download the CUDA originals into cache/ (online)")
+    parser.add_argument("--from-git", action="append", default=[], metavar="OWNER/NAME=GIT_DIR",
+                        help="fill cache/ from a local clone instead of the network")
+    parser.add_argument("--verbose", action="store_true", help="list every miss and every finding off a change")
+    args = parser.parse_args(argv)
+    if args.fetch:
+        fill_cache(fetch_raw)
+    if args.from_git:
+        fill_cache(from_git(dict(item.split("=", 1) for item in args.from_git)))
+    engine = select_engine("torch")
+    missed, notes = Counter(), []
+    scores = [score_port(port, engine, missed, notes) for port in load_ports()]
+    print(table(scores, missed))
+    if args.verbose:
+        print("\n" + "\n".join(notes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

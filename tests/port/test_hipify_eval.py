@@ -1,0 +1,42 @@
+"""The held-out evaluation under benchmarks/hipify_eval: ground truth is well formed, the score runs offline."""
+
+import functools
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+EVAL = Path(__file__).resolve().parents[2] / "benchmarks" / "hipify_eval"
+PORTS = sorted((EVAL / "ports").glob("*.json"))
+
+
+@functools.cache
+def _score_module():
+    spec = importlib.util.spec_from_file_location("hipify_eval_score", EVAL / "score.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", PORTS, ids=lambda p: p.stem)
+def test_ground_truth_names_a_pinned_source_and_known_classes(path):
+    score = _score_module()
+    port = json.loads(path.read_text())
+    assert port["name"] == path.stem
+    assert len(port["cuda"]["commit"]) == len(port["hip"]["commit"]) == 40
+    assert port["license"] in {"Apache-2.0", "BSD-3-Clause", "MIT"}
+    for change in port["changes"]:
+        first, last = change["lines"]
+        assert 1 <= first <= last and change["class"] in {*score.CLASSES, *score.EXCLUDED}
+    assert all(label.startswith(("pitfall:", "false:")) for label in port["findings"].values())
+
+
+def test_score_runs_offline_on_the_cache(capsys):
+    score = _score_module()
+    if not all(score.cached(p["repo"], p["cuda"]["commit"], p["cuda"]["path"]).exists() for p in score.load_ports()):
+        pytest.skip("the CUDA originals are not cached: run `python benchmarks/hipify_eval/score.py --fetch` online once")
+    assert score.main([]) == 0
+    table = capsys.readouterr().out
+    assert "| **all** |" in table and "Missed, by class:" in table
