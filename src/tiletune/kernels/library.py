@@ -148,7 +148,9 @@ def _launcher_source(key: tuple, func, target: str) -> tuple[str, Kernel]:
     launch = re.search(rf"int {name}_call\((.*?)\)\s*{{", source, re.DOTALL)
     if launch is None:
         raise RuntimeError(f"{name}: TileLang's launcher has no call function (TileLang {_tilelang.version()})")
-    dims = [arg.split()[-1] for arg in launch.group(1).split(",") if arg.split()[0] in ("int", "int64_t")]
+    scalars = {p.name for p in params if p.shape is None}  # an int scalar parameter is no dynamic dimension
+    ints = [arg.split()[-1] for arg in launch.group(1).split(",") if arg.split()[0] in ("int", "int64_t")]
+    dims = [arg for arg in ints if arg not in scalars]
     return source, Kernel(repr(key), name, params, dims, hashlib.sha256(source.encode()).hexdigest())
 
 
