@@ -92,9 +92,14 @@ class PatchReport:
                  f"{self.family or 'without a record'}; strict: {'on' if self.spec.strict else 'off'})"]
         for op, info in self.to_dict()["ops"].items():
             modules = ", ".join(info["modules"]) or "-"
-            status = (f"falls back to reference: {info['fallback']}" if info["fallback"]
-                      else "active" if info["patched"] else "no binding: the training stage calls it"
-                      if not registry.ops()[op].bindings else "no module in the decoder layers fits this op")
+            if info["fallback"]:
+                status = f"falls back to reference: {info['fallback']}"
+            elif info["patched"]:
+                status = "active"
+            elif not registry.ops()[op].bindings:
+                status = "no binding: the training stage calls it"
+            else:
+                status = "no module in the decoder layers fits this op"
             lines.append(f"  {op:9s} {info['impl']:10s} {info['patched']:4d} modules  layers {info['layers'] or '-':10s} "
                          f"[{_clip(modules, 48)}]  {status}")
         for role, count in self.unbound_roles.items():
@@ -103,8 +108,9 @@ class PatchReport:
             lines.append(f"  {role}: {count} modules {why}: stock forwards")
         from tiletune.kernels.library import summary
 
-        if summary():
-            lines.append(f"  {summary()}")
+        library_line = summary()
+        if library_line:
+            lines.append(f"  {library_line}")
         known = self.fallbacks()
         for item in self.runtime_fallbacks():
             if known.get(item["op"]) == item["reason"]:

@@ -56,9 +56,9 @@ def record_kernels(model: nn.Module, spec: Any, dtype: torch.dtype) -> dict[tupl
     this machine's GPU as `warmup_kernels` does, and every kernel it asks for is noted (`tiletune kernels build`)."""
     from tiletune.kernels import _tilelang
 
-    _tilelang.recording, recorded = {}, None
+    recorded = _tilelang.recording = {}
     try:
         warmup_kernels(model, spec, dtype)
     finally:
-        recorded, _tilelang.recording = _tilelang.recording, None
+        _tilelang.recording = None
     return recorded
