@@ -33,8 +33,10 @@
 #   qlora70b: `tiletune bench` of the QLoRA step on the Llama-3-70B shape, all 80 layers built and quantized on the
 #           GPU tensor by tensor: tiletune's QLoRA without kernels (the baseline) and with every kernel under
 #           `gradient_checkpointing: auto` with offload within BUDGET_GIB (default 38)
-#   library: `tiletune kernels build` for the 8B preset, then `tiletune verify` and `tiletune bench baseline,all` with
-#           TileLang blocked (every kernel from the library) and, in a second bench run, with TileLang's JIT.
+#   library: the GPU tests of the kernel library, `tiletune kernels build` for the 8B preset (into build/library),
+#           then `tiletune verify` with TileLang blocked (every kernel from the library)
+#   library-bench: the same build (reused on a warm machine), then `tiletune bench baseline,all` with TileLang's JIT
+#           and, in a second bench run, with TileLang blocked
 #   families-bench: `tiletune bench` per preset of FAMILY_BENCH (default: qwen3-8b mistral-7b gemma3-12b:16 phi3-mini;
 #           :N keeps the first N layers): stock, Liger, every kernel, and every kernel under `auto` within Liger's
 #           and within stock's peak measured in the same run (budget=@liger, @baseline)
@@ -44,11 +46,11 @@
 #   families: the GPU tests of rms_norm (offset form included) and the gated MLP ops, then `tiletune verify` of every
 #           kernel on 2 decoder layers of each preset in FAMILY_PRESETS (default: qwen3-8b mistral-7b gemma3-12b
 #           phi3-mini)
-#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library OUT_DIR [bench args...]
+#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench OUT_DIR [bench args...]
 # (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
 set -u
-PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library OUT_DIR [bench args]}
-OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library OUT_DIR [bench args]}
+PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench OUT_DIR [bench args]}
+OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench OUT_DIR [bench args]}
 shift 2
 CONFIG=examples/bench/llama3_8b_lora.yaml
 GOLDEN=/tmp/llama3-8b-2layers.golden.safetensors  # too large to bring back; its report is kept
@@ -93,20 +95,24 @@ qlora-long)
     python3 benchmarks/qlora_long_context.py --preset llama3-8b --cap 24 --seqs "${SEQS:-65536,98304,131072}" \
         --out "$OUT/long-context-8b" 2>&1 | grep -v Warning | tail -8
     "${VERIFY[@]}" quantization_bit=4 --seq 2048 --out "$OUT/verify-llama3-8b-qlora" 2>&1 | tail -30 ;;
-library)
-    # #23: this GPU's kernel library for the 8B preset, then verify and the step with TileLang blocked (every
-    # kernel from the library) against the step with TileLang's JIT, each against stock in its own bench run
-    python3 -m pytest -q -m gpu tests/kernels/test_library.py 2>&1 | tee "$OUT/gpu_tests_library.txt" | tail -2
-    python3 -m tiletune kernels build "$CONFIG" kernels=all --model-preset llama3-8b --out "$OUT/library" 2>&1 | tail -2
-    LIB=$(ls -d "$OUT"/library/cuda-* | head -1)
+library|library-bench)
+    # #23: this GPU's kernel library for the 8B preset (built into build/library, which a warm machine keeps between
+    # calls: the second part's build reuses every object), then verify (library) or the step with TileLang blocked
+    # (every kernel from the library) against the step with TileLang's JIT, each against stock in its own bench run
+    [ $PART = library ] && python3 -m pytest -q -m gpu tests/kernels/test_library.py 2>&1 | tee "$OUT/gpu_tests_library.txt" | tail -2
+    ( time python3 -m tiletune kernels build "$CONFIG" kernels=all --model-preset llama3-8b --out build/library ) 2>&1 | tail -5
+    LIB=$(ls -d build/library/cuda-* | head -1)
+    mkdir -p "$OUT/library" && cp "$LIB"/manifest.json "$OUT/library/"
     BLOCKED=(env TILETUNE_KERNEL_LIBRARY="$LIB" PYTHONPATH="$PWD/benchmarks/no_tilelang:$PYTHONPATH")
-    "${BLOCKED[@]}" "${VERIFY[@]}" --seq 2048 --out "$OUT/verify-llama3-8b-library" 2>&1 | tail -14
-    for RUN in jit library; do
-        PREFIX=(); [ $RUN = library ] && PREFIX=("${BLOCKED[@]}")
-        "${PREFIX[@]}" python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --steps 5 --warmup 2 --repeats 2 \
-            --variants baseline,all --out "$OUT/bench-$RUN" 2>&1 | tail -5
-    done
-    rm -rf "$OUT"/library/*/objects ;;  # the library and its manifest come back; the objects stay behind
+    if [ $PART = library ]; then
+        "${BLOCKED[@]}" "${VERIFY[@]}" --seq 2048 --out "$OUT/verify-llama3-8b-library" 2>&1 | tail -14
+    else
+        for RUN in jit library; do
+            PREFIX=(); [ $RUN = library ] && PREFIX=("${BLOCKED[@]}")
+            "${PREFIX[@]}" python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --steps 5 --warmup 2 --repeats 2 \
+                --variants baseline,all --out "$OUT/bench-$RUN" 2>&1 | tail -5
+        done
+    fi ;;
 families)
     python3 -m pytest -q -m gpu tests/kernels/test_rms_norm.py tests/kernels/test_swiglu.py 2>&1 \
         | tee "$OUT/gpu_tests_families.txt" | tail -2
