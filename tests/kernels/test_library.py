@@ -104,6 +104,20 @@ def test_registration_checks_every_tensor_and_reads_dynamic_dims():
         library._registration_source([orphan])
 
 
+def test_only_the_launchers_own_functions_get_the_kernels_name():
+    """A Hopper GEMM's launcher initialises its barriers with `mbarrier[i].init(n)`: a member, not the launcher's
+    init, so it keeps its name (the H200 build failed on exactly this)."""
+    launcher = textwrap.dedent("""\
+        extern "C" int init() { mbarrier[3].init(256); tl::Barrier::init(1); return 0; }
+        extern "C" const char* get_last_error() { return error_buf; }
+        extern "C" int call(void* a, cudaStream_t stream) { k<<<1, 1, 0, stream>>>(a); p->call(a); return 0; }
+    """)
+    renamed = library.prefix_launcher_symbols(launcher, "gemm_1")
+    assert 'int gemm_1_init() { mbarrier[3].init(256); tl::Barrier::init(1);' in renamed
+    assert "const char* gemm_1_get_last_error()" in renamed
+    assert "int gemm_1_call(void* a, cudaStream_t stream)" in renamed and "p->call(a)" in renamed
+
+
 def test_lookup_takes_the_librarys_kernel_and_counts_what_it_lacks(monkeypatch, no_library):
     found = Library(Path("/libs/x"), manifest(), {k.key: k for k in manifest().kernels})
     monkeypatch.setattr(library, "_active", found)

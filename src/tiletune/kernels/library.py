@@ -121,6 +121,14 @@ def kernel_name(key: tuple) -> str:
 # ---- building ------------------------------------------------------------------------------------------
 
 
+def prefix_launcher_symbols(source: str, name: str) -> str:
+    """The launcher's exported functions (init, call, get_last_error) renamed `<name>_...` so that many kernels
+    share one library; members of the same name (`mbarrier[i].init(...)`, `Barrier::init`) keep theirs."""
+    for symbol in ("get_last_error", "init", "call"):
+        source = re.sub(rf"(?<![.>:])\b{symbol}\b(?=\s*[\[(])", f"{name}_{symbol}", source)
+    return source
+
+
 def _launcher_source(key: tuple, func, target: str) -> tuple[str, Kernel]:
     """The kernel's device code and host launcher for `target`, symbols prefixed with its name."""
     from tilelang.jit.adapter.wrapper import TLWrapper
@@ -137,9 +145,7 @@ def _launcher_source(key: tuple, func, target: str) -> tuple[str, Kernel]:
     wrapper.assign_pass_configs({})
     wrapper.assign_host_module(artifact.host_mod)
     wrapper.assign_device_module(artifact.device_mod)
-    source = wrapper.wrap(artifact.kernel_source)
-    for symbol in ("get_last_error", "init", "call"):  # the launcher's exported functions, per kernel
-        source = re.sub(rf"\b{symbol}\b(?=\s*[\[(])", f"{name}_{symbol}", source)
+    source = prefix_launcher_symbols(wrapper.wrap(artifact.kernel_source), name)
     params = [Param(str(func.buffer_map[p].name), str(func.buffer_map[p].dtype), [_dimension(n) for n in func.buffer_map[p].shape])
               if p in func.buffer_map else Param(str(p.name), str(p.dtype)) for p in func.params]  # fmt: skip
     unknown = [p.dtype for p in params if p.shape is None and p.dtype not in _SCALARS]
