@@ -36,7 +36,7 @@
 #   library: the GPU tests of the kernel library, `tiletune kernels build` for the 8B preset (into build/library),
 #           then `tiletune verify` with TileLang blocked (every kernel from the library)
 #   library-bench: the same build (reused on a warm machine), then `tiletune bench baseline,all` with TileLang's JIT
-#           and, in a second bench run, with TileLang blocked
+#           and, in a second bench run, with TileLang blocked (REPEATS=1: one repeat each, to fit one call)
 #   families-bench: `tiletune bench` per preset of FAMILY_BENCH (default: qwen3-8b mistral-7b gemma3-12b:16 phi3-mini;
 #           :N keeps the first N layers): stock, Liger, every kernel, and every kernel under `auto` within Liger's
 #           and within stock's peak measured in the same run (budget=@liger, @baseline)
@@ -109,7 +109,7 @@ library|library-bench)
     else
         for RUN in jit library; do
             PREFIX=(); [ $RUN = library ] && PREFIX=("${BLOCKED[@]}")
-            "${PREFIX[@]}" python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --steps 5 --warmup 2 --repeats 2 \
+            "${PREFIX[@]}" python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --steps 5 --warmup 2 --repeats "${REPEATS:-2}" \
                 --variants baseline,all --out "$OUT/bench-$RUN" 2>&1 | tail -5
         done
     fi ;;
