@@ -251,7 +251,7 @@ TINY_STEP = textwrap.dedent("""
 @needs_tilelang
 def test_a_library_built_here_trains_like_the_jit_kernels_without_tilelang(tmp_path):
     """Build this GPU's library for a tiny Llama with every op; a fresh process that cannot import TileLang
-    takes every kernel from it (none missing, no fallback) and computes the JIT kernels' loss and gradients."""
+    takes every kernel it calls from it (none missing, no fallback, every op among them) and computes the JIT kernels' loss and gradients."""
     from tiletune.patch.warmup import record_kernels
 
     namespace = {}
@@ -273,5 +273,7 @@ def test_a_library_built_here_trains_like_the_jit_kernels_without_tilelang(tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert seen["fallbacks"] == [] and seen["library"]["not_in_it"] == []
-    assert len(seen["library"]["used"]) == len(built.kernels)
+    used = set(seen["library"]["used"])  # the warm-up records a few kernels this step does not reach
+    assert used <= {kernel.name for kernel in built.kernels}
+    assert {"rms_norm_fwd", "rms_norm_bwd", "silu", "rope", "linear"} <= {name.rsplit("_", 1)[0] for name in used}
     assert seen["loss"] == loss and seen["same_grads"]  # the same kernels: bit for bit
