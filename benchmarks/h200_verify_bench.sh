@@ -55,6 +55,9 @@ shift 2
 CONFIG=examples/bench/llama3_8b_lora.yaml
 GOLDEN=/tmp/llama3-8b-2layers.golden.safetensors  # too large to bring back; its report is kept
 VERIFY=(python3 -m tiletune verify "$CONFIG" kernels=all --model-preset llama3-8b --layers 2 --batches 1)
+qv_target() {  # LoRA on q and v: Phi-3 fuses them into qkv_proj
+    case $1 in phi3*) echo lora_target=qkv_proj ;; esac
+}
 case $PART in
 verify)
     "${VERIFY[@]}" --seq 2048 --out "$OUT/verify-llama3-8b" 2>&1 | tail -40
@@ -117,7 +120,7 @@ families)
     python3 -m pytest -q -m gpu tests/kernels/test_rms_norm.py tests/kernels/test_swiglu.py 2>&1 \
         | tee "$OUT/gpu_tests_families.txt" | tail -2
     for PRESET in ${FAMILY_PRESETS:-qwen3-8b mistral-7b gemma3-12b phi3-mini}; do
-        python3 -m tiletune verify "$CONFIG" kernels=all --model-preset "$PRESET" --layers 2 --batches 1 --seq 2048 \
+        python3 -m tiletune verify "$CONFIG" kernels=all $(qv_target "$PRESET") --model-preset "$PRESET" --layers 2 --batches 1 --seq 2048 \
             --out "$OUT/verify-$PRESET" 2>&1 | tail -3
     done ;;
 moe)
@@ -130,7 +133,7 @@ families-bench)
     AUTO=all:gradient_checkpointing=auto:gradient_checkpointing_budget
     for ENTRY in ${FAMILY_BENCH:-qwen3-8b mistral-7b gemma3-12b:16 phi3-mini}; do
         PRESET=${ENTRY%%:*}; LAYERS=(); [ "$ENTRY" != "$PRESET" ] && LAYERS=(--layers "${ENTRY##*:}")
-        python3 -m tiletune bench "$CONFIG" --model-preset "$PRESET" "${LAYERS[@]}" --steps 5 --warmup 2 \
+        python3 -m tiletune bench "$CONFIG" $(qv_target "$PRESET") --model-preset "$PRESET" "${LAYERS[@]}" --steps 5 --warmup 2 \
             --variants "baseline,liger,all,$AUTO=@liger,$AUTO=@baseline" --out "$OUT/bench-$PRESET" 2>&1 | tail -8
     done ;;
 qlora70b)

@@ -470,6 +470,11 @@ def test_warmup_plans_one_compile_per_kernel_shape_and_none_for_the_loss(monkeyp
     assert len(done) == len(compiled) == len(set(compiled))  # one compile per (op, static shapes)
     assert sorted({op for op, _ in compiled}) == ["linear", "rms_norm", "rope", "swiglu"]  # the loss is PyTorch
     assert [shapes for op, shapes in compiled if op == "rms_norm"] == [(64, 1e-6, 0.0)]  # Llama's x·w form only
+    assert {shapes[2] for op, shapes in compiled if op == "linear"} == {"trained"}  # full fine-tuning: dW too
+    compiled.clear()
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    patch.warmup_kernels(lora, {"linear": "tilelang"}, torch.bfloat16)
+    assert compiled and {shapes[2] for _, shapes in compiled} == {"frozen"}  # LoRA's base layers: no dW GEMM
     compiled.clear()
     patch.warmup_kernels(model, "attention", torch.bfloat16)
     assert compiled == [("attention", (4, 2, 16, 0.25))]  # heads q/kv, head_dim, scale: the static parameters

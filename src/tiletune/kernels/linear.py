@@ -228,13 +228,19 @@ def _forward(site: Site, impl: str, strict: bool, current):
     return forward
 
 
+def _compile_key(site: Site) -> tuple:
+    """(out, in, "trained" or "frozen"): a frozen weight (a LoRA base layer) needs no weight-gradient GEMM."""
+    return site.module.out_features, site.module.in_features, "trained" if site.module.weight.requires_grad else "frozen"
+
+
 def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
-    out_features, in_features = key
-    return linear(warm_tensor(1, in_features, dtype=dtype), warm_tensor(out_features, in_features, dtype=dtype), None, impl, True)
+    out_features, in_features, weight_grad = key
+    weight = warm_tensor(out_features, in_features, dtype=dtype, grad=weight_grad == "trained")
+    return linear(warm_tensor(1, in_features, dtype=dtype), weight, None, impl, True)
 
 
 define(Op("linear", (Binding("linear", "linear", _forward, lambda site: plain_linear_reason(site.module),
-                             compile_key=lambda site: (site.module.out_features, site.module.in_features), warm=_warm),),
+                             compile_key=_compile_key, warm=_warm),),
           keeps_output=True, profile_pattern=r"(?<!lora_)linear_(fwd|dgrad|wgrad)", lowering=lowering_kernels))
 add(Impl("linear", "reference", reference_forward, reference_backward, description="PyTorch: F.linear (cuBLAS on GPU)", accumulation="float32"))
 add(Impl("linear", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
