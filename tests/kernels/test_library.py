@@ -2,6 +2,7 @@
 nvcc is installed) a real library built for sm_90, loaded in a process where TileLang cannot be imported."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from click.testing import CliRunner
 from tiletune.cli import main
 from tiletune.env import library_check
 from tiletune.errors import UserError
+from tiletune.hipcc import find_hipcc
 from tiletune.kernels import _tilelang, library, registry
 from tiletune.kernels.customop import _run_or_fall_back
 from tiletune.kernels.library import Kernel, Library, Manifest, Param, why_not_loadable
@@ -27,10 +29,10 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("ob
                                 reason="needs nvcc (CUDA toolkit) and objcopy: install the CUDA toolkit to build a library")  # fmt: skip
 
 
-def rms_norm_kernels():
+def rms_norm_kernels(dtype: str = "bfloat16"):
     from tiletune.kernels import rms_norm
 
-    return [(RMS_KEY, lambda: rms_norm.forward_kernel(4096, 1e-6, "bfloat16", offset=0.0))]
+    return [((*RMS_KEY[:3], dtype, 0.0), lambda: rms_norm.forward_kernel(4096, 1e-6, dtype, offset=0.0))]
 
 
 def manifest(**changes) -> Manifest:
@@ -186,6 +188,30 @@ def test_a_target_without_its_compiler_gets_a_source_package(tmp_path, monkeypat
     assert "--offload-arch=gfx942" in script and f"objcopy --weaken objects/{name}.o" in script
     assert json.loads((folder / "manifest.json").read_text())["kernels"][0]["dims"] == ["m"]
     assert "is a source package" in why_not_loadable(Manifest.read(folder), folder, "hip:gfx942")
+
+
+@needs_tilelang
+@pytest.mark.skipif(find_hipcc() is None, reason="needs hipcc: apt install hipcc (Debian's ROCm 5) or install ROCm >= 6")
+def test_the_hip_library_for_gfx90a_with_this_machines_hipcc(tmp_path):
+    """With ROCm >= 6 the HIP library is built; with an older hipcc (Debian's 5.2) the folder is a source package,
+    and the reason it gives is the real one: that hipcc stops at TileLang's hip/hip_bf16.h include, while the
+    registration unit compiles against this torch."""
+    built = library.build(rms_norm_kernels("float16"), "hip:gfx90a", tmp_path)
+    folder = tmp_path / "hip-gfx90a"
+    if built.library:
+        assert (folder / built.library).exists()
+        return
+    assert "older than ROCm 6" in built.why_not_compiled and "hip/hip_bf16.h" in built.why_not_compiled
+    tl_src = Path(_tilelang.tilelang().__file__).parent / "src"
+    kernel = next((folder / "objects").glob("*.hip"))
+    compiled = subprocess.run([find_hipcc(), "-x", "hip", "--offload-arch=gfx90a", "-std=c++17", "-w", f"-I{tl_src}",
+                               "-fsyntax-only", str(kernel)], capture_output=True, text=True, check=False,
+                              env={**os.environ, "HIP_PLATFORM": "amd"})  # fmt: skip
+    assert compiled.returncode != 0 and "hip/hip_bf16.h" in compiled.stderr
+    torch_flags, _ = library._torch_flags()
+    registration = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", *torch_flags,
+                                   str(folder / "registration.cpp")], capture_output=True, text=True, check=False)  # fmt: skip
+    assert registration.returncode == 0, registration.stderr[-2000:]
 
 
 @needs_tilelang
