@@ -273,9 +273,10 @@ def kernels_warmup(config: str, overrides: tuple[str, ...]) -> None:
 @click.argument("overrides", nargs=-1)
 @click.option("--target", "targets", multiple=True, metavar="TARGET",
               help="cuda:sm_90, hip:gfx942, ... (repeatable; default: this machine's GPU).")
-@click.option("--model-preset", help=f"Build for a known model shape instead of CONFIG's model: {', '.join(PRESETS)}.")
+@click.option("--model-preset", "model_presets", multiple=True,
+              help=f"Build for a known model shape instead of CONFIG's model (repeatable: one library for all): {', '.join(PRESETS)}.")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Library folder (one per target inside).")
-def kernels_build(config: str, overrides: tuple[str, ...], targets: tuple[str, ...], model_preset: str | None, out_dir: str) -> None:
+def kernels_build(config: str, overrides: tuple[str, ...], targets: tuple[str, ...], model_presets: tuple[str, ...], out_dir: str) -> None:
     """Compile every kernel CONFIG's model needs into one library per TARGET (`kernels: {library: OUT/<target>}`).
 
     The kernels are found by running each op once on this machine's GPU; each target's library is compiled
@@ -302,7 +303,9 @@ def kernels_build(config: str, overrides: tuple[str, ...], targets: tuple[str, .
         except ValueError as err:
             raise UserError(f"--target: {err}") from None
     cfg = load_config(config, overrides)
-    recorded = record_kernels(_meta_model(cfg, model_preset), cfg.kernels, compute_dtype(cfg))
+    recorded = {}
+    for preset in model_presets or (None,):
+        recorded |= record_kernels(_meta_model(cfg, preset), cfg.kernels, compute_dtype(cfg))
     if not recorded:
         raise UserError(f"kernels build: {config}'s `kernels:` selects no TileLang kernel for this model; nothing to build")
     for target in targets or (here,):
@@ -410,8 +413,8 @@ def export(config: str, overrides: tuple[str, ...]) -> None:
 @click.option("--kernels", "kernel_spec", help="Kernels to patch in, as in the `kernels:` key (e.g. all, rms_norm).")
 def chat(config: str, overrides: tuple[str, ...], kernel_spec: str | None) -> None:
     """Chat in the terminal with the CONFIG's model (and adapters) in its chat template."""
-    from tiletune.train.chat import load_session, run_chat
     from tiletune.config import load_config
+    from tiletune.train.chat import load_session, run_chat
 
     cfg = load_config(config, overrides + ((f"kernels={kernel_spec}",) if kernel_spec else ()))
     session, kernel_summary = load_session(cfg)

@@ -175,6 +175,25 @@ def test_kernels_build_without_a_gpu_is_one_line(tmp_path):
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
 
 
+def test_kernels_build_takes_every_presets_kernels_into_one_library(tmp_path, monkeypatch):
+    """--model-preset twice: the kernels both shapes need, once each, in one library per target."""
+    from tiletune.patch import warmup
+
+    config = tmp_path / "c.yaml"
+    config.write_text("model_name_or_path: examples/tiny-llama\nkernels: all\nbf16: true\n")
+    monkeypatch.setattr(_tilelang, "installed", lambda: True)
+    monkeypatch.setattr(_tilelang, "device_target", lambda: "cuda:sm_90")
+    monkeypatch.setattr(warmup, "record_kernels", lambda model, spec, dtype: {
+        ("rms_norm_fwd", model.config.hidden_size): None, ("rms_norm_fwd", 1024): None})  # fmt: skip
+    built = []
+    monkeypatch.setattr(library, "build", lambda kernels, target, out, progress: built.append((target, dict(kernels))) or manifest())
+    result = CliRunner().invoke(main, ["kernels", "build", str(config), "--model-preset", "llama3-8b", "--model-preset",
+                                       "gemma3-12b", "--target", "cuda:sm_90", "--out", str(tmp_path / "lib")])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert [(target, sorted(kernels)) for target, kernels in built] == [
+        ("cuda:sm_90", [("rms_norm_fwd", 1024), ("rms_norm_fwd", 3840), ("rms_norm_fwd", 4096)])]  # 1024: once
+
+
 @needs_tilelang
 def test_a_target_without_its_compiler_gets_a_source_package(tmp_path, monkeypatch):
     monkeypatch.setattr(library, "toolchain", lambda target: "hipcc (ROCm) is not installed; install ROCm >= 6 or set HIPCC")
