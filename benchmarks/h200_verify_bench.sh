@@ -33,6 +33,8 @@
 #   qlora70b: `tiletune bench` of the QLoRA step on the Llama-3-70B shape, all 80 layers built and quantized on the
 #           GPU tensor by tensor: tiletune's QLoRA without kernels (the baseline) and with every kernel under
 #           `gradient_checkpointing: auto` with offload within BUDGET_GIB (default 38)
+#   dpo:    `tiletune bench` of the DPO step (examples/bench/llama3_8b_dpo.yaml): TRL's fused head, LLaMA-Factory's
+#           full logits, Liger, every kernel; ORPO and KTO with and without the kernels
 #   library: the GPU tests of the kernel library, `tiletune kernels build` for the 8B preset (into build/library),
 #           then `tiletune verify` with TileLang blocked (every kernel from the library)
 #   library-bench: the same build (reused on a warm machine), then `tiletune bench baseline,all` with TileLang's JIT
@@ -46,11 +48,11 @@
 #   families: the GPU tests of rms_norm (offset form included) and the gated MLP ops, then `tiletune verify` of every
 #           kernel on 2 decoder layers of each preset in FAMILY_PRESETS (default: qwen3-8b mistral-7b gemma3-12b
 #           phi3-mini)
-#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench OUT_DIR [bench args...]
+#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo OUT_DIR [bench args...]
 # (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
 set -u
-PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench OUT_DIR [bench args]}
-OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench OUT_DIR [bench args]}
+PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo OUT_DIR [bench args]}
+OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo OUT_DIR [bench args]}
 shift 2
 CONFIG=examples/bench/llama3_8b_lora.yaml
 GOLDEN=/tmp/llama3-8b-2layers.golden.safetensors  # too large to bring back; its report is kept
@@ -116,6 +118,12 @@ library|library-bench)
                 --variants baseline,all --out "$OUT/bench-$RUN" 2>&1 | tail -5
         done
     fi ;;
+dpo)
+    # #20: the DPO step (4 pairs x 2048 tokens) on TRL's trainer: TRL's fused LM head (stock), LLaMA-Factory's
+    # full-logits log-probs, Liger's kernels, every tiletune kernel (linear_logprobs included); ORPO and KTO the same way
+    python3 -m tiletune bench examples/bench/llama3_8b_dpo.yaml --model-preset llama3-8b --steps 5 --warmup 2 --repeats 1 \
+        --variants "baseline,llamafactory,liger,all,baseline:pref_loss=orpo,all:pref_loss=orpo,baseline:stage=kto,all:stage=kto" \
+        --out "$OUT/bench-dpo" 2>&1 | tail -12 ;;
 families)
     python3 -m pytest -q -m gpu tests/kernels/test_rms_norm.py tests/kernels/test_swiglu.py 2>&1 \
         | tee "$OUT/gpu_tests_families.txt" | tail -2

@@ -157,7 +157,8 @@ def env(ctx: click.Context, as_json: bool, strict: bool, library: str | None) ->
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1)
 @click.option("--variants", default="baseline,all", show_default=True,
-              help="Comma-separated: baseline, all, an op name (rms_norm, swiglu, ...), liger; each may add "
+              help="Comma-separated: baseline, all, an op name (rms_norm, swiglu, ...), liger, bnb, llamafactory "
+                   "(stage dpo/kto: LLaMA-Factory's full-logits log-probs); each may add "
                    "config overrides as NAME:key=value[:key=value], e.g. all:gradient_checkpointing=auto.")
 @click.option("--ablation", is_flag=True, help="baseline, each op alone, all, and liger when installed; "
               "--variants adds more to the same run.")
@@ -184,7 +185,7 @@ def bench(config, overrides, variants, ablation, model_preset, layers, batch, se
     result = run_bench(
         str(Path(config).resolve()), list(overrides), chosen, Path(out_dir), model_preset,
         batch or cfg.train_arg("per_device_train_batch_size"), seq or cfg.cutoff_len, steps, warmup, repeats,
-        profile=profile, layers=layers,
+        profile=profile, layers=layers, stage=cfg.stage,
     )  # fmt: skip
     click.echo(table(result))
 

@@ -31,8 +31,13 @@ def ablation_variants() -> list[str]:
     return ["baseline", *OPS, "all"] + (["liger"] if find_spec("liger_kernel") else [])
 
 
-def check_variants(variants: list[str]) -> None:
+def check_variants(variants: list[str], stage: str = "sft") -> None:
+    from tiletune.bench.preference import STAGES
     from tiletune.kernels.registry import OPS
+
+    if stage not in ("pt", "sft", *STAGES):
+        raise UserError(f"bench times pt, sft, {' and '.join(STAGES)} steps; stage {stage!r} has no step to time here "
+                        "(train it with `tiletune train`)")  # fmt: skip
 
     known = {*PEER_VARIANTS, "all", *OPS}
     names = [split_variant(v)[0] for v in variants]
@@ -42,6 +47,9 @@ def check_variants(variants: list[str]) -> None:
                         "by + (rms_norm+rope), each optionally with :key=value config overrides (all:gradient_checkpointing=auto)")  # fmt: skip
     if "liger" in names and not find_spec("liger_kernel"):
         raise UserError("bench variant 'liger' needs Liger-Kernel; pip install liger-kernel (or drop the variant)")
+    if "llamafactory" in names and stage not in STAGES:
+        raise UserError(f"bench variant 'llamafactory' computes LLaMA-Factory's preference log-probs: it needs stage "
+                        f"{' or '.join(STAGES)} (this config's stage is {stage})")  # fmt: skip
     if "bnb" in names and not find_spec("bitsandbytes"):
         raise UserError("bench variant 'bnb' needs bitsandbytes; pip install bitsandbytes (or drop the variant)")
     if "baseline" not in variants:
@@ -87,9 +95,9 @@ def _spawn(job: dict) -> dict:
 
 def run_bench(config: str, overrides: list[str], variants: list[str], out_dir: Path, preset: str | None,
               batch: int, seq: int, steps: int, warmup: int, repeats: int, seed: int = 0,
-              profile: bool = False, layers: int | None = None) -> dict:  # fmt: skip
+              profile: bool = False, layers: int | None = None, stage: str = "sft") -> dict:  # fmt: skip
     """Measure every variant `repeats` times, interleaved; write bench.json/csv/png (and profile.md) into `out_dir`."""
-    check_variants(variants)
+    check_variants(variants, stage)
     if out_dir.exists() and (any(out_dir.glob("bench.*")) or (out_dir / "runs.jsonl").exists()):
         raise UserError(f"{out_dir} already holds bench results; choose another --out or move them away")
     out_dir.mkdir(parents=True, exist_ok=True)

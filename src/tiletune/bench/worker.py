@@ -2,7 +2,7 @@
 
 Run by `tiletune bench` as `python -m tiletune.bench.worker JSON`; prints one line `BENCH_RESULT {...}`.
 A step is forward + backward + optimizer step on a fixed batch of random tokens (the same seed in
-every variant), timed with the device synchronised; warm-up steps are dropped, and peak memory is
+every variant; a preference stage's step is its trainer's, bench/preference.py), timed with the device synchronised; warm-up steps are dropped, and peak memory is
 counted from the end of the warm-up.
 """
 
@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from tiletune.bench import preference
 from tiletune.config import TuneConfig, load_config
 from tiletune.errors import UserError
 from tiletune.train.model import autocast, compute_dtype, prepare_for_training
@@ -27,7 +28,8 @@ def split_variant(variant: str) -> tuple[str, list[str]]:
     return name, overrides
 
 
-PEER_VARIANTS = ("baseline", "liger", "bnb")  # the stock model, patched by Liger-Kernel, on bitsandbytes' 4-bit Linears
+# the stock model, patched by Liger-Kernel, on bitsandbytes' 4-bit Linears, with LLaMA-Factory's preference log-probs
+PEER_VARIANTS = ("baseline", "liger", "bnb", "llamafactory")
 
 
 def variant_kernels(variant: str):
@@ -111,8 +113,10 @@ def bitsandbytes_linears(model: torch.nn.Module) -> None:
         setattr(model.get_submodule(parent), child, layer)
 
 
-def step_flops(model_config, trainable_linear: int, tokens: int, seq: int, recomputed: float) -> float:
-    """Floating-point operations of one training step, counted from the model's shape.
+def step_flops(model_config, trainable_linear: int, tokens: int, seq: int, recomputed: float,
+               forward_only_tokens: int = 0) -> float:  # fmt: skip
+    """Floating-point operations of one training step, counted from the model's shape (`tokens` trained, and
+    `forward_only_tokens` run forward without gradient: a preference step's reference).
 
     Matmuls: 2 per weight per token forward, the same again for the input gradient, 2 per trainable
     weight per token for weight gradients, and the decoder's forward once more for the `recomputed`
@@ -128,7 +132,7 @@ def step_flops(model_config, trainable_linear: int, tokens: int, seq: int, recom
     forward = 2 * (decoder + head) + attention
     backward = 2 * (decoder + head) + 2 * attention + 2 * trainable_linear
     recompute = recomputed * (2 * decoder + attention)
-    return float(tokens) * (forward + backward + recompute)
+    return float(tokens) * (forward + backward + recompute) + float(forward_only_tokens) * forward
 
 
 def run(job: dict) -> dict:
@@ -145,18 +149,27 @@ def run(job: dict) -> dict:
 
         plan = plan_recomputation(model, batch, seq, compute_dtype(cfg), cfg.gradient_checkpointing_budget,
                                   cfg.use_reentrant_gc, cfg.gradient_checkpointing_offload)
-    vocab = model.config.vocab_size
-    generator = torch.Generator().manual_seed(job["seed"])
-    input_ids = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
     dtype = compute_dtype(cfg)
     model.train()
+    if cfg.stage in preference.STAGES:
+        forward_backward = preference.preference_step(cfg, model, name, batch, seq, job["seed"], lambda: autocast(device, dtype))
+        trained, forward_only = preference.sequences(cfg)
+    else:
+        generator = torch.Generator().manual_seed(job["seed"])
+        input_ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=generator).to(device)
+        trained, forward_only = 1, 0
+
+        def forward_backward() -> torch.Tensor:
+            with autocast(device, dtype):
+                loss = model(input_ids=input_ids, labels=input_ids).loss
+            loss.backward()
+            return loss
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
 
     def train_step() -> torch.Tensor:
-        with autocast(device, dtype):
-            loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
+        loss = forward_backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss
@@ -184,8 +197,9 @@ def run(job: dict) -> dict:
         "variant": job["variant"],
         "step_times": times,
         "losses": losses,
-        "tokens_per_step": batch * seq,
-        "flops_per_step": step_flops(base_config, trainable_linear, batch * seq, seq, _recomputed_share(cfg, plan)),
+        "tokens_per_step": trained * batch * seq,
+        "flops_per_step": step_flops(base_config, trainable_linear, trained * batch * seq, seq, _recomputed_share(cfg, plan),
+                                     forward_only * batch * seq),
         "patched": report.to_dict() if report is not None else None,
         "recompute": plan.to_dict() if plan is not None else None,
         "peak_allocated_gib": peak_allocated,
