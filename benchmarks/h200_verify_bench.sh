@@ -43,8 +43,8 @@
 #           :N keeps the first N layers): stock, Liger, every kernel, and every kernel under `auto` within Liger's
 #           and within stock's peak measured in the same run (budget=@liger, @baseline)
 #   moe:    the GPU tests of moe_experts, benchmarks/kernel_bench.py --only moe (grouped GEMM against a dense GEMM over
-#           the same rows and torch's grouped_mm), then `tiletune bench` of the Qwen3-30B-A3B shape on its first LAYERS
-#           (default 12) layers: stock (grouped_mm experts), Liger, every kernel, and every kernel + moe_experts
+#           the same rows and torch's grouped_mm), then `tiletune bench` of MOE_PRESET (default qwen3-30b-a3b;
+#           mixtral-8x7b) on its first LAYERS (default 12) layers: stock (grouped_mm experts), Liger, every kernel, and every kernel + moe_experts
 #   families: the GPU tests of rms_norm (offset form included) and the gated MLP ops, then `tiletune verify` of every
 #           kernel on 2 decoder layers of each preset in FAMILY_PRESETS (default: qwen3-8b mistral-7b gemma3-12b
 #           phi3-mini)
@@ -134,8 +134,9 @@ families)
 moe)
     python3 -m pytest -q -m gpu tests/kernels/test_moe_experts.py 2>&1 | tee "$OUT/gpu_tests_moe.txt" | tail -2
     python3 benchmarks/kernel_bench.py --only moe --rounds 3 --out "$OUT/kernels-moe" 2>&1 | grep -v Warning | tail -9
-    python3 -m tiletune bench "$CONFIG" --model-preset qwen3-30b-a3b --layers "${LAYERS:-12}" --steps 5 --warmup 2 \
-        --variants "baseline,liger,all,all+moe_experts" --out "$OUT/bench-qwen3-30b-a3b" 2>&1 | tail -8 ;;
+    MOE_PRESET=${MOE_PRESET:-qwen3-30b-a3b}
+    python3 -m tiletune bench "$CONFIG" --model-preset "$MOE_PRESET" --layers "${LAYERS:-12}" --steps 5 --warmup 2 \
+        --variants "baseline,liger,all,all+moe_experts" --out "$OUT/bench-$MOE_PRESET" 2>&1 | tail -8 ;;
 families-bench)
     # per family: stock, Liger, every kernel, and every kernel under `auto` at Liger's and at stock's peak (same run)
     AUTO=all:gradient_checkpointing=auto:gradient_checkpointing_budget

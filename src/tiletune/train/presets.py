@@ -53,6 +53,17 @@ PRESETS: dict[str, dict] = {
         num_experts_per_tok=8, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
         tie_word_embeddings=False,
     ),
+    "mixtral-8x7b": dict(
+        model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None,
+        tie_word_embeddings=False,
+    ),
+    "phi4-mini": dict(  # Phi-4-mini-instruct: fused qkv and gate_up, rotary on 3/4 of each head
+        model_type="phi3", vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+        num_attention_heads=24, num_key_value_heads=8, max_position_embeddings=131072, rope_theta=10000.0,
+        partial_rotary_factor=0.75, rms_norm_eps=1e-5, tie_word_embeddings=True, pad_token_id=199999,
+    ),
     "tiny": dict(
         model_type="llama", vocab_size=1024, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
