@@ -107,34 +107,44 @@ def test_tilelang_pairs_matches_float64(dtype, batch, seq):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch,seq", [(1, 1), (1, 77), (1, 5000), (4, 2048)])
-def test_tilelang_matches_float64(dtype, batch, seq):
+@pytest.mark.parametrize("heads_q,heads_k,d", [(32, 8, 128), (24, 8, 96)])  # Llama-3; Phi-4-mini's rotated 3/4
+def test_tilelang_matches_float64(dtype, batch, seq, heads_q, heads_k, d):
     from _gpu_check import check
 
-    cos, sin = cos_sin(batch, seq, 32, 128, device="cuda", dtype=dtype)
+    cos, sin = cos_sin(batch, seq, heads_q, d, device="cuda", dtype=dtype)
     # Projections come out as (batch, seq, heads, head_dim); attention sees the (1, 2) transpose.
-    q = torch.randn(batch, seq, 32, 128, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
-    k = torch.randn(batch, seq, 8, 128, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
-    check("rope", f"tokens={batch * seq} heads=32/8", dtype, [q, k, cos, sin],
+    q = torch.randn(batch, seq, heads_q, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(batch, seq, heads_k, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+    check("rope", f"tokens={batch * seq} heads={heads_q}/{heads_k} d={d}", dtype, [q, k, cos, sin],
           apply_rotary_pos_emb,
           lambda q, k, c, s: op.rope(q, k, c, s, impl="tilelang", strict=True),
           ["q", "k", "dq", "dk"])
 
 
-def test_phi3s_fused_qkv_takes_the_kernel_and_phi4_minis_partial_rotation_is_a_named_fallback():
+def test_phi3s_fused_qkv_and_phi4_minis_partial_rotation_take_the_kernel(monkeypatch):
+    """Phi-3 rotates whole heads; Phi-4-mini 3/4 of each (48 of 64 features here): the op turns those, the rest
+    pass; outputs and gradients as stock, and the warm-up key names the rotated width."""
     import transformers
 
     from tiletune.patch import apply_kernels
 
-    shape = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
+    widths, rope = [], op.rope  # the rotated width of every call that reached the op
+    monkeypatch.setattr(op, "rope", lambda q, *rest: widths.append(q.shape[-1]) or rope(q, *rest))
+
+    shape = {"vocab_size": 64, "hidden_size": 256, "intermediate_size": 96, "num_hidden_layers": 1,
              "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0}
-    for factor, installed in ((1.0, True), (0.75, False)):
+    for factor, rotated in ((1.0, 64), (0.75, 48)):
         torch.manual_seed(0)
-        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**shape, partial_rotary_factor=factor)).eval()
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**shape, partial_rotary_factor=factor)).double()
         ids = torch.randint(0, 64, (2, 9))
-        with torch.no_grad():
-            stock = model(input_ids=ids).logits
-            report = apply_kernels(model, {"rope": "reference"})
-            entry = next(e for e in report.entries if e.op == "rope")
-            assert entry.installed is installed and (installed or "partial_rotary_factor 0.75" in entry.fallback)
-            torch.testing.assert_close(model(input_ids=ids).logits, stock)
+        stock_loss = model(input_ids=ids, labels=ids).loss
+        stock_grads = torch.autograd.grad(stock_loss, list(model.parameters()))
+        report = apply_kernels(model, {"rope": "reference", "strict": True})
+        entry, binding, site = next(b for b in report.bindings if b[0].op == "rope")
+        assert entry.installed and binding.compile_key(site) == (4, 2, rotated)
+        loss = model(input_ids=ids, labels=ids).loss
+        torch.testing.assert_close(loss, stock_loss)
+        assert widths.pop() == rotated and not widths
+        for got, want in zip(torch.autograd.grad(loss, list(model.parameters())), stock_grads, strict=True):
+            torch.testing.assert_close(got, want)
         report.revert()

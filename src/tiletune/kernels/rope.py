@@ -277,11 +277,7 @@ _PAIRS_GLOBAL = "apply_rotary_emb"  # what Llama 4's attention calls (pairs)
 def _fit(site: Site) -> str | None:
     if site.part.rotary != "full":
         return f"{site.part.rotary} rotary embedding: no kernel yet: stock forward kept"
-    reason = _attention_fit(site, _GLOBAL)
-    partial = getattr(site.module.config, "partial_rotary_factor", None) or 1.0
-    if reason is None and partial < 1.0:  # Phi-4-mini (model_type phi3) rotates 3/4 of each head
-        reason = f"partial rotary embedding (partial_rotary_factor {partial}): no kernel yet: stock forward kept"
-    return reason
+    return _attention_fit(site, _GLOBAL)
 
 
 def _pairs_fit(site: Site) -> str | None:
@@ -295,10 +291,21 @@ def _rope_function(original: Callable, impl: str, strict: bool) -> Callable:
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, unsqueeze_dim=1, **kwargs):
-        if args or kwargs or unsqueeze_dim != 1 or cos.shape[-1] != q.shape[-1]:
+        rotary = cos.shape[-1]
+        if args or kwargs or unsqueeze_dim != 1 or rotary > q.shape[-1]:
             return original(q, k, cos, sin, *args, unsqueeze_dim=unsqueeze_dim, **kwargs)
-        return rope(q, k, cos, sin, impl, strict)
+        if rotary == q.shape[-1]:
+            return rope(q, k, cos, sin, impl, strict)
+        # partial rotation (Phi-4-mini: 3/4 of each head): the op turns the leading features, the rest pass
+        q_turned, k_turned = rope(_leading(q, rotary), _leading(k, rotary), cos, sin, impl, strict)
+        return torch.cat((q_turned, q[..., rotary:]), -1), torch.cat((k_turned, k[..., rotary:]), -1)
     return apply_rotary_pos_emb
+
+
+def _leading(x: Tensor, features: int) -> Tensor:
+    """The first `features` of each head of x (batch, heads, seq, head_dim), in the op's (batch, seq, heads)
+    memory order."""
+    return x.transpose(1, 2)[..., :features].contiguous().transpose(1, 2)
 
 
 def _pairs_function(original: Callable, impl: str, strict: bool) -> Callable:
@@ -313,9 +320,11 @@ def _pairs_function(original: Callable, impl: str, strict: bool) -> Callable:
 
 
 def _compile_key(site: Site) -> tuple:
-    """(q heads, kv heads, head_dim): from the config, as fused projections (Phi-3's qkv_proj) have no q_proj."""
+    """(q heads, kv heads, rotated features per head): from the config, as fused projections (Phi-3's qkv_proj) have
+    no q_proj; a partial rotation turns int(head_dim x partial_rotary_factor) of them, as transformers computes."""
     attention = site.module
-    return (attention.config.num_attention_heads, attention.config.num_key_value_heads, attention.head_dim)
+    rotated = int(attention.head_dim * (getattr(attention.config, "partial_rotary_factor", None) or 1.0))
+    return (attention.config.num_attention_heads, attention.config.num_key_value_heads, rotated)
 
 
 def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
