@@ -1,4 +1,4 @@
-"""bench/preference.py: LLaMA-Factory's full-logits log-probs against TRL's fused head, the synthetic rows."""
+"""bench/preference.py: LLaMA-Factory's full-logits log-probs against TRL's fused head."""
 
 import copy
 
@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
-from tiletune.bench.preference import add_full_logits_head, synthetic_rows
+from tiletune.bench.preference import add_full_logits_head
 
 
 def test_the_full_logits_head_gives_trls_fused_log_probs_and_metrics():
@@ -29,12 +29,3 @@ def test_the_full_logits_head_gives_trls_fused_log_probs_and_metrics():
     assert full.lm_head.weight.grad is not None and full.lm_head.weight.grad.abs().sum() > 0
     plain = full(input_ids=ids)  # without fused_lm_head: the model's own forward
     assert plain.logits.shape == (3, 21, 97)
-
-
-def test_synthetic_rows_have_the_stages_columns_and_lengths():
-    dpo = synthetic_rows("dpo", 3, 33, 50, seed=1)
-    assert sorted(dpo) == ["chosen_ids", "prompt_ids", "rejected_ids"]
-    assert [len(dpo["prompt_ids"][0]), len(dpo["chosen_ids"][0])] == [16, 17] and dpo["chosen_ids"] != dpo["rejected_ids"]
-    kto = synthetic_rows("kto", 4, 32, 50, seed=1)
-    assert kto["label"] == [True, False, True, False] and len(kto["KL_completion_ids"]) == 4
-    assert synthetic_rows("dpo", 3, 33, 50, seed=1) == dpo  # seeded: every variant sees the same rows

@@ -62,3 +62,14 @@ def test_pretraining_packs_texts_into_cutoff_blocks(tmp_path, demo_tokenizer):
     assert sum(lengths) == total and all(n == 16 for n in lengths[:-1]) and 0 < lengths[-1] <= 16
     assert train["labels"] == train["input_ids"]
     assert demo_tokenizer.decode(sum(train["input_ids"], [])).count(demo_tokenizer.eos_token) == 6
+
+
+def test_random_rows_have_the_stages_columns_and_lengths():
+    from tiletune.data.processing import random_rows
+
+    dpo = random_rows("dpo", 3, 33, 50, seed=1)
+    assert sorted(dpo) == ["chosen_ids", "prompt_ids", "rejected_ids"]
+    assert [len(dpo["prompt_ids"][0]), len(dpo["chosen_ids"][0])] == [16, 17] and dpo["chosen_ids"] != dpo["rejected_ids"]
+    kto = random_rows("kto", 4, 32, 50, seed=1)
+    assert kto["label"] == [True, False, True, False] and len(kto["KL_completion_ids"]) == 4
+    assert random_rows("dpo", 3, 33, 50, seed=1) == dpo  # seeded: every variant sees the same rows

@@ -26,21 +26,6 @@ from tiletune.config import TuneConfig
 STAGES = ("dpo", "kto")  # the stages bench times this way (rm has no reference and no log-prob head)
 
 
-def synthetic_rows(stage: str, examples: int, seq: int, vocab: int, seed: int) -> dict[str, list]:
-    """Tokenised rows of the stage's dataset columns (data/processing.py), random token ids from `seed`."""
-    generator = torch.Generator().manual_seed(seed)
-    prompt_len = seq // 2
-
-    def ids(length: int) -> list[list[int]]:
-        return torch.randint(0, vocab, (examples, length), generator=generator).tolist()
-
-    rows = {"prompt_ids": ids(prompt_len)}
-    if stage == "dpo":
-        return {**rows, "chosen_ids": ids(seq - prompt_len), "rejected_ids": ids(seq - prompt_len)}
-    return {**rows, "completion_ids": ids(seq - prompt_len), "KL_completion_ids": ids(seq - prompt_len),
-            "label": [index % 2 == 0 for index in range(examples)]}  # fmt: skip
-
-
 def bench_tokenizer():
     """A two-token tokenizer: the trainers read only its pad and eos ids (the rows are tokenised already)."""
     from tokenizers import Tokenizer
@@ -68,6 +53,7 @@ def preference_step(cfg: TuneConfig, model, variant: str, batch: int, seq: int, 
     steps the optimizer); the returned function gives the loss."""
     from datasets import Dataset
 
+    from tiletune.data.processing import random_rows
     from tiletune.train.model import load_model
     from tiletune.train.preference import preference_stage
     from tiletune.train.trainer import training_arguments
@@ -76,7 +62,7 @@ def preference_step(cfg: TuneConfig, model, variant: str, batch: int, seq: int, 
     trainer_class, arguments, stage_kwargs = preference_stage(cfg, model, tokenizer, load_model)
     args = arguments(training_arguments(cfg, tempfile.mkdtemp(prefix="tiletune-bench-"), model))
     args.per_device_train_batch_size = batch
-    rows = synthetic_rows(cfg.stage, batch, seq, model.config.vocab_size, seed)
+    rows = random_rows(cfg.stage, batch, seq, model.config.vocab_size, seed)
     trainer = trainer_class(model=model, args=args, train_dataset=Dataset.from_dict(rows), processing_class=tokenizer,
                             **stage_kwargs)  # fmt: skip
     if variant == "llamafactory":
@@ -96,6 +82,8 @@ def add_full_logits_head(model) -> None:
     logit, top-1) are read off the same tensors without gradient, a row at a time."""
     from trl.trainer.utils import FusedCausalLMOutput
 
+    from tiletune.train.preference import label_log_probs
+
     current = model.forward
 
     @functools.wraps(type(model).forward)
@@ -103,15 +91,12 @@ def add_full_logits_head(model) -> None:
         if not fused_lm_head:
             return current(*args, labels=labels, **kwargs)
         kwargs.pop("num_items_in_batch", None)
-        logits = current(*args, **kwargs).logits[:, :-1].float()
-        labels = labels[:, 1:]
-        mask = labels != -100
-        log_softmax = logits.log_softmax(-1)
-        log_probs = log_softmax.gather(2, labels.clamp(min=0).unsqueeze(2)).squeeze(2) * mask
+        logits = current(*args, **kwargs).logits
+        log_probs, mask, log_softmax = label_log_probs(logits, labels)
         with torch.no_grad():
             entropy = torch.stack([-(row.exp() * row).sum(-1) for row in log_softmax]) * mask
-            is_top1 = (log_softmax.argmax(-1) == labels) & mask
-            mean_logits = logits.mean(-1) * mask
+            is_top1 = (log_softmax.argmax(-1) == labels[:, 1:]) & mask
+            mean_logits = logits[:, :-1].float().mean(-1) * mask
         return FusedCausalLMOutput(loss=-log_probs.sum() / mask.sum().clamp(min=1), log_probs=log_probs,
                                    entropy=entropy, mean_logits=mean_logits, is_top1=is_top1, label_mask=mask)  # fmt: skip
 

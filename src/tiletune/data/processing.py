@@ -28,6 +28,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from transformers.utils import logging as transformers_logging
 
 from tiletune.config import TuneConfig
@@ -317,3 +318,19 @@ def _prompts(cfg: TuneConfig, tokenizer, template: Template, raw):
         }
 
     return _map(cfg, raw.filter(_is_supervised, desc="Checking predict"), encode, "Tokenising prompts")
+
+
+def random_rows(stage: str, examples: int, seq: int, vocab: int, seed: int) -> dict[str, list]:
+    """Columns of `examples` tokenised rows of `stage`'s data (dpo: pairwise; kto: feedback) of random token ids from
+    `seed`: each prompt half of `seq`, each answer the rest; KTO's answers desirable and undesirable in turn."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt_len = seq // 2
+
+    def ids(length: int) -> list[list[int]]:
+        return torch.randint(0, vocab, (examples, length), generator=generator).tolist()
+
+    rows = {"prompt_ids": ids(prompt_len)}
+    if stage == "dpo":
+        return {**rows, "chosen_ids": ids(seq - prompt_len), "rejected_ids": ids(seq - prompt_len)}
+    return {**rows, "completion_ids": ids(seq - prompt_len), "KL_completion_ids": ids(seq - prompt_len),
+            "label": [index % 2 == 0 for index in range(examples)]}  # fmt: skip

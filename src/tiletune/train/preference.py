@@ -195,32 +195,48 @@ def add_logprob_head(model, impl: str, strict: bool) -> None:
     forward it replaces. Idempotent."""
     from trl.trainer.utils import FusedCausalLMOutput
 
-    from tiletune.kernels.linear_logprobs import linear_logprobs
-
     if getattr(model, "_tiletune_logprob_head", False):
         return
     current = model.forward
-    text_config = model.config.get_text_config()
-    softcap = float(getattr(text_config, "final_logit_softcapping", None) or 0.0)
 
     @functools.wraps(type(model).forward)  # generate validates its keywords against the signature
     def forward(self, *args, fused_lm_head=False, labels=None, **kwargs):
         if not fused_lm_head or "shift_labels" in kwargs or kwargs.get("output_router_logits"):
             return current(*args, fused_lm_head=fused_lm_head, labels=labels, **kwargs)
         kwargs.pop("num_items_in_batch", None)
-        hidden = self.base_model(*args, **{**kwargs, "use_cache": False}).last_hidden_state[:, :-1]
-        weight = self.get_output_embeddings().weight
-        labels = labels[:, 1:].to(weight.device)
-        logp, stats = linear_logprobs(hidden.reshape(-1, hidden.size(-1)).to(weight.device), weight,
-                                      labels.reshape(-1), impl, strict, softcap)  # fmt: skip
-        entropy, mean_logits, is_top1 = stats.view(*labels.shape, -1).unbind(-1)
-        mask = labels != -100
-        logp = logp.view(labels.shape)
+        logp, stats, mask = fused_label_log_probs(self, labels, impl, strict, *args, **kwargs)
+        entropy, mean_logits, is_top1 = stats.unbind(-1)
         return FusedCausalLMOutput(loss=-logp.sum() / mask.sum().clamp(min=1), log_probs=logp, entropy=entropy,
                                    mean_logits=mean_logits, is_top1=is_top1.bool(), label_mask=mask)  # fmt: skip
 
     model.forward = types.MethodType(forward, model)
     model._tiletune_logprob_head = True
+
+
+def fused_label_log_probs(causal_lm, labels, impl: str, strict: bool, *args, **kwargs):
+    """(log-probs [batch, seq - 1] of the next-token labels, their [batch, seq - 1, 3] statistics, the label mask)
+    from `linear_logprobs` on the backbone's last hidden states (`args`, `kwargs`: the backbone's inputs); 0 where
+    the label is -100. The logits never exist."""
+    from tiletune.kernels.linear_logprobs import linear_logprobs
+
+    softcap = float(getattr(causal_lm.config.get_text_config(), "final_logit_softcapping", None) or 0.0)
+    hidden = causal_lm.base_model(*args, **{**kwargs, "use_cache": False}).last_hidden_state[:, :-1]
+    weight = causal_lm.get_output_embeddings().weight
+    labels = labels[:, 1:].to(weight.device)
+    logp, stats = linear_logprobs(hidden.reshape(-1, hidden.size(-1)).to(weight.device), weight, labels.reshape(-1),
+                                  impl, strict, softcap)  # fmt: skip
+    return logp.view(labels.shape), stats.view(*labels.shape, -1), labels != -100
+
+
+def label_log_probs(logits, labels):
+    """(log-probs [batch, seq - 1] of the next-token labels, the label mask) from the whole logits, in float32 at
+    least: their log-softmax over the vocabulary, gathered (LLaMA-Factory's get_batch_logps); 0 where the label is
+    -100. Also returns the log-softmax (for statistics)."""
+    labels = labels[:, 1:]
+    mask = labels != -100
+    log_softmax = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
+    log_probs = log_softmax.gather(2, labels.clamp(min=0).unsqueeze(2)).squeeze(2) * mask
+    return log_probs, mask, log_softmax
 
 
 class _TokenisedData:
@@ -253,6 +269,22 @@ class _TokenisedData:
         return dataset
 
 
+def pair_losses(pref: PrefLoss, settings, ftx: float, sums, lengths, ref_sums=None):
+    """LLaMA-Factory's per-pair losses from the answers' summed log-probs `sums` and token counts `lengths` (chosen
+    answers first, then rejected), and the reference's sums (None: a loss without reference). `settings` carries
+    beta, label_smoothing and simpo_gamma. Returns (losses, the chosen answers' average NLL, (chosen, rejected,
+    ref chosen, ref rejected) as the loss compares them: per-token averages where `pref.average`)."""
+    scale = lengths if pref.average else torch.ones_like(lengths)
+    chosen, rejected = (sums / scale).chunk(2)
+    if ref_sums is None:
+        ref_chosen = ref_rejected = torch.zeros_like(chosen)
+    else:
+        ref_chosen, ref_rejected = (ref_sums / scale).chunk(2)
+    sft_loss = -(sums / lengths).chunk(2)[0]
+    losses = pref.per_sequence(settings, chosen, rejected, ref_chosen, ref_rejected) + ftx * sft_loss
+    return losses, sft_loss, (chosen, rejected, ref_chosen, ref_rejected)
+
+
 def preference_trainer_class():
     """TRL's DPOTrainer with LLaMA-Factory's losses."""
     from trl import DPOTrainer
@@ -273,19 +305,15 @@ def preference_trainer_class():
         def _llamafactory_loss(self, model, inputs):
             mode = "train" if self.model.training else "eval"
             sums, lengths = self._answers_forward(model, inputs)
-            scale = lengths if self.pref.average else torch.ones_like(lengths)
-            chosen, rejected = (sums / scale).chunk(2)
+            ref_sums = None
             if self.pref.reference:
                 if self.precompute_ref_logps:
                     ref = (inputs["ref_chosen_logps"], inputs["ref_rejected_logps"])
                 else:
                     ref = self.compute_ref_log_probs(self.ref_model if self.ref_model is not None else model, inputs)
-                ref_chosen, ref_rejected = (logps / s for logps, s in zip(ref, scale.chunk(2)))
-            else:
-                ref_chosen = ref_rejected = torch.zeros_like(chosen)
-            losses = self.pref.per_sequence(self, chosen, rejected, ref_chosen, ref_rejected)
-            sft_loss = -(sums / lengths).chunk(2)[0]
-            losses = losses + self.ftx * sft_loss
+                ref_sums = torch.cat(ref)
+            losses, sft_loss, (chosen, rejected, ref_chosen, ref_rejected) = pair_losses(
+                self.pref, self, self.ftx, sums, lengths, ref_sums)
             chosen_rewards = self.beta * (chosen - ref_chosen).detach()
             rejected_rewards = self.beta * (rejected - ref_rejected).detach()
             metrics = {

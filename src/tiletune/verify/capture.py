@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tiletune.train.model import autocast
 from tiletune.patch import decoder_layers
+from tiletune.train.model import autocast
+from tiletune.verify.losses import StepLoss, lm_loss
 
 
 def _first_tensor(value):
@@ -39,10 +40,12 @@ def watched_modules(model: nn.Module, extra: list[str]) -> dict[str, nn.Module]:
 
 
 def run_and_capture(model: nn.Module, batches: list[dict], watch: dict[str, nn.Module], dtype: torch.dtype,
-                    device: torch.device) -> dict[str, torch.Tensor]:  # fmt: skip
-    """Forward + backward over `batches` under autocast to `dtype` (none for float32/64); the captured tensors.
+                    device: torch.device, loss_of: StepLoss = lm_loss) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Forward + backward of `loss_of` (the causal LM loss, or a preference stage's: verify/losses.py) over
+    `batches` under autocast to `dtype` (none for float32/64); the captured tensors.
 
-    Each batch's tensors get a `b<index>.` prefix; parameter gradients are summed over batches.
+    Each batch's tensors get a `b<index>.` prefix; parameter gradients are summed over batches. The forward
+    outputs kept are each module's last (a preference loss runs the reference first, without gradient).
     """
     captured: dict[str, torch.Tensor] = {}
     prefix = [""]
@@ -66,7 +69,7 @@ def run_and_capture(model: nn.Module, batches: list[dict], watch: dict[str, nn.M
         for index, batch in enumerate(batches):
             prefix[0] = f"b{index}."
             with autocast(device, dtype):
-                loss = model(input_ids=batch["input_ids"].to(device), labels=batch["labels"].to(device)).loss
+                loss = loss_of(model, batch, device)
             loss.backward()
             captured[f"b{index}.loss"] = _store(loss.reshape(1))
     finally:

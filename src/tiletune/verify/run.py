@@ -25,6 +25,7 @@ from tiletune.errors import UserError
 from tiletune.numerics import DTYPE_TOLERANCE, FLOOR_ULPS, compare_runs, errors
 from tiletune.patch import apply_kernels, parse_kernel_spec
 from tiletune.verify.capture import run_and_capture, watched_modules
+from tiletune.verify.losses import PREFERENCE_STAGES, StepLoss, preference_rows, step_loss
 
 log = logging.getLogger("tiletune.verify")
 FP16_MAX = torch.finfo(torch.float16).max
@@ -100,26 +101,52 @@ def _randomise_adapters(model, seed: int) -> None:
 def _inputs(cfg: TuneConfig, options: VerifyOptions, tokenizer, template, vocab: int) -> list[dict]:
     batch = cfg.train_arg("per_device_train_batch_size", 1)
     seq = options.seq or min(cfg.cutoff_len, 512)
+    random_data = options.random_tokens or options.preset or not cfg.dataset
+    if cfg.stage in PREFERENCE_STAGES:
+        return _preference_inputs(cfg, options, tokenizer, template, vocab, batch, seq, random_data)
     generator = torch.Generator().manual_seed(options.seed)
-    if options.random_tokens or options.preset or not cfg.dataset:
+    if random_data:
         return [
             {"input_ids": (ids := torch.randint(0, vocab, (batch, seq), generator=generator)), "labels": ids.clone()}
             for _ in range(options.batches)
         ]
     from transformers import DataCollatorForSeq2Seq
 
-    from tiletune.data.processing import build_splits
-
-    train = build_splits(cfg, tokenizer, template).train
     needed = batch * options.batches
-    if len(train) < needed:
-        raise UserError(f"verify needs {needed} examples ({options.batches} batches of {batch}); the data has {len(train)}")
+    train = _training_rows(cfg, tokenizer, template, options.batches, batch)
     collate = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)
     rows = [{k: train[i][k][:seq] for k in ("input_ids", "attention_mask", "labels")} for i in range(needed)]
     return [
         {k: v for k, v in collate(rows[i : i + batch]).items() if k in ("input_ids", "labels")}
         for i in range(0, needed, batch)
     ]
+
+
+def _training_rows(cfg: TuneConfig, tokenizer, template, batches: int, batch: int):
+    """cfg's training data, tokenised as training does, with at least `batches` x `batch` rows."""
+    from tiletune.data.processing import build_splits
+
+    train = build_splits(cfg, tokenizer, template).train
+    needed = batches * batch
+    if len(train) < needed:
+        raise UserError(f"verify needs {needed} examples ({batches} batches of {batch}); the data has {len(train)}")
+    return train
+
+
+def _preference_inputs(cfg: TuneConfig, options: VerifyOptions, tokenizer, template, vocab: int, batch: int, seq: int,
+                       random_data: bool) -> list[dict]:  # fmt: skip
+    """Batches of `batch` pairs (DPO) or answers (KTO), from the data or of random tokens."""
+    from tiletune.data.processing import random_rows
+
+    needed = batch * options.batches
+    if random_data:
+        columns = random_rows(cfg.stage, needed, seq, vocab, options.seed)
+        rows = [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+    else:
+        train = _training_rows(cfg, tokenizer, template, options.batches, batch)
+        rows = [train[i] for i in range(needed)]
+    pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    return [preference_rows(cfg, rows[i : i + batch], seq, pad_id) for i in range(0, needed, batch)]
 
 
 def fingerprint(model) -> str:
@@ -135,19 +162,19 @@ def fingerprint(model) -> str:
 # ---- the three runs ----------------------------------------------------------------------------
 
 
-def capture_three(model, spec, batches, device, dtype, watch_extra: list[str]):
+def capture_three(cfg: TuneConfig, model, spec, batches, device, dtype, watch_extra: list[str]):
     """(stock, patched, reference) captures and the PatchReport; the model ends in the reference dtype."""
     watch = watched_modules(model, watch_extra)
-    stock = run_and_capture(model, batches, watch, dtype, device)
+    stock = run_and_capture(model, batches, watch, dtype, device, step_loss(cfg))
     report = apply_kernels(model, spec)
     try:
-        patched = run_and_capture(model, batches, watch, dtype, device)
+        patched = run_and_capture(model, batches, watch, dtype, device, step_loss(cfg, spec))
     finally:
         report.revert()
     reference_dtype = torch.float32 if device.type == "cuda" else torch.float64
     model.to(reference_dtype)
     with _experts_running(model, reference_dtype):
-        reference = run_and_capture(model, batches, watch, reference_dtype, device)
+        reference = run_and_capture(model, batches, watch, reference_dtype, device, step_loss(cfg))
     return stock, patched, reference, report
 
 
@@ -249,7 +276,8 @@ def load_golden(path: Path, model_print: str):
             )
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}
     count = len({k.split(".")[1] for k in tensors if k.startswith("input.")})
-    batches = [{k: tensors[f"input.{i}.{k}"] for k in ("input_ids", "labels")} for i in range(count)]
+    batches = [{key.split(".", 2)[2]: value for key, value in tensors.items() if key.startswith(f"input.{i}.")}
+               for i in range(count)]  # fmt: skip
     stock = {k.removeprefix("stock."): v for k, v in tensors.items() if k.startswith("stock.")}
     return batches, stock, meta
 
@@ -282,8 +310,8 @@ def compare_to_golden(captured: dict, golden: dict, tolerances: dict[str, float]
 # ---- convergence -------------------------------------------------------------------------------
 
 
-def loss_curve(model, batches, steps: int, lr: float, dtype, device, seed: int) -> list[float]:
-    """Losses of `steps` AdamW steps over `batches` (cycled), from the model's current weights."""
+def loss_curve(model, batches, steps: int, lr: float, dtype, device, seed: int, loss_of: StepLoss) -> list[float]:
+    """Losses of `steps` AdamW steps of `loss_of` over `batches` (cycled), from the model's current weights."""
     from tiletune.train.model import autocast
 
     torch.manual_seed(seed)
@@ -293,7 +321,7 @@ def loss_curve(model, batches, steps: int, lr: float, dtype, device, seed: int) 
     for step in range(steps):
         batch = batches[step % len(batches)]
         with autocast(device, dtype):
-            loss = model(input_ids=batch["input_ids"].to(device), labels=batch["labels"].to(device)).loss
+            loss = loss_of(model, batch, device)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -301,7 +329,8 @@ def loss_curve(model, batches, steps: int, lr: float, dtype, device, seed: int) 
     return losses
 
 
-def convergence(model, spec, batches, steps: int, lr: float, dtype, device, seed: int, tolerance: float) -> dict:
+def convergence(cfg: TuneConfig, model, spec, batches, steps: int, lr: float, dtype, device, seed: int,
+                tolerance: float) -> dict:  # fmt: skip
     """Stock and patched loss curves from the same weights and data, their largest relative gap, a verdict.
 
     The trainable weights are restored afterwards, so later checks see the model as it was.
@@ -314,11 +343,11 @@ def convergence(model, spec, batches, steps: int, lr: float, dtype, device, seed
                 if name in start:
                     param.copy_(start[name])
 
-    stock = loss_curve(model, batches, steps, lr, dtype, device, seed)
+    stock = loss_curve(model, batches, steps, lr, dtype, device, seed, step_loss(cfg))
     restore()
     report = apply_kernels(model, spec)
     try:
-        patched = loss_curve(model, batches, steps, lr, dtype, device, seed)
+        patched = loss_curve(model, batches, steps, lr, dtype, device, seed, step_loss(cfg, spec))
     finally:
         report.revert()
         restore()
@@ -363,7 +392,7 @@ def run_verify(cfg: TuneConfig, options: VerifyOptions) -> dict:
         report = apply_kernels(model, spec)
         try:
             watch = watched_modules(model, sorted({_module_of(name) for name in golden} - {None}))
-            captured = run_and_capture(model, batches, watch, dtype, device)
+            captured = run_and_capture(model, batches, watch, dtype, device, step_loss(cfg, spec))
         finally:
             report.revert()
         tolerances = golden_tolerances(golden, meta, dtype, options.k, options.tolerance)
@@ -378,8 +407,9 @@ def run_verify(cfg: TuneConfig, options: VerifyOptions) -> dict:
         if options.steps:
             lr = cfg.train_arg("learning_rate", 1e-4)
             tolerance = options.tolerance or 5 * DTYPE_TOLERANCE[dtype]
-            result["convergence"] = convergence(model, spec, batches, options.steps, lr, dtype, device, options.seed, tolerance)
-        stock, patched, reference, report = capture_three(model, spec, batches, device, dtype, extra)
+            result["convergence"] = convergence(cfg, model, spec, batches, options.steps, lr, dtype, device, options.seed,
+                                                tolerance)  # fmt: skip
+        stock, patched, reference, report = capture_three(cfg, model, spec, batches, device, dtype, extra)
         verdicts = compare_runs(stock, patched, reference, dtype, options.k, options.floor_ulps)
         result.update(
             k=options.k,
