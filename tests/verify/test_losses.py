@@ -48,3 +48,9 @@ def test_a_wrong_log_prob_op_fails(tmp_path, wrong_log_probs):
     assert result.exit_code == 1, result.output
     failed = {t["name"] for t in json.loads((tmp_path / "v" / "verify.json").read_text())["tensors"] if not t["passed"]}
     assert "b0.loss" in failed
+
+
+def test_stage_rm_is_refused_in_one_line(tmp_path):
+    result = verify(tmp_path, "stage=rm", "kernels=all")
+    assert result.exit_code == 2 and "stage rm's value-head loss" in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1

@@ -368,6 +368,9 @@ def run_verify(cfg: TuneConfig, options: VerifyOptions) -> dict:
     from tiletune.verify.report import heatmap
 
     spec = parse_kernel_spec(cfg.kernels)
+    if cfg.stage == "rm":
+        raise UserError("verify differentiates the pt, sft, dpo and kto losses; stage rm's value-head loss is not among "
+                        "them: verify the same kernels with stage=dpo on the same pairs")  # fmt: skip
     if not spec.ops and options.against is None:
         raise UserError("verify compares the kernel-patched model with the stock one: set a kernels: block (e.g. kernels=all)")
     if (options.out_dir / "verify.json").exists():
