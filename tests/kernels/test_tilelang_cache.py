@@ -39,3 +39,40 @@ def test_second_run_compiles_nothing(tmp_path):
     second_secs, second_files = run()
     assert first_files and second_files == first_files
     assert second_secs < first_secs / 2, (first_secs, second_secs)
+
+
+def test_threads_compile_different_kernels_at_once_and_each_kernel_once(monkeypatch):
+    """Two kernels meet inside their compiles (a barrier a single compile lock would never release); two threads
+    asking for the same kernel get one compile."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from tiletune.kernels import library
+
+    meeting, compiles = threading.Barrier(2, timeout=10), []
+
+    def compile_(func, target):
+        compiles.append(func)
+        if func != "same":
+            meeting.wait()
+        return f"kernel {func}"
+
+    monkeypatch.setattr(_tilelang, "tilelang", lambda: SimpleNamespace(compile=compile_))
+    monkeypatch.setattr(_tilelang, "device_target", lambda: "cuda:sm_90")
+    monkeypatch.setattr(library, "lookup", lambda key: None)
+    monkeypatch.setattr(_tilelang, "_compiled", {})
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda name: _tilelang.compiled(("test", name), lambda: name), ["a", "b", "same", "same"]))
+    assert got == ["kernel a", "kernel b", "kernel same", "kernel same"] and sorted(compiles) == ["a", "b", "same"]
+
+
+def test_compile_jobs_from_the_environment(monkeypatch):
+    from tiletune.errors import UserError
+    from tiletune.patch.warmup import compile_jobs
+
+    monkeypatch.setenv("TILETUNE_COMPILE_JOBS", "3")
+    assert compile_jobs() == 3
+    monkeypatch.setenv("TILETUNE_COMPILE_JOBS", "many")
+    with pytest.raises(UserError, match="TILETUNE_COMPILE_JOBS='many'"):
+        compile_jobs()

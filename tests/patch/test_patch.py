@@ -480,6 +480,33 @@ def test_warmup_plans_one_compile_per_kernel_shape_and_none_for_the_loss(monkeyp
     assert compiled == [("attention", (4, 2, 16, 0.25))]  # heads q/kv, head_dim, scale: the static parameters
 
 
+def test_warmup_before_a_run_skips_what_cannot_run_and_warns_for_a_failed_warm_up(monkeypatch, caplog):
+    """compile_ahead's warm-up (strict=False): an op that cannot run here is left to its runtime fallback, a
+    warm-up that fails to its first call, with one warning; the others compile, in threads."""
+    import threading
+
+    import tiletune.patch.warmup as patch
+
+    threads = set()
+
+    def run_once(binding, shapes, impl, dtype):
+        threads.add(threading.current_thread().name)
+        if binding.op == "swiglu":
+            raise RuntimeError("no tile fits")
+
+    monkeypatch.setattr(patch, "_run_once", run_once)
+    monkeypatch.setattr(registry, "get", lambda op, impl: SimpleNamespace(
+        unavailable=lambda: "needs sm_90" if op == "rope" else None))  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(tiny_llama().config)
+    done = patch.warmup_kernels(model, "all", torch.bfloat16, jobs=3, strict=False)
+    assert sorted({line.split()[0] for line in done}) == ["linear", "rms_norm"]
+    assert "warming up swiglu tilelang" in caplog.text and "no tile fits" in caplog.text
+    assert threads and all(name.startswith("tiletune-warmup") for name in threads)
+    with pytest.raises(UserError, match="rope implementation 'tilelang' cannot run here: needs sm_90"):
+        patch.warmup_kernels(model, "all", torch.bfloat16)  # the command itself refuses
+
+
 # ---- on the GPU -----------------------------------------------------------------------------------
 
 

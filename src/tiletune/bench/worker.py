@@ -84,7 +84,9 @@ def build_model(cfg: TuneConfig, preset: str | None, variant: str, device: torch
     report = None
     if spec is not None:
         from tiletune.patch import apply_kernels, parse_kernel_spec
+        from tiletune.patch.warmup import compile_ahead
 
+        compile_ahead(model, parse_kernel_spec(spec), compute_dtype(cfg))
         report = apply_kernels(model, parse_kernel_spec(spec))
     return model, report
 

@@ -119,21 +119,25 @@ def machine_unavailable_reason() -> str | None:
 
 
 _compiled: dict[tuple, Any] = {}
-_compile_lock = threading.Lock()
+_key_locks: dict[tuple, threading.Lock] = {}  # one per kernel: threads compile different kernels at once
+_locks_lock = threading.Lock()
 
 
 def compiled(key: tuple, build: Callable[[], Any], **compile_kwargs) -> Any:
     """Compile the PrimFunc `build()` for this machine's GPU once per process and key.
 
     `key` names the kernel and every static parameter (shapes, dtype, config); TileLang's disk
-    cache makes the compile a load after the first run on a machine. With a kernel library active
+    cache makes the compile a load after the first run on a machine. Threads may compile different kernels
+    at once (TileLang's own par_compile does; `warmup_kernels` uses it). With a kernel library active
     (`tiletune.kernels.library`) its kernel for `key` is taken instead; `recording` lists what was asked.
     """
     kernel = _compiled.get(key)
     if kernel is None:
         from tiletune.kernels import library
 
-        with _compile_lock:
+        with _locks_lock:
+            lock = _key_locks.setdefault(key, threading.Lock())
+        with lock:
             kernel = _compiled.get(key)
             if kernel is None:
                 if recording is not None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -13,17 +16,38 @@ from tiletune.kernels.binding import Binding
 from tiletune.kernels.registry import REFERENCE
 from tiletune.patch import apply_kernels, parse_kernel_spec
 
+log = logging.getLogger("tiletune.warmup")
+
 
 def _run_once(binding: Binding, key: tuple, impl: str, dtype: torch.dtype) -> None:
     """Forward + backward of the binding's op on one token with these static dimensions: compiles its kernels."""
     binding.warm(key, impl, dtype).float().sum().backward()
 
 
-def warmup_kernels(model: nn.Module, spec: Any, dtype: torch.dtype) -> list[str]:
+def compile_jobs() -> int:
+    """How many kernels compile at once: TILETUNE_COMPILE_JOBS, else up to 8 (one per CPU core)."""
+    given = os.environ.get("TILETUNE_COMPILE_JOBS", "")
+    if given and not given.isdigit():
+        raise UserError(f"TILETUNE_COMPILE_JOBS={given!r}: give how many kernels may compile at once, e.g. 8 (1: one by one)")
+    return int(given or 0) or min(8, os.cpu_count() or 1)
+
+
+def compile_ahead(model: nn.Module, spec: Any, dtype: torch.dtype) -> None:
+    """Before a run on the GPU (train, verify, bench): the kernels `spec` needs, compiled `compile_jobs()` at a time
+    rather than one by one at their first calls. Best effort: an op that cannot run here is left to its runtime
+    fallback, and a warm-up that fails leaves its kernel to compile at its first call, with one warning line."""
+    if torch.cuda.is_available():
+        warmup_kernels(model, spec, dtype, strict=False)
+
+
+def warmup_kernels(model: nn.Module, spec: Any, dtype: torch.dtype, jobs: int | None = None,
+                   strict: bool = True) -> list[str]:  # fmt: skip
     """Compile, on this machine's GPU, every kernel `spec` needs for `model` in `dtype`; return what was done.
 
-    `model` may live on the meta device: only its structure is read. The compiled kernels land in the
-    disk cache, so training starts without compiling.
+    `model` may live on the meta device: only its structure is read. Each (op, shape) runs once, `jobs` of them
+    at a time in threads (`compile_jobs()` by default): their compilers run side by side. The compiled kernels
+    land in the disk cache, so training starts without compiling. Not `strict`: ops that cannot run here and
+    warm-ups that fail are skipped (with a warning for the latter) instead of refused.
     """
     from tiletune.kernels._tilelang import TESTED_DTYPES
 
@@ -39,16 +63,27 @@ def warmup_kernels(model: nn.Module, spec: Any, dtype: torch.dtype) -> list[str]
                 wanted.setdefault((entry.op, entry.impl, binding.compile_key(site)), binding)
     finally:
         report.revert()
-    done = []
+    runs = {}
     for (op, impl, key), binding in wanted.items():
-        if impl == REFERENCE:
-            continue
-        reason = registry.get(op, impl).unavailable()
-        if reason:
+        reason = None if impl == REFERENCE else registry.get(op, impl).unavailable()
+        if reason and strict:
             raise UserError(f"kernels warmup: {op} implementation {impl!r} cannot run here: {reason}")
-        _run_once(binding, key, impl, dtype)
-        done.append(f"{op} {impl} {'x'.join(str(s) for s in key)} {str(dtype).removeprefix('torch.')}")
-    return done
+        if impl != REFERENCE and not reason:
+            runs[(op, impl, key)] = binding
+
+    def run(item) -> str | None:
+        (op, impl, key), binding = item
+        try:
+            _run_once(binding, key, impl, dtype)
+        except Exception as err:  # best effort when not strict: the kernel compiles at its first call
+            if strict:
+                raise
+            log.warning("tiletune: warming up %s %s %s failed (%s); it compiles at its first call", op, impl, key, err)
+            return None
+        return f"{op} {impl} {'x'.join(str(s) for s in key)} {str(dtype).removeprefix('torch.')}"
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs or compile_jobs()), thread_name_prefix="tiletune-warmup") as pool:
+        return [line for line in pool.map(run, runs.items()) if line]
 
 
 def record_kernels(model: nn.Module, spec: Any, dtype: torch.dtype) -> dict[tuple, Any]:

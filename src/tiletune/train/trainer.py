@@ -54,7 +54,12 @@ def _run(cfg: TuneConfig, dry_run: bool, held: ExitStack) -> dict:
     from tiletune.data.processing import build_splits
     from tiletune.data.templates import get_template
     from tiletune.train.callbacks import StopOnSignal, peak_memory_gib
-    from tiletune.train.model import load_model, load_tokenizer, set_checkpointing
+    from tiletune.train.model import (
+        compute_dtype,
+        load_model,
+        load_tokenizer,
+        set_checkpointing,
+    )
 
     _configure_logging()
     do_train, do_eval, do_predict = (bool(cfg.train_arg(k)) for k in ("do_train", "do_eval", "do_predict"))
@@ -74,7 +79,7 @@ def _run(cfg: TuneConfig, dry_run: bool, held: ExitStack) -> dict:
     template.fix_tokenizer(tokenizer)
     splits = build_splits(cfg, tokenizer, template)
     model = load_model(cfg, tokenizer, trainable=do_train)
-    kernel_report = _apply_kernels(model, kernel_spec)
+    kernel_report = _apply_kernels(model, kernel_spec, None if dry_run else compute_dtype(cfg))
     recompute_plan = _plan_recomputation(cfg, model) if do_train and not dry_run else None
     summary = _summary(cfg, model, splits, template)
     log.info("%s", json.dumps(summary))
@@ -158,12 +163,16 @@ def _plan_recomputation(cfg: TuneConfig, model):
     return plan
 
 
-def _apply_kernels(model, spec):
-    """Patch the `kernels:` selection into the model and show the one-screen summary."""
+def _apply_kernels(model, spec, compile_dtype: torch.dtype | None):
+    """Compile the `kernels:` selection's kernels for `compile_dtype` side by side (on a GPU; None: not now),
+    patch them into the model and show the one-screen summary."""
     if spec is None:
         return None
     from tiletune.patch import apply_kernels
+    from tiletune.patch.warmup import compile_ahead
 
+    if compile_dtype is not None:
+        compile_ahead(model, spec, compile_dtype)
     report = apply_kernels(model, spec)
     print(report.summary())
     return report

@@ -24,6 +24,7 @@ from tiletune.config import TuneConfig
 from tiletune.errors import UserError
 from tiletune.numerics import DTYPE_TOLERANCE, FLOOR_ULPS, compare_runs, errors
 from tiletune.patch import apply_kernels, parse_kernel_spec
+from tiletune.patch.warmup import compile_ahead
 from tiletune.verify.capture import run_and_capture, watched_modules
 from tiletune.verify.losses import PREFERENCE_STAGES, StepLoss, preference_rows, step_loss
 
@@ -407,6 +408,7 @@ def run_verify(cfg: TuneConfig, options: VerifyOptions) -> dict:
         probe = apply_kernels(model, spec)  # which modules the kernels go to: watch those too
         extra = _patched_paths(probe)
         probe.revert()
+        compile_ahead(model, running, dtype)
         if options.steps:
             lr = cfg.train_arg("learning_rate", 1e-4)
             tolerance = options.tolerance or 5 * DTYPE_TOLERANCE[dtype]
