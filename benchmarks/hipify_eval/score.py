@@ -58,10 +58,19 @@ CLASSES: dict[str, ChangeClass] = {
     "warp-size": ChangeClass(WARP_RULES, True, "warp size 32 written as a macro, CUB_WARP_THREADS or a launch table"),
     "lane-mask": ChangeClass(("mask-32bit",), False, "32-bit lane mask in a *_sync warp function"),
     "libcudacxx": ChangeClass(("libcudacxx",), False, "libcu++ <cuda/std/...> replaced"),
+    "arch-guard": ChangeClass(("cuda-arch-guard",), False, "a `__CUDA_ARCH__` test that compiles code out on AMD"),
+    "cg-header": ChangeClass((), True, "<cooperative_groups.h> -> <hip/hip_cooperative_groups.h>"),
+    "cg-api": ChangeClass((), False, "a cooperative-groups API HIP lacked (static tiles, cg::sync) rewritten"),
+    "large-block": ChangeClass(("launch-bounds",), False, "a block above 256 threads (no launch bounds) shrunk for ROCm"),
+    "sync-shuffle": ChangeClass(("mask-32bit",), False, "a `*_sync` shuffle (absent before ROCm 6.2) routed to a shim"),
+    "half2-members": ChangeClass((), False, "`half2.x` read as a half (HIP's members are not `__half`)"),
     "hipcub-api": ChangeClass((), False, "a hipCUB call differs from CUB (extra argument)"),
+    "hip-math-bug": ChangeClass((), False, "a HIP half intrinsic replaced by the port's own (hrcp)"),
+    "blas-backend": ChangeClass((), False, "cuBLAS call sent to hipBLAS instead of the translator's rocBLAS"),
     "missing-return": ChangeClass((), False, "non-void function fell off its end"),
     "device-only-math": ChangeClass((), False, "a device-only math function called from a host function (rsqrtf)"),
-    "launch-bounds-added": ChangeClass((), False, "__launch_bounds__(max block size) added to kernels for ROCm"),
+    "launch-bounds-added": ChangeClass(("launch-bounds",), False,
+                                       "__launch_bounds__(max block size) added to kernels for ROCm"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).

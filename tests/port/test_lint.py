@@ -31,12 +31,17 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("#define WARP_THREADS 32", "warp-size-define"),
     ("constexpr int kThreadsPerWarp = 32;", "warp-size-define"),
     ("template <int WarpSize = 32> __device__ void f();", "warp-size-define"),
+    ("#define ROW_THREADS 32\nv += __shfl_xor_sync(m, v, offset, ROW_THREADS);", "warp-size-define"),
+    ("constexpr int kRowLanes = 32;\nconst int lane = threadIdx.x % kRowLanes;", "warp-size-define"),
     ("if (tid < 32) { s[tid] += s[tid + 32]; }", "warp-size-literal"),
     ("int lane = threadIdx.x & 0x1f;", "warp-size-literal"),
     ("for (int mask = 1; mask < 32; mask <<= 1) v += __shfl_xor_sync(m, v, mask);", "warp-lane-loop"),
+    ("auto active = cg::coalesced_threads();\nfor (int o = 16; o > 0; o /= 2) v += active.shfl_down(v, o);",
+     "warp-lane-loop"),  # a coalesced group holds every active lane: 64 on CDNA
     ("unsigned full = 0xFFFFFFFFu;  __any_sync(full, p);", "mask-32bit"),
     ("#define FULL_MASK 0xffffffff", "mask-32bit"),
     ("v = __shfl_down_sync(~0u, v, 1);", "mask-32bit"),
+    ("q |= __shfl_down_sync(0x0f0f0f0f, q, 4) << 8;  // a partial mask: still an int", "mask-32bit"),
     ("uint32_t votes = __ballot_sync(m, p);", "ballot-32bit-result"),
     ("int leader = __ffs(__ballot_sync(m, p)) - 1;", "popc-32bit"),
     ("__asm__ __volatile__(\"bar.sync 0;\");", "inline-asm"),
@@ -59,6 +64,9 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("static constexpr int kN = kBytes == 4 ? 4 : std::min(8, kNItems);", "constexpr-std-minmax"),
     ("static constexpr int kSmem = kEven\n    ? 0\n    : std::max({sizeof(A), sizeof(B)});", "constexpr-std-minmax"),
     ("#include <cuda/std/type_traits>", "libcudacxx"),
+    ("__global__ void k(float* x);\nvoid f(float* x) { k<<<4, 1024>>>(x); }", "launch-bounds"),
+    (("__global__ void k(float* x);\nvoid f(float* x, int n) {\n  dim3 block(std::min(n, kMaxThreads));\n"
+      "  k<<<1, block>>>(x);\n}\nconstexpr int kMaxThreads = 512;"), "launch-bounds"),
     ("template <typename Ktraits> __device__ void f(float* x) {\n  Ktraits::BlockLoadT(smem).Load(x, v);\n}",
      "dependent-template-name"),
 ])
@@ -67,6 +75,11 @@ def test_rule_variants_fire(code, rule):
 
 
 @pytest.mark.parametrize(("code", "rule"), [
+    (("cg::thread_block_tile<32> g = cg::tiled_partition<32>(cta);\n"  # the tile is flagged, not the loop
+      "for (int i = 1; i < 32; i *= 2) v += g.shfl_down(v, i);"), "warp-lane-loop"),
+    ("#define TILE 32\n__shared__ float t[TILE][TILE + 1];\nint col = blockIdx.x * TILE + threadIdx.x;",
+     "warp-size-define"),  # a tile width that never reaches a shuffle or a lane id
+    ("constexpr int kCols = 32;\nint chunks = n / kCols;", "warp-size-define"),
     ("int chunks = std::max(1, seqlen / 64);", "constexpr-std-minmax"),  # not a constexpr initialiser
     ("static constexpr int kNWarps = kNThreads / 32;", "warp-size-literal"),  # as often a tile decomposition
     ("if (num_threads > 320) return;", "warp-size-literal"),
@@ -76,6 +89,12 @@ def test_rule_variants_fire(code, rule):
     ("template <typename K> __device__ void f() { typename K::BlockLoadT(smem).Load(x, v); }", "dependent-template-name"),
     (("template <typename T> __global__ void k(T* output) {\n  output[0] = T(1);\n}\n"
       "void launch(at::Tensor* output) {\n  k<<<1, 64>>>(output->data_ptr<float>());\n}"), "dependent-template-name"),
+    ("__global__ __launch_bounds__(1024) void k(float* x);\nvoid f(float* x) { k<<<4, 1024>>>(x); }", "launch-bounds"),
+    ("__global__ void k(float* x);\nvoid f(float* x, int n) { k<<<4, 256>>>(x); k<<<4, n>>>(x); }", "launch-bounds"),
+    (("__global__ void k(float* x);\n__global__ void __launch_bounds__(512) k(float* x) {}\n"  # bounded where defined
+      "void f(float* x) { k<<<4, 512>>>(x); }"), "launch-bounds"),
+    ("__global__ void k(float* x);\nconstexpr int kCols = 1024;\nvoid f(float* x) { k<<<4, kCols / 8>>>(x); }",
+     "launch-bounds"),
     ("using T = cuda::std::remove_cv_t<U>;\nusing V = cuda::std::decay_t<U>;\n#include <cuda/std/utility>", None),
 ])
 def test_rule_variants_stay_silent(code, rule):
@@ -92,6 +111,7 @@ def test_rule_variants_stay_silent(code, rule):
     "__launch_bounds__(256) __global__ void k();",
     "unsigned long long votes = __ballot_sync(0xffffffffffffffffull, p);",
     "v = __shfl_xor_sync(0xffffffffffffffffull, v, 1);",
+    "q |= __shfl_down_sync(0x0f0f0f0full, q, 4) << 8;",
     "// #define WARP_SIZE 32 and lane = threadIdx.x & 31 in a comment",
     "/* asm volatile(\"mov.u32 %0, %%laneid;\") */",
     "for (int i = 0; i < 32; ++i) acc += x[i];",
@@ -117,6 +137,9 @@ def test_portable_code_stays_quiet(code):
     ("if (lane % 32 == 0) votes[warp] = __popcll(__ballot(p));", True),
     ("const int lane = threadIdx.x % 32;", True),
     ("const int warp = static_cast<int>(threadIdx.x) / 32;", True),
+    ("if (tid < 32) {\n  s[tid] += s[tid + 32];\n}\n__syncthreads();", False),  # a tree step, then a barrier
+    ("if ((blockSize >= 64) && (tid < 32)) s[tid] += s[tid + 32];\n\ncg::sync(cta);", False),
+    ("if (tid < 32) {\n  v = s[tid] + s[tid + 32];\n  v += __shfl_down_sync(m, v, 16);\n}\n__syncthreads();", True),
 ])
 def test_warp_size_literal_follows_the_value(code, fires):
     assert any(f.rule == "warp-size-literal" for f in lint_text(code, "snippet.cu")) == fires

@@ -13,7 +13,7 @@ from pathlib import Path
 from tiletune.port.rules import RULES, Hit, Rule
 
 _COMMENT_OR_LITERAL = re.compile(
-    r"//[^\n]*|/\*.*?\*/|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'", re.S
+    r"//[^\n]*|/\*.*?\*/|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'", re.DOTALL
 )
 
 
@@ -52,13 +52,8 @@ def _pattern_hits(rule: Rule, lines: list[str]) -> list[Hit]:
     hits = []
     for index, line in enumerate(lines):
         match = rule.pattern.search(line)
-        if match is None:
-            continue
-        if rule.context is not None:
-            nearby = "\n".join(lines[index : index + rule.window + 1])
-            if not rule.context.search(nearby):
-                continue
-        hits.append(Hit(index + 1, match.start() + 1))
+        if match is not None:
+            hits.append(Hit(index + 1, match.start() + 1))
     return hits
 
 

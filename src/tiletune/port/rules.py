@@ -1,10 +1,9 @@
 """The migration rules: what in CUDA source silently breaks (or stops compiling) on AMD GPUs.
 
 Each rule is data: an id, a severity (SARIF levels: error, warning, note), what breaks on AMD, the
-fix, and either a regex applied line by line to comment-free source (optionally only when a
-`context` regex also matches within `window` lines below) or a `check` function where the rule has
-to follow a value a little: evaluate shared-memory sizes, trace a mask to its warp call, see whether
-32 is applied to a thread index, find what declares an object. Facts the messages rely on:
+fix, and either a regex applied line by line to comment-free source or a `check` function where
+the rule has to follow a value a little: evaluate shared-memory sizes, trace a mask to its warp call,
+see whether 32 is applied to a thread index, find what declares an object, bound a launch's block. Facts the messages rely on:
 
 - CDNA GPUs (MI200 = gfx90a, MI300 = gfx942) run 64-lane wavefronts; RDNA (gfx1100) runs 32 by
   default. `warpSize` is the portable spelling; hard-coded 32 is wrong on CDNA.
@@ -35,7 +34,7 @@ class Hit:
 
 @dataclass(frozen=True)
 class Rule:
-    """A migration rule; see the module docstring for how `pattern`, `context` and `check` apply."""
+    """A migration rule; see the module docstring for how `pattern` and `check` apply."""
 
     id: str
     severity: str
@@ -45,8 +44,6 @@ class Rule:
     before: str  # CUDA that hits the rule
     after: str  # the ported line
     pattern: re.Pattern | None = None
-    context: re.Pattern | None = None
-    window: int = 0
     check: Callable[[str], Iterable[Hit]] | None = None
 
 
@@ -184,7 +181,7 @@ def check_shared_memory(text: str) -> Iterable[Hit]:
                       severity="warning")
 
 
-# ---- lane masks: 32-bit all-ones values that reach a warp function ---------------------------
+# ---- lane masks: 32-bit masks that reach a warp function ------------------------------------------
 
 _MASK32 = r"(?:0[xX][fF]{8}(?![0-9a-fA-F])[uUlL]*|~0[uU]?\b|\(unsigned\)\s*-1|uint32_t\(-1\))"
 _WARP_SYNC_MASK = re.compile(
@@ -193,13 +190,19 @@ _WARP_SYNC_MASK = re.compile(
 _MASK32_BINDING = re.compile(rf"^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+\(?{_MASK32}|\b(\w+)\s*=\s*{_MASK32}", re.MULTILINE)
 
 
+_INT_LITERAL_32 = re.compile(r"(?:0[xX][0-9a-fA-F]{1,8}|\d+)[uU]?")  # no `ll` suffix: an int or unsigned
+
+
 def check_lane_masks(text: str) -> Iterable[Hit]:
-    """Flag where a 32-bit all-ones mask is written: as the mask argument of a `*_sync` warp
-    function, or as a constant or variable that such a call uses (or whose name says mask)."""
+    """Flag where a 32-bit mask is written: an all-ones mask or any other integer literal without an
+    `ll` suffix (`0x55555555`) as the mask argument of a `*_sync` warp function, or an all-ones
+    constant or variable that such a call uses (or whose name says mask)."""
     masks_used = set()
     for match in _WARP_SYNC_MASK.finditer(text):
         if re.fullmatch(_MASK32, match.group(1)):
             yield Hit(*_position(text, match.start()))
+        elif _INT_LITERAL_32.fullmatch(match.group(1)):
+            yield Hit(*_position(text, match.start()), f"`{match.group(1)}` is a 32-bit integer")
         else:
             masks_used.add(match.group(1))
     for match in _MASK32_BINDING.finditer(text):
@@ -238,13 +241,36 @@ def _left_operand(line: str, end: int) -> str:
     return head[re.search(r"[\w.\[\]>-]*$", head[:start]).start():]
 
 
+_BLOCK_BARRIER = re.compile(r"\s*(?:__syncthreads\s*\(|cg::sync\s*\(|(?:cta|block|b)\s*\.\s*sync\s*\()")
+
+
+def _barrier_step(lines: list[str], index: int) -> bool:
+    """Whether `lines[index]` is `if (...)` guarding one step of a shared-memory tree reduction: no
+    shuffle, vote or per-warp index inside, and a block barrier as the next statement. Such a step is
+    correct for any warp width (`if (tid < 32) s[tid] += s[tid + 32]; __syncthreads();`)."""
+    if not re.match(r"\s*if\s*\(", lines[index]):
+        return False
+    depth = 0
+    for end in range(index, min(index + 8, len(lines))):
+        depth += lines[end].count("{") - lines[end].count("}")
+        if depth <= 0 and ("}" in lines[end] or ";" in lines[end]):
+            break
+    else:
+        return False
+    following = next((line for line in lines[end + 1 : end + 4] if line.strip()), "")
+    return not _WARP_WIDE_USE.search("\n".join(lines[index : end + 1])) and bool(_BLOCK_BARRIER.match(following))
+
+
 def check_lane_arithmetic(text: str) -> Iterable[Hit]:
     """Flag `% 32`, `/ 32`, `& 31`, `>> 5`, `< 32`... applied to a thread, lane or warp index, and `> 32`
     applied to a thread count (`if (blockSize > 32)`: more than one warp). A lane-0
     test (`threadIdx.x % 32 == 0`) is flagged only when the statement it guards shuffles, votes or
-    indexes a per-warp array: picking one thread per 32 is otherwise harmless."""
+    indexes a per-warp array: picking one thread per 32 is otherwise harmless. A step of a tree
+    reduction with a block barrier after it is left alone."""
     lines = text.splitlines()
     for number, line in enumerate(lines, start=1):
+        if _barrier_step(lines, number - 1):
+            continue
         for match in _THREAD_COUNT_LITERAL.finditer(line):
             operand = _left_operand(line, match.start())
             if _THREAD_COUNT_NAMES.search(operand) and not _LANE_NAMES.search(operand):
@@ -361,10 +387,160 @@ def check_libcudacxx(text: str) -> Iterable[Hit]:
         yield Hit(*_position(text, match.start() + len(match.group(0)) - len(match.group(0).lstrip())))
 
 
-# ---- the table ---------------------------------------------------------------------------------
+# ---- launch bounds: kernels launched with more threads than the compiler assumes without them ----
+
+LAUNCH_BOUNDS_DEFAULT = 256  # early hip-clang's default maximum work-group size
+_KERNEL = re.compile(r"\b__global__\b")
+_BLOCK_SIZE_NAME = re.compile(r"block_?size|threads|block_?dim", re.IGNORECASE)
+_NAME = re.compile(r"\b[A-Za-z_]\w*\b")
+
+
+def _kernel_name(text: str, start: int) -> tuple[str, bool]:
+    """The name of the kernel declared from `start` (just past `__global__`) and whether it has
+    `__launch_bounds__` before its parameter list."""
+    bounded = "__launch_bounds__" in text[text.rfind("\n", 0, start) : start]
+    while (paren := text.find("(", start)) >= 0:
+        word = re.search(r"(\w*)\s*$", text[start:paren]).group(1)
+        if word != "__launch_bounds__":
+            return word, bounded
+        bounded = True
+        start = paren + len(_balanced_args(text, paren)) + 2
+    return "", bounded
+
+
+def _definitions(name: str, scope: str) -> Iterable[str]:
+    """Expressions `name` is given in `scope`: `name = e;`, `dim3 name(e);`, `name.x = e;`."""
+    for match in re.finditer(rf"\b{re.escape(name)}\s*(?:\.[xyz]\s*)?=(?!=)\s*([^;]+);"
+                             rf"|\bdim3\s+{re.escape(name)}\s*[({{]([^;]*)[)}}]\s*;", scope):
+        yield match.group(1) or match.group(2)
+
+
+def _out_parameter(name: str, scope: str, text: str) -> str | None:
+    """Body of the function defined in `text` that `scope` calls with `name` as an argument, with the
+    parameter renamed to `name` (`dim3 block; configure(n, block);` -> configure's `block` assignments)."""
+    for call in re.finditer(r"\b(\w+)\s*\(", scope):
+        arguments = _split_top_level(_balanced_args(scope, call.end() - 1))
+        if name not in arguments:
+            continue
+        definition = re.search(rf"\b{call.group(1)}\s*\(([^;{{}}]*)\)\s*\{{", text)
+        if definition is None:
+            continue
+        parameters = _split_top_level(definition.group(1))
+        if len(parameters) <= arguments.index(name):
+            continue
+        parameter = re.findall(r"\w+", parameters[arguments.index(name)].split("=", 1)[0])[-1]
+        close = _TOP_LEVEL_CLOSE.search(text, definition.end())
+        body = text[definition.end() : close.start() if close else len(text)]
+        return re.sub(rf"\b{parameter}\b", name, body)
+    return None
+
+
+def _block_bound(expr: str, scope: str, text: str, constants: dict[str, str], depth: int = 0) -> int | None:
+    """The most threads a launch's block expression can hold: its value when constant, else the largest
+    block-size constant (`MAX_BLOCK_SIZE`) that the variables it is built from are computed with."""
+    value = evaluate_int(expr, constants)
+    if value is not None or depth > 3:
+        return value
+    bounds = []
+    for name in set(_NAME.findall(expr)):
+        where = scope
+        if not any(_definitions(name, scope)) and (body := _out_parameter(name, scope, text)) is not None:
+            where = body
+        sources = list(_definitions(name, where))
+        bounds += [_block_bound(source, where, text, constants, depth + 1) for source in sources]
+        if not sources and name in constants and _BLOCK_SIZE_NAME.search(name):
+            bounds.append(evaluate_int(constants[name], constants))
+    bounds = [bound for bound in bounds if bound is not None]
+    return max(bounds, default=None)
+
+
+def _most_threads(name: str, text: str, constants: dict[str, str]) -> int:
+    """The largest block bound among the launches of kernel `name` in `text` (0 when none is known);
+    each block expression is followed in the function that launches it."""
+    bounds = []
+    for launch in re.finditer(rf"\b{name}\s*(?:<(?:[^<>;]|<[^<>;]*>)*>)?\s*<<<(.*?)>>>", text, re.DOTALL):
+        arguments = _split_top_level(launch.group(1))
+        opening = [close.end() for close in _TOP_LEVEL_CLOSE.finditer(text, 0, launch.start())]
+        scope = text[opening[-1] if opening else 0 : launch.start()]
+        if len(arguments) >= 2:
+            bounds.append(_block_bound(arguments[1], scope, text, constants))
+    return max((bound for bound in bounds if bound is not None), default=0)
+
+
+def check_launch_bounds(text: str) -> Iterable[Hit]:
+    """Flag each kernel without `__launch_bounds__` (on any of its declarations) that this file launches
+    with more than 256 threads, once, where it is first declared; a runtime block size counts by the
+    block-size constant it is capped with."""
+    kernels = [(kernel.start(), *_kernel_name(text, kernel.end())) for kernel in _KERNEL.finditer(text)]
+    bounded = {name for _, name, has_bounds in kernels if has_bounds}
+    constants = source_constants(text)
+    for offset, name, _ in kernels:
+        if not name or name in bounded:
+            continue
+        bounded.add(name)  # reported once
+        most = _most_threads(name, text, constants)
+        if most > LAUNCH_BOUNDS_DEFAULT:
+            yield Hit(*_position(text, offset), f"`{name}` is launched with up to {most} threads")
+
+
+# ---- shuffle loops over 32 lanes ----------------------------------------------------------------
 
 _SHUFFLE = re.compile(r"__shfl|__reduce_\w+_sync|shfl_(?:xor|down|up)")
+_LANE_LOOP = re.compile(r"\bfor\s*\([^;]*=\s*16[uU]?\s*;|\bfor\s*\([^;]*;[^;]*<=?\s*(?:32|31)[uU]?\s*;")
+_FIXED_TILE = re.compile(r"\bthread_block_tile\s*<[^<>]+>\s+(\w+)|\b(\w+)\s*=\s*(?:\w+::)*tiled_partition\s*<[^<>]+>\s*\(")
+
+
+def check_lane_loops(text: str) -> Iterable[Hit]:
+    """Flag a loop starting at 16 or running to 32 with a shuffle in it or within 3 lines below,
+    except shuffles of a cooperative-groups tile of fixed size (`thread_block_tile<32> g`): the loop
+    then covers the tile, whose size `warp-tile-32` / `warp-size-define` flag where it is written."""
+    tiles = {match.group(1) or match.group(2) for match in _FIXED_TILE.finditer(text)}
+    tile_shuffle = re.compile(rf"\b(?:{'|'.join(tiles)})\s*(?:\.|->)\s*shfl\w*") if tiles else None
+    lines = text.splitlines()
+    for index, line in enumerate(lines):
+        loop = _LANE_LOOP.search(line)
+        if loop is None:
+            continue
+        nearby = "\n".join(lines[index : index + 4])
+        if _SHUFFLE.search(tile_shuffle.sub("", nearby) if tile_shuffle else nearby):
+            yield Hit(index + 1, loop.start() + 1)
+
+
+# ---- warp size 32: written as a warp-size constant, or under another name where a warp width goes --
+
 _WARP_SIZE_NAME = r"\w*(?i:warp_?(?:size|threads|lanes|width)|warpsz|threads_?per_?warp|lanes?_?per_?warp)\w*"
+_WARP_SIZE_DEFINE = re.compile(rf"^\s*#\s*define\s+{_WARP_SIZE_NAME}\s+\(?32\)?\s*$|\b{_WARP_SIZE_NAME}\s*=\s*32\b",
+                               re.MULTILINE)
+
+
+def _warp_width_use(name: str, text: str) -> int | None:
+    """Offset of the first place `name` is used as a warp width: the width argument of a shuffle
+    (`__shfl_xor_sync(m, v, 1, NAME)`) or `% NAME` / `/ NAME` on a thread, lane or warp index."""
+    for use in re.finditer(rf"__shfl\w*\s*\((?:[^()]|\([^()]*\))*,\s*({name})\s*\)|[%/]\s*({name})\b", text):
+        line_start = text.rfind("\n", 0, use.start()) + 1
+        if use.group(1) or _LANE_NAMES.search(_left_operand(text[line_start : use.start()], use.start() - line_start)):
+            return use.start()
+    return None
+
+
+def check_warp_size_definitions(text: str) -> Iterable[Hit]:
+    """Flag a warp-size constant set to 32 (`#define WARP_SIZE 32`, `kWarpSize = 32`), and a constant of
+    32 under another name (`#define ROW_THREADS 32`) that the file uses as a warp width."""
+    for match in _WARP_SIZE_DEFINE.finditer(text):
+        yield Hit(*_position(text, match.start() + len(match.group(0)) - len(match.group(0).lstrip())))
+    constants = source_constants(text)
+    for name, expr in constants.items():
+        if re.fullmatch(_WARP_SIZE_NAME, name) or evaluate_int(expr, constants) != 32:
+            continue
+        use = _warp_width_use(re.escape(name), text)
+        definition = re.search(rf"^[ \t]*#[ \t]*define[ \t]+{re.escape(name)}\b|\b{re.escape(name)}\s*=", text, re.MULTILINE)
+        if use is not None and definition is not None:
+            line, _ = _position(text, use)
+            yield Hit(*_position(text, definition.start() + len(definition.group(0)) - len(definition.group(0).lstrip())),
+                      f"`{name}` is used as a warp width on line {line}")
+
+
+# ---- the table ---------------------------------------------------------------------------------
 
 RULES: list[Rule] = [
     Rule(
@@ -376,7 +552,7 @@ RULES: list[Rule] = [
         "with `#if defined(__GFX9__)`, and size shared buffers for 64.",
         before="#define WARP_SIZE 32",
         after="#define WARP_SIZE warpSize  // or 64 under #if defined(__GFX9__)",
-        pattern=re.compile(rf"^\s*#\s*define\s+{_WARP_SIZE_NAME}\s+\(?32\)?\s*$|\b{_WARP_SIZE_NAME}\s*=\s*32\b"),
+        check=check_warp_size_definitions,
     ),
     Rule(
         "warp-size-literal", "error", "lane/warp arithmetic assumes 32 lanes",
@@ -396,8 +572,7 @@ RULES: list[Rule] = [
         "Start the loop at `warpSize / 2` (and loop while `offset > 0`), or use a per-target constant.",
         before="for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(mask, v, offset);",
         after="for (int offset = warpSize / 2; offset > 0; offset /= 2) v += __shfl_xor(v, offset);",
-        pattern=re.compile(r"\bfor\s*\([^;]*=\s*16[uU]?\s*;|\bfor\s*\([^;]*;[^;]*<=?\s*(?:32|31)[uU]?\s*;"),
-        context=_SHUFFLE, window=3,
+        check=check_lane_loops,
     ),
     Rule(
         "lane-indexed-warp-array", "error", "per-warp array indexed by a lane id",
@@ -510,6 +685,22 @@ RULES: list[Rule] = [
         before="__global__ void __launch_bounds__(256, 2) k();",
         after="__global__ void __launch_bounds__(256) k();",
         pattern=re.compile(r"__launch_bounds__\s*\((?:[^(),]|\([^()]*\))+,(?:[^()]|\([^()]*\))+\)"),
+    ),
+    Rule(
+        "launch-bounds", "warning", "kernel launched with more than 256 threads has no `__launch_bounds__`",
+        "Without `__launch_bounds__`, hip-clang compiles a kernel for a default maximum work-group size "
+        "(clang's `--gpu-max-threads-per-block`): 256 threads in ROCm's compilers up to at least ROCm 3.7 "
+        "and in some still in use (llama.cpp forces 1024 because of them), 1024 in current clang. Launched "
+        "with more threads than it was compiled for, the kernel fails to launch or computes wrong results; "
+        "with the 1024 default, registers are budgeted for 1024 threads whatever the real block is. ROCm "
+        "ports (apex's sync batch norm) state the block size they launch with.",
+        "Add `__launch_bounds__(MAX_THREADS)` with the largest block the kernel is launched with (nvcc "
+        "accepts it too, so keep one source).",
+        before="#define MAX_BLOCK_SIZE 512\n__global__ void norm_kernel(float* x);\n"
+               "norm_kernel<<<rows, std::min(cols, MAX_BLOCK_SIZE)>>>(x);",
+        after="#define MAX_BLOCK_SIZE 512\n__global__ void __launch_bounds__(MAX_BLOCK_SIZE) norm_kernel(float* x);\n"
+              "norm_kernel<<<rows, std::min(cols, MAX_BLOCK_SIZE)>>>(x);",
+        check=check_launch_bounds,
     ),
     Rule(
         "bf16-type", "warning", "CUDA bfloat16 type or header",
