@@ -133,7 +133,7 @@ families)
     done ;;
 moe)
     python3 -m pytest -q -m gpu tests/kernels/test_moe_experts.py 2>&1 | tee "$OUT/gpu_tests_moe.txt" | tail -2
-    python3 benchmarks/kernel_bench.py --only moe --rounds 3 --out "$OUT/kernels-moe" 2>&1 | grep -v Warning | tail -9
+    python3 benchmarks/kernel_bench.py --only moe --rounds 3 --out "$OUT/kernels-moe" 2>&1 | grep -v Warning | tail -80
     MOE_PRESET=${MOE_PRESET:-qwen3-30b-a3b}
     python3 -m tiletune bench "$CONFIG" --model-preset "$MOE_PRESET" --layers "${LAYERS:-12}" --steps 5 --warmup 2 \
         --variants "baseline,liger,all,all+moe_experts" --out "$OUT/bench-$MOE_PRESET" 2>&1 | tail -8 ;;

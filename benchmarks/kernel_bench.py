@@ -13,6 +13,7 @@ include attention only if it beats both). Variants are interleaved (A B C A B C 
 variant time from the same run (> 1 is faster).
 
     python benchmarks/kernel_bench.py [--tune] [--rounds 5] [--out benchmarks/results] [--only attention]
+    python benchmarks/kernel_bench.py --only moe [--moe-variants m64,m128,...]   (the grouped GEMM config sweep)
 
 --tune autotunes the linear GEMM tile configuration per shape first (linear.CANDIDATES) and prints
 the entries for linear.TUNED. Writes kernels_<gpu>.json and .csv (GPU, date, git commit, medians,
@@ -229,43 +230,116 @@ def quant_cases():
         yield f"qlora fwd+bwd {name}", {v: fwd_bwd(lambda f=f, x=x: f(x), (x, a, b), dy) for v, f in layers.items()}
 
 
+MOE_SHAPE = {"experts": 128, "k": 8, "hidden": 2048, "inter": 768}  # Qwen3-30B-A3B's routed experts
+MOE_VARIANTS: list[str] | None = None  # --moe-variants: the grouped GEMM configs swept (default: the arch's candidates)
+
+
+def moe_candidates() -> list[str]:
+    """The grouped GEMM configs to sweep on this GPU, the default first."""
+    from tiletune.kernels import _tilelang, moe_experts
+
+    family = moe_experts.arch_family(_tilelang.device_arch())
+    names = MOE_VARIANTS or moe_experts.CANDIDATES[family]
+    default = moe_experts.DEFAULT_CONFIG[family]
+    return sorted(names, key=lambda name: name != default)
+
+
 def moe_cases():
     """(case, {variant: callable}): Qwen3-30B-A3B's experts (128 experts, top 8, hidden 2048, intermediate 768) at
-    8192 tokens: one grouped GEMM (gate_up, forward) against a dense cuBLAS GEMM over the same rows (the issue's
-    bar: >= 70% of its TFLOP/s; ratio = dense time / grouped time) and torch's grouped_mm (transformers' default
-    path); then the whole experts forward + backward: the eager per-expert loop, grouped_mm, TileLang."""
+    8192 tokens. Each of the four grouped GEMMs (forward gate_up and down `nt`, their input gradients `nn`) against
+    a dense cuBLAS GEMM over the same rows (the issue's bar: >= 70% of its TFLOP/s; ratio = dense time / grouped
+    time = the fraction of the dense rate) and torch's grouped_mm (transformers' default path), the TileLang
+    grouped GEMM once per config swept (`tl:<name>`, moe_experts.CANDIDATES); then the whole experts forward +
+    backward: the eager per-expert loop, grouped_mm, TileLang per config. `moe_summary` ranks the configs."""
     from tiletune.kernels import moe_experts
 
-    experts, k, hidden, inter = 128, 8, 2048, 768
+    experts, k, hidden, inter = MOE_SHAPE["experts"], MOE_SHAPE["k"], MOE_SHAPE["hidden"], MOE_SHAPE["inter"]
     scores = torch.rand(TOKENS, experts, device="cuda")
     weights, index = scores.topk(k, dim=-1)
     weights = torch.softmax(weights, dim=-1).to(torch.bfloat16).requires_grad_()
     x = torch.randn(TOKENS, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
     down = (torch.randn(experts, hidden, inter, device="cuda") / inter**0.5).to(torch.bfloat16)
-    routing = moe_experts.route(index, experts)
-    rows = x.detach()[routing.token]
+    names = moe_candidates()
+    configs = {name: moe_experts.VARIANTS[name] for name in names}
+    routings = {bm: moe_experts.route(index, experts, bm, moe_experts.BLOCK_M) for bm in {c.block_m for c in configs.values()}}
+    base = moe_experts.route(index, experts)
 
     def grouped_mm(kind, rows, weights, routing):
         mat_b = weights.transpose(-2, -1) if kind == "nt" else weights
         return torch._grouped_mm(rows, mat_b, offs=routing.offsets[1:].contiguous())
 
-    dense = torch.randn(hidden, 2 * inter, device="cuda", dtype=torch.bfloat16)
-    yield "moe gate_up grouped fwd", {
-        "cublas": forward_only(lambda: rows @ dense),
-        "grouped_mm": forward_only(lambda: grouped_mm("nt", rows, gate_up, routing)),
-        "tilelang": forward_only(lambda: moe_experts._tilelang_gemm("nt", rows, gate_up, routing)),
-    }
+    # (case, kind, weights, reduction, output columns)
+    gemms = [("gate_up fwd", "nt", gate_up, hidden, 2 * inter), ("down fwd", "nt", down, inter, hidden),
+             ("down dgrad", "nn", down, hidden, inter), ("gate_up dgrad", "nn", gate_up, 2 * inter, hidden)]
+    fits = {name: c for name, c in configs.items()
+            if all(d % c.block_n == 0 and d % c.block_k == 0 for d in (hidden, inter, 2 * inter))}
+    for name in sorted(set(configs) - set(fits)):
+        print(f"moe: {name} left out: its tile does not divide the expert shapes", flush=True)
+    for key in moe_experts.compile_all(fits.values(), experts, hidden, inter, "bfloat16", x.device):
+        print(f"moe: {key} did not compile", flush=True)
+    for case, kind, w, reduction, cols in gemms:
+        rows = torch.randn(TOKENS * k, reduction, device="cuda", dtype=torch.bfloat16)
+        dense = torch.randn(reduction, cols, device="cuda", dtype=torch.bfloat16)
+        variants = {"cublas": forward_only(lambda rows=rows, dense=dense: rows @ dense),
+                    "grouped_mm": forward_only(lambda rows=rows, w=w, kind=kind: grouped_mm(kind, rows, w, base))}
+        for name, config in fits.items():
+            gemm = moe_experts.grouped_gemm(config)
+            variants[f"tl:{name}"] = forward_only(lambda gemm=gemm, rows=rows, w=w, kind=kind, r=routings[config.block_m]:
+                                                  gemm(kind, rows, w, r))
+        yield f"moe {case} grouped", variants
     dy = torch.randn(TOKENS, hidden, device="cuda", dtype=torch.bfloat16)
-    impls = {"eager": moe_experts._loop_gemm, "grouped_mm": grouped_mm, "tilelang": moe_experts._tilelang_gemm}
 
-    def whole(gemm):
+    def whole(gemm, block_m=moe_experts.BLOCK_M):
         def run():
-            _, *kept = moe_experts._experts_forward(gemm, x, index, weights, gate_up, down)
+            _, *kept = moe_experts._experts_forward(gemm, x, index, weights, gate_up, down, block_m)
             moe_experts._experts_backward(gemm, dy, *kept, weights, gate_up, down)
         return run
 
-    yield "moe experts fwd+bwd", {name: whole(gemm) for name, gemm in impls.items()}
+    impls = {"eager": whole(moe_experts._loop_gemm), "grouped_mm": whole(grouped_mm)}
+    impls.update({f"tl:{name}": whole(moe_experts.grouped_gemm(c), c.block_m) for name, c in fits.items()})
+    yield "moe experts fwd+bwd", impls
+
+
+def moe_summary(rows: list[dict]) -> dict:
+    """Print each TileLang config's % of the dense TFLOP/s per grouped GEMM and its speed against grouped_mm,
+    rank the configs by the four GEMMs' summed device time and by the whole experts forward + backward, and
+    print the moe_experts.TUNED entry of the fastest. Returns the ranking for the JSON."""
+    from tiletune.kernels import _tilelang, moe_experts
+
+    gemm_cases = [r for r in rows if r["case"].startswith("moe ") and r["case"].endswith(" grouped")]
+    if not gemm_cases:
+        return {}
+    time = {(r["case"], r["variant"]): r["gpu_median_ms"] for r in rows if r["case"].startswith("moe ")}
+    cases = list(dict.fromkeys(r["case"] for r in gemm_cases))
+    names = list(dict.fromkeys(r["variant"] for r in gemm_cases if r["variant"].startswith("tl:")))
+    print("\nmoe grouped GEMMs (Qwen3-30B-A3B experts, 8192 tokens x top-8; gpu ms, % of dense cuBLAS TFLOP/s over "
+          "the same rows, x = grouped_mm time / this)")
+    print(f"{'config':20s} " + " ".join(f"{c.removeprefix('moe ').removesuffix(' grouped'):>24s}" for c in cases)
+          + f" {'sum ms':>8s} {'fwd+bwd ms':>10s}")
+    ranking = {}
+    for name in ["grouped_mm", *names]:
+        cells, total = [], 0.0
+        for c in cases:
+            ms = time[(c, name)]
+            total += ms
+            cells.append(f"{ms:6.3f} {100 * time[(c, 'cublas')] / ms:5.1f}% x{time[(c, 'grouped_mm')] / ms:4.2f}")
+        whole = time.get(("moe experts fwd+bwd", name), float("nan"))
+        print(f"{name:20s} " + " ".join(f"{cell:>24s}" for cell in cells) + f" {total:8.3f} {whole:10.3f}")
+        ranking[name] = {"gemm_sum_ms": total, "fwd_bwd_ms": whole,
+                         "pct_of_dense": {c: 100 * time[(c, "cublas")] / time[(c, name)] for c in cases}}
+    if not names:
+        return ranking
+    key = (lambda n: ranking[n]["fwd_bwd_ms"]) if all(ranking[n]["fwd_bwd_ms"] == ranking[n]["fwd_bwd_ms"] for n in names) \
+        else (lambda n: ranking[n]["gemm_sum_ms"])
+    best = min(names, key=key).removeprefix("tl:")
+    arch = _tilelang.device_arch()
+    default = moe_experts.DEFAULT_CONFIG[moe_experts.arch_family(arch)]
+    gate_up_pct = ranking[f"tl:{best}"]["pct_of_dense"].get("moe gate_up fwd grouped", float("nan"))
+    print(f"fastest config: {best} (default {default}); gate_up fwd at {gate_up_pct:.0f}% of dense (bar: 70%). "
+          f"After the GPU tests pass (pytest -m gpu tests/kernels/test_moe_experts.py), moe_experts.TUNED:\n"
+          f"    ({arch!r}, {MOE_SHAPE['experts']}, {MOE_SHAPE['hidden']}, {MOE_SHAPE['inter']}, 'bfloat16'): {best!r},")
+    return {"best": best, "default": default, "configs": ranking}
 
 
 def git_commit() -> str:
@@ -286,7 +360,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--only", choices=list(GROUPS), help="run one group")
+    parser.add_argument("--moe-variants", help="comma-separated grouped GEMM configs to sweep (moe_experts.VARIANTS; "
+                                               "default: the GPU's moe_experts.CANDIDATES)")
     args = parser.parse_args()
+    global MOE_VARIANTS
+    MOE_VARIANTS = args.moe_variants.split(",") if args.moe_variants else None
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernel_bench.py needs a GPU")
     if args.tune:
@@ -322,13 +400,14 @@ def main() -> None:
             ratios = [r[f"{how}_vs_cublas"] for r in rows if r["variant"] == "tilelang" and r["case"].startswith(f"linear {kind} ")]
             if ratios:
                 geo[f"linear {kind} {how} geomean vs cublas"] = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    moe = moe_summary(rows)
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(), "torch": torch.__version__, "tokens": TOKENS, "dtype": "bfloat16",
             "rounds": args.rounds, "tuned": args.tune}
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, "kernels_" + meta["gpu"].replace(" ", "_").lower())
     with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows, "geomean": geo}, f, indent=1)
+        json.dump({"meta": meta, "rows": rows, "geomean": geo, "moe": moe}, f, indent=1)
     with open(stem + ".csv", "w", newline="") as f:
         fields = list(dict.fromkeys(k for r in rows for k in r))
         writer = csv.DictWriter(f, fieldnames=fields)
@@ -336,7 +415,7 @@ def main() -> None:
         writer.writerows(rows)
     print(f"\n{meta['gpu']}  {meta['date']}  commit {meta['commit'][:10]}  (median of {args.rounds} rounds, ms; "
           "ratio = baseline / variant)")
-    print(f"{'case':30s} {'variant':9s} {'gpu':>7s} {'min':>7s} {'max':>7s} {'vs base':>7s} {'vs other':>8s}"
+    print(f"{'case':30s} {'variant':20s} {'gpu':>7s} {'min':>7s} {'max':>7s} {'vs base':>7s} {'vs other':>8s}"
           f" | {'launch':>7s} {'vs base':>7s} {'vs other':>8s}")
     print("(base: eager, cuBLAS or SDPA flash; other: Liger, or SDPA cuDNN for attention)")
     for r in rows:
@@ -347,7 +426,7 @@ def main() -> None:
             cells.append((r[f"{how}_median_ms"], r[f"{how}_min_ms"], r[f"{how}_max_ms"], base,
                           f"{liger:8.2f}" if liger else " " * 8))
         g, la = cells
-        print(f"{r['case']:30s} {r['variant']:9s} {g[0]:7.3f} {g[1]:7.3f} {g[2]:7.3f} {g[3]:7.2f} {g[4]}"
+        print(f"{r['case']:30s} {r['variant']:20s} {g[0]:7.3f} {g[1]:7.3f} {g[2]:7.3f} {g[3]:7.2f} {g[4]}"
               f" | {la[0]:7.3f} {la[3]:7.2f} {la[4]}")
     for k, v in geo.items():
         print(f"{k}: {v:.3f}")

@@ -43,6 +43,104 @@ def test_the_tile_schedule_covers_every_sorted_row_once_within_its_expert(tokens
     assert routing.offsets.tolist() == [int((sorted_experts < e).sum()) for e in range(experts + 1)]
 
 
+@pytest.mark.parametrize("tokens,experts,k,block", [(300, 16, 4, 128), (77, 8, 2, 128), (1, 4, 1, 256)])
+def test_larger_tiles_keep_the_smallest_tiles_bound_with_the_active_tiles_first(tokens, experts, k, block):
+    """A config of block_m > BLOCK_M routes into the tiles tensor sized for BLOCK_M (the custom op's fake shape):
+    its active tiles first, -1 after, and no more active tiles than its own bound (grouped_gemm's slice)."""
+    index, _ = routes(tokens, experts, k)
+    routing = route(index, experts, block, moe.BLOCK_M)
+    rows = tokens * k
+    assert routing.tiles.shape == (-(-rows // moe.BLOCK_M) + experts, 3)
+    active = (routing.tiles[:, 0] >= 0).int()
+    assert torch.equal(active, active.sort(descending=True, stable=True).values)  # active tiles first
+    assert int(active.sum()) <= -(-rows // block) + experts
+    sorted_experts = index.reshape(-1)[routing.order]
+    covered = torch.zeros(rows, dtype=torch.int64)
+    for expert, first, end in routing.tiles.tolist():
+        if expert >= 0:
+            covered[first:min(first + block, end)] += 1
+            assert (sorted_experts[first:min(first + block, end)] == expert).all()
+    assert (covered == 1).all()
+    with pytest.raises(AssertionError):
+        route(index, experts, 32, 64)
+
+
+def _emulated_grouped_gemm(config):
+    """grouped_gemm(config)'s arithmetic in PyTorch, tile by tile as the kernel runs it: the routing's tiles cut
+    to the config's bound, each tile's block_m rows from its first (zero past the last row, as TMA fills them)
+    times its expert's weights, stored below the expert's end."""
+    def gemm(kind, rows, weights, routing):
+        experts, n, k = weights.shape
+        tiles = routing.tiles[: -(-rows.shape[0] // config.block_m) + experts]
+        padded = torch.cat([rows, rows.new_zeros(config.block_m, rows.shape[1])])
+        out = torch.full((rows.shape[0], n if kind == "nt" else k), float("nan"), dtype=rows.dtype)
+        for expert, first, end in tiles.tolist():
+            if expert >= 0:
+                w = weights[expert]
+                block = padded[first:first + config.block_m] @ (w.t() if kind == "nt" else w)
+                stop = min(first + config.block_m, end)
+                out[first:stop] = block[: stop - first]
+        return out
+    return gemm
+
+
+@pytest.mark.parametrize("variant", sorted(moe.VARIANTS))
+def test_every_variants_tile_schedule_computes_the_reference(variant):
+    """The forward and backward with each variant's block_m and bound (in float64, emulated on the CPU) equal the
+    expert loop's: every row written by its own expert's tiles, an empty expert (1) included."""
+    config = moe.VARIANTS[variant]
+    index, weights = routes(600, 8, 2)  # ~170 rows per expert: several tiles of each block_m
+    torch.manual_seed(0)
+    hidden, gate_up, down = torch.randn(600, 16).double(), torch.randn(8, 48, 16).double(), torch.randn(8, 16, 24).double()
+    want = moe._experts_forward(moe._loop_gemm, hidden, index, weights.double(), gate_up, down)
+    got = moe._experts_forward(_emulated_grouped_gemm(config), hidden, index, weights.double(), gate_up, down,
+                               config.block_m)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    dy = torch.randn_like(hidden)
+    want_grads = moe._experts_backward(moe._loop_gemm, dy, *want[1:], weights.double(), gate_up, down)
+    got_grads = moe._experts_backward(_emulated_grouped_gemm(config), dy, *got[1:], weights.double(), gate_up, down)
+    for mine, theirs in zip(got_grads, want_grads):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_the_config_table_keeps_the_measured_defaults_until_a_gpu_picks_another(monkeypatch):
+    assert moe.config_for("sm_90") == moe.GroupedConfig(64, 128, 64, 3, 128)  # timed on the H200, 2026-12-04
+    assert moe.config_for("sm_86") == moe.GroupedConfig(64, 128, 32, 2, 128)
+    assert moe.config_for("gfx942") == moe.GroupedConfig(64, 128, 32, 2, 256)
+    monkeypatch.setitem(moe.TUNED, ("sm_90", 128, 2048, 768, "bfloat16"), "m128")
+    assert moe.config_for("sm_90", 128, 2048, 768, "bfloat16").block_m == 128
+    assert moe.config_for("sm_90", 8, 4096, 14336, "bfloat16") == moe.VARIANTS["m64"]
+    assert moe.config_for("sm_90", variant="m128n256") == moe.VARIANTS["m128n256"]
+    for family, names in moe.CANDIDATES.items():
+        assert moe.DEFAULT_CONFIG[family] in names and set(names) <= set(moe.VARIANTS)
+    for config in moe.VARIANTS.values():  # the schedule's bound is sized for BLOCK_M rows
+        assert config.block_m >= moe.BLOCK_M and config.block_m % 64 == 0
+
+
+LOWERINGS = ([("cuda:sm_90", v) for v in sorted(moe.VARIANTS)] + [("hip:gfx942", v) for v in sorted(moe.VARIANTS)]
+             + [("cuda:sm_80", v) for v in moe.CANDIDATES["sm_80"]])
+
+
+@pytest.mark.parametrize("target,variant", LOWERINGS)
+def test_every_variant_lowers_onto_the_matrix_units(target, variant):
+    """Both grouped GEMMs of every variant lower without a GPU: on sm_90 with TMA loads and wgmma (as linear's
+    GEMMs do), on gfx942 with MFMA, on sm_80 with mma; a persistent variant's grid does not grow with the tiles."""
+    pytest.importorskip("tilelang", reason="TileLang is not installed or cannot be imported")
+    from tiletune.kernels import _tilelang
+
+    config = moe.VARIANTS[variant]
+    for kind in ("nt", "nn"):
+        source = _tilelang.lower_source(moe.grouped_gemm_kernel(kind, 128, 1536, 2048, "bfloat16", config), target)
+        if target == "cuda:sm_90":
+            assert "wgmma" in source and "tl::tma_load(" in source
+        elif target == "cuda:sm_80":
+            assert "mma" in source and "wgmma" not in source
+        else:
+            assert "mfma" in source.lower()
+        assert "tiles[" in source and "int rows" in source
+        assert ("blockIdx.y" not in source and "step" in source) if config.persistent else "blockIdx.y" in source
+
+
 def _stock_experts(config_class, **shape):
     config = getattr(transformers, config_class)(hidden_size=32, hidden_act="silu", **shape)
     config._experts_implementation = "eager"  # transformers' own per-expert loop
@@ -151,6 +249,52 @@ def test_tilelang_matches_float64(dtype, name, tokens, experts, k, hidden, inter
     gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden**0.5).to(dtype)
     down = (torch.randn(experts, hidden, inter, device="cuda") / inter**0.5).to(dtype)
     check("moe", f"{name} tokens={tokens}", dtype, [x, w, gate_up, down],
+          lambda x, w, gu, d: moe_experts(x, index, w, gu, d),
+          lambda x, w, gu, d: moe_experts(x, index, w, gu, d, impl="tilelang", strict=True),
+          ["y", "dhidden", "dweights"])
+
+
+def _this_gpus_candidates():
+    """The sweep's candidates of every architecture (the test skips those not of this GPU's)."""
+    return sorted({name for names in moe.CANDIDATES.values() for name in names})
+
+
+@pytest.fixture(scope="module")
+def candidates_compiled():
+    """Every candidate of this GPU compiled at once for both test shapes (one by one they take minutes)."""
+    from tiletune.kernels import _tilelang
+
+    names = moe.CANDIDATES[moe.arch_family(_tilelang.device_arch())]
+    for experts, hidden, inter in ((128, 2048, 768), (8, 4096, 14336)):
+        moe.compile_all([moe.VARIANTS[n] for n in names], experts, hidden, inter, "bfloat16", torch.device("cuda", 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("candidates_compiled")
+@pytest.mark.parametrize("variant", _this_gpus_candidates())
+@pytest.mark.parametrize("name,tokens,experts,k,hidden,inter", [
+    ("qwen3-30b-a3b", 8192, 128, 8, 2048, 768), ("qwen3-30b-a3b", 77, 128, 8, 2048, 768),
+    ("mixtral-8x7b", 3, 8, 2, 4096, 14336),
+])
+def test_every_candidate_config_matches_float64(monkeypatch, variant, name, tokens, experts, k, hidden, inter):
+    """Each grouped GEMM config the sweep may pick (benchmarks/kernel_bench.py --only moe), through the whole op
+    (both forward GEMMs, both input-gradient GEMMs) against float64, bf16; an expert with no rows included."""
+    from _gpu_check import check
+
+    from tiletune.kernels import _tilelang
+
+    arch = _tilelang.device_arch()
+    if variant not in moe.CANDIDATES[moe.arch_family(arch)]:
+        pytest.skip(f"{variant} is not a candidate on {arch}")
+    dtype = torch.bfloat16
+    monkeypatch.setitem(moe.TUNED, (arch, experts, hidden, inter, "bfloat16"), variant)
+    assert moe.config_for(arch, experts, hidden, inter, "bfloat16") == moe.VARIANTS[variant]
+    index, weights = routes(tokens, experts, k, device="cuda")
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype, requires_grad=True)
+    w = weights.to(dtype).requires_grad_()
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden**0.5).to(dtype)
+    down = (torch.randn(experts, hidden, inter, device="cuda") / inter**0.5).to(dtype)
+    check("moe", f"{name} {variant} t={tokens}", dtype, [x, w, gate_up, down],
           lambda x, w, gu, d: moe_experts(x, index, w, gu, d),
           lambda x, w, gu, d: moe_experts(x, index, w, gu, d, impl="tilelang", strict=True),
           ["y", "dhidden", "dweights"])

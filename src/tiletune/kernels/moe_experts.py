@@ -10,7 +10,10 @@ weights train is reported and left alone).
 How it runs: the k·tokens routes are sorted by expert (`Routing`: one sort, no host sync), the rows gathered
 once, and each expert's block of rows meets its weights in a grouped GEMM: one kernel launch for all experts,
 each thread block owning a tile of one expert's rows (the tile schedule, an upper bound of ceil(rows / block_m)
-+ experts tiles, is built on the device; surplus tiles exit at once). Forward: two grouped GEMMs (gate_up,
++ experts tiles, is built on the device; surplus tiles exit at once). The grouped GEMM's tile shape and
+scheduling (rows per tile, warp split, rasterised or persistent grid, staged store) is a `GroupedConfig` row of
+`VARIANTS`, chosen per architecture and shape (`config_for`: TUNED from a GPU sweep, else DEFAULT_CONFIG;
+benchmarks/kernel_bench.py --only moe sweeps CANDIDATES); one kernel source takes them all. Forward: two grouped GEMMs (gate_up,
 down) with the activation between them; backward: two grouped GEMMs for the input gradient (``nn``: the
 weights untransposed) and the activation's derivative. The forward keeps [rows, 2·intermediate] and
 [rows, hidden] for the backward (Qwen3-30B-A3B at 8,192 tokens: 192 + 256 MiB per layer).
@@ -21,6 +24,7 @@ with float32 accumulation; the TileLang version's GEMMs accumulate in float32 an
 
 # No `from __future__ import annotations` here: TileLang reads the kernel signature's shapes from the closure.
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,7 +37,10 @@ from tiletune.kernels.binding import Binding, Site
 from tiletune.kernels.customop import Signature, make_custom_op
 from tiletune.kernels.registry import Impl, Op, add, define
 
-BLOCK_M = 64  # rows of one expert per tile: small, as experts see few rows each (Qwen3-30B-A3B: 512 on average)
+# Rows of one expert per tile of the schedule's bound: small, as experts see few rows each (Qwen3-30B-A3B: 512 on
+# average). The smallest block_m of any GroupedConfig: the tiles tensor is sized by it whatever the config, so its
+# shape (the custom op's fake) does not depend on the config; a larger block_m leaves the surplus slots empty (-1).
+BLOCK_M = 64
 
 
 @dataclass(frozen=True)
@@ -51,8 +58,10 @@ class Routing:
     offsets: Tensor
 
 
-def route(top_k_index: Tensor, experts: int, block_m: int = BLOCK_M) -> Routing:
-    """Sort the routes by expert and lay out the grouped GEMMs' tiles, all on the device (no host sync)."""
+def route(top_k_index: Tensor, experts: int, block_m: int = BLOCK_M, slots_block_m: int | None = None) -> Routing:
+    """Sort the routes by expert and lay out the grouped GEMMs' tiles of `block_m` rows, all on the device (no host
+    sync): the active tiles first, then empty ones (-1) up to the bound for tiles of `slots_block_m` (default
+    block_m) rows, ceil(rows / slots_block_m) + experts."""
     k = top_k_index.shape[-1]
     flat = top_k_index.reshape(-1)
     _, order = torch.sort(flat, stable=True)
@@ -62,7 +71,9 @@ def route(top_k_index: Tensor, experts: int, block_m: int = BLOCK_M) -> Routing:
     starts = ends - counts
     tiles_per_expert = (counts + block_m - 1) // block_m
     tile_ends = torch.cumsum(tiles_per_expert, 0, dtype=torch.int32)
-    max_tiles = (flat.numel() + block_m - 1) // block_m + experts
+    slots = block_m if slots_block_m is None else slots_block_m
+    assert slots <= block_m, f"tiles of {block_m} rows need the bound of at least that many, not {slots}"
+    max_tiles = (flat.numel() + slots - 1) // slots + experts
     index = torch.arange(max_tiles, dtype=torch.int32, device=flat.device)
     expert = torch.searchsorted(tile_ends, index, right=True).to(torch.int32)
     active = expert < experts
@@ -88,10 +99,10 @@ def _silu_gate_backward(da: Tensor, h: Tensor) -> Tensor:
 
 
 def _experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
-                     down: Tensor):  # fmt: skip
+                     down: Tensor, block_m: int = BLOCK_M):  # fmt: skip
     """(y, the gate_up rows, the down rows, the routing's order, tiles and offsets): the experts' forward with
-    `gemm(kind, rows, weights, routing)`; the backward reuses the routing."""
-    routing = route(top_k_index, gate_up.shape[0])
+    `gemm(kind, rows, weights, routing)` on tiles of `block_m` rows; the backward reuses the routing."""
+    routing = route(top_k_index, gate_up.shape[0], block_m, BLOCK_M)
     rows = hidden[routing.token]
     h = gemm("nt", rows, gate_up, routing)
     o = gemm("nt", _silu_gate(h), down, routing)
@@ -124,7 +135,7 @@ def _loop_gemm(kind: str, rows: Tensor, weights: Tensor, routing: Routing) -> Te
     out_features = weights.shape[1] if kind == "nt" else weights.shape[2]
     out = rows.new_zeros(rows.shape[0], out_features)
     bounds = routing.offsets.tolist()
-    for expert, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for expert, (start, end) in enumerate(itertools.pairwise(bounds)):
         if end > start:
             w = weights[expert].to(acc)
             out[start:end] = (rows[start:end].to(acc) @ (w.t() if kind == "nt" else w)).to(out.dtype)
@@ -143,52 +154,162 @@ def reference_backward(dy, h, o, order, tiles, offsets, top_k_weights, gate_up, 
 
 # ---- TileLang grouped GEMM --------------------------------------------------------------------------------
 
-# (block_n, block_k, stages, threads); block_m is BLOCK_M (the tile schedule's)
-DEFAULT_CONFIG = {"sm_90": (128, 64, 3, 128), "sm_80": (128, 32, 2, 128), "hip": (128, 32, 2, 256)}
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    """One grouped GEMM variant. block_m is also the tile schedule's (`route`): every GEMM of one op call shares
+    the routing, so one config serves all four (forward gate_up and down, their input gradients).
+
+    swizzle: panel size of TileLang's rasterised block order (0: plain order, column blocks of a row tile
+    first); persistent: CTAs per SM of a persistent grid walking the (expert tile, column block) work list
+    (0: one CTA per work item; in a persistent grid surplus schedule slots cost a load, not a launch); staged: the accumulator goes
+    through shared memory for a coalesced, vectorised masked store instead of the fragment's scattered one;
+    full_row: each warpgroup (warp) takes whole rows of the tile (TileLang's GemmWarpPolicy.FullRow: on sm_90 a
+    128 x 128 tile is one m64n128 wgmma per warpgroup instead of two m64n64, the rows split, not the columns)
+    rather than TileLang's default square split."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    stages: int
+    threads: int
+    swizzle: int = 0
+    persistent: int = 0
+    staged: bool = False
+    full_row: bool = False
 
 
-def grouped_gemm_kernel(kind: str, experts: int, n: int, k: int, dtype: str, config):
+# The variants `benchmarks/kernel_bench.py --only moe` sweeps (each timed against dense cuBLAS over the same
+# rows and torch's grouped_mm, reported as % of the dense TFLOP/s) and `test_moe_experts.py -m gpu` checks.
+VARIANTS = {
+    # what ran on the H200 (2026-12-04): 48% of dense cuBLAS; one warpgroup, wgmma m64n128
+    "m64": GroupedConfig(64, 128, 64, 3, 128),
+    # two warpgroups on a 128-row tile (linear's sm_90 shape family): half the weight traffic per output row
+    "m128": GroupedConfig(128, 128, 64, 3, 256),
+    # linear's sm_90 default tile: fewest weight and row re-reads, most work per CTA; gate_up's 1536 = 6 x 256
+    "m128n256": GroupedConfig(128, 256, 64, 3, 256),
+    # 128 rows, rasterised order: neighbouring CTAs share the expert's weight panel in L2
+    "m128_swizzle": GroupedConfig(128, 128, 64, 3, 256, swizzle=8),
+    # 128 rows, coalesced epilogue through shared memory (the masked store is the fragment's otherwise)
+    "m128_staged": GroupedConfig(128, 128, 64, 3, 256, staged=True),
+    # 128 rows, one CTA per SM over the work list: no launch tail of idle CTAs on empty schedule slots, no
+    # CTA launch per tile; two per SM (2 x 96 KB of shared memory fit) to overlap one's epilogue with the other's loads
+    "m128_persistent": GroupedConfig(128, 128, 64, 3, 256, persistent=1),
+    "m128_persistent2": GroupedConfig(128, 128, 64, 3, 256, persistent=2),
+    # 128 rows split by rows between the two warpgroups: m64n128 (m64n256) wgmmas, A read by one warpgroup only
+    "m128_fullrow": GroupedConfig(128, 128, 64, 3, 256, full_row=True),
+    "m128n256_fullrow": GroupedConfig(128, 256, 64, 3, 256, full_row=True),
+    # 64 rows (less padding on experts with few rows) but linear's wide tile and the staged store
+    "m64n256_staged": GroupedConfig(64, 256, 64, 4, 128, staged=True),
+    # the pre-table defaults of sm_80 and hip, kept as rows; 128 rows in the same 32 KB of shared memory (LDS)
+    "m64_k32": GroupedConfig(64, 128, 32, 2, 128),
+    "m64_k32_t256": GroupedConfig(64, 128, 32, 2, 256),
+    "m128_k32": GroupedConfig(128, 128, 32, 2, 256),
+}
+# What a GPU sweep tries per architecture (sm_90 up to 147 KB of its 227 KB shared memory; sm_80's 100 KB of
+# sm_86/89 and gfx9's 64 KB of LDS keep to k32 and 2 stages).
+CANDIDATES = {
+    "sm_90": ["m64", "m128", "m128n256", "m128_swizzle", "m128_staged", "m128_persistent", "m128_persistent2",
+              "m128_fullrow", "m128n256_fullrow", "m64n256_staged"],
+    "sm_80": ["m64_k32", "m128_k32"],
+    "hip": ["m64_k32_t256", "m128_k32"],
+}
+# Per architecture. sm_90 stays "m64" (what passed the GPU tests and was timed) until a GPU measures a better
+# one: python3 benchmarks/kernel_bench.py --only moe --rounds 3   (it prints the TUNED entry of the fastest; put
+# it in TUNED, or here, after python3 -m pytest -q -m gpu tests/kernels/test_moe_experts.py, which checks every
+# candidate against float64).
+DEFAULT_CONFIG = {"sm_90": "m64", "sm_80": "m64_k32", "hip": "m64_k32_t256"}
+# (arch, experts, hidden, intermediate, dtype) -> variant name, from a GPU sweep; empty until one is measured.
+TUNED: dict[tuple[str, int, int, int, str], str] = {}
+# SMs of a persistent grid when the SM count is unknown (lowering without a GPU): the H200's 132.
+LOWERING_SMS = 132
+
+
+def grouped_gemm_kernel(kind: str, experts: int, n: int, k: int, dtype: str, config: GroupedConfig,
+                        sms: int = LOWERING_SMS):  # fmt: skip
     """PrimFunc of one grouped GEMM over the sorted rows (rows and tiles dynamic), weights [experts, n, k]:
 
     nt: Y (rows, n) = X (rows, k) · W[e]ᵀ      (the forward: gate_up, down)
     nn: Y (rows, k) = X (rows, n) · W[e]       (the input gradient)
 
-    Tile (e, first, end) computes rows first..first+BLOCK_M of expert e's block, stores those below `end`.
+    Tile (e, first, end) computes rows first..first+block_m of expert e's block, stores those below `end`.
+    A work item is (tile, column block); a persistent config runs workers = persistent x `sms` CTAs, each walking
+    the items pid, pid + workers, ... (column blocks of one tile adjacent: its rows and its expert's weights stay
+    in L2).
     """
     import tilelang.language as T
 
-    bn, bk, stages, threads = config
-    bm = BLOCK_M
+    c = config
+    bm, bn, bk = c.block_m, c.block_n, c.block_k
     rows, num_tiles = T.dynamic("rows"), T.dynamic("tiles")
     reduction, cols = (k, n) if kind == "nt" else (n, k)
+    col_blocks = T.ceildiv(cols, bn)
+    workers = c.persistent * sms
 
-    @T.prim_func
-    def grouped_gemm(X: T.Tensor((rows, reduction), dtype), W: T.Tensor((experts, n, k), dtype),
-                     tiles: T.Tensor((num_tiles, 3), "int32"), Y: T.Tensor((rows, cols), dtype)):  # fmt: skip
-        with T.Kernel(T.ceildiv(cols, bn), num_tiles, threads=threads) as (bx, by):
-            a = T.alloc_shared((bm, bk), dtype)
-            b = T.alloc_shared((bn, bk) if kind == "nt" else (bk, bn), dtype)
-            acc = T.alloc_fragment((bm, bn), "float32")
-            # the tile's (expert, first row, end) read where used: a named binding is not visible to the
-            # producer warps of sm_90's warp-specialized pipeline
-            if tiles[by, 0] >= 0:
-                T.clear(acc)
-                for ko in T.Pipelined(T.ceildiv(reduction, bk), num_stages=stages):
-                    T.copy(X[tiles[by, 1] : tiles[by, 1] + bm, ko * bk : (ko + 1) * bk], a)
-                    if kind == "nt":
-                        T.copy(W[tiles[by, 0], bx * bn : (bx + 1) * bn, ko * bk : (ko + 1) * bk], b)
-                    else:
-                        T.copy(W[tiles[by, 0], ko * bk : (ko + 1) * bk, bx * bn : (bx + 1) * bn], b)
-                    T.gemm(a, b, acc, transpose_B=kind == "nt")
+    @T.macro
+    def tile(X, W, tiles, Y, t, col, a, b, acc, out):
+        # the tile's (expert, first row, end) read where used: a named binding is not visible to the
+        # producer warps of sm_90's warp-specialized pipeline
+        if tiles[t, 0] >= 0:
+            T.clear(acc)
+            for ko in T.Pipelined(T.ceildiv(reduction, bk), num_stages=c.stages):
+                T.copy(X[tiles[t, 1] : tiles[t, 1] + bm, ko * bk : (ko + 1) * bk], a)
+                if kind == "nt":
+                    T.copy(W[tiles[t, 0], col * bn : (col + 1) * bn, ko * bk : (ko + 1) * bk], b)
+                else:
+                    T.copy(W[tiles[t, 0], ko * bk : (ko + 1) * bk, col * bn : (col + 1) * bn], b)
+                T.gemm(a, b, acc, transpose_B=kind == "nt",
+                       policy=T.GemmWarpPolicy.FullRow if c.full_row else T.GemmWarpPolicy.Square)
+            if c.staged:
+                T.copy(acc, out)
                 for i, j in T.Parallel(bm, bn):
-                    if tiles[by, 1] + i < tiles[by, 2]:
-                        Y[tiles[by, 1] + i, bx * bn + j] = acc[i, j]
+                    if tiles[t, 1] + i < tiles[t, 2]:
+                        Y[tiles[t, 1] + i, col * bn + j] = out[i, j]
+            else:
+                for i, j in T.Parallel(bm, bn):
+                    if tiles[t, 1] + i < tiles[t, 2]:
+                        Y[tiles[t, 1] + i, col * bn + j] = acc[i, j]
+
+    def buffers():
+        return (T.alloc_shared((bm, bk), dtype), T.alloc_shared((bn, bk) if kind == "nt" else (bk, bn), dtype),
+                T.alloc_fragment((bm, bn), "float32"), T.alloc_shared((bm, bn), dtype) if c.staged else None)
+
+    if c.persistent:
+        @T.prim_func
+        def grouped_gemm(X: T.Tensor((rows, reduction), dtype), W: T.Tensor((experts, n, k), dtype),
+                         tiles: T.Tensor((num_tiles, 3), "int32"), Y: T.Tensor((rows, cols), dtype)):  # fmt: skip
+            with T.Kernel(workers, threads=c.threads) as pid:
+                a, b, acc, out = buffers()
+                for step in T.serial(T.ceildiv(num_tiles * col_blocks, workers)):
+                    if step * workers + pid < num_tiles * col_blocks:
+                        tile(X, W, tiles, Y, (step * workers + pid) // col_blocks, (step * workers + pid) % col_blocks,
+                             a, b, acc, out)
+    else:
+        @T.prim_func
+        def grouped_gemm(X: T.Tensor((rows, reduction), dtype), W: T.Tensor((experts, n, k), dtype),
+                         tiles: T.Tensor((num_tiles, 3), "int32"), Y: T.Tensor((rows, cols), dtype)):  # fmt: skip
+            with T.Kernel(col_blocks, num_tiles, threads=c.threads) as (bx, by):
+                a, b, acc, out = buffers()
+                if c.swizzle:
+                    T.use_swizzle(panel_size=c.swizzle)
+                tile(X, W, tiles, Y, by, bx, a, b, acc, out)
 
     return grouped_gemm.with_attr("global_symbol", f"grouped_gemm_{kind}")
 
 
-def config_for(arch: str):
-    return DEFAULT_CONFIG.get(arch, DEFAULT_CONFIG["hip" if arch.startswith("gfx") else "sm_80"])
+def arch_family(arch: str) -> str:
+    """The key of DEFAULT_CONFIG and CANDIDATES for an architecture: sm_90, sm_80 (other CUDA) or hip (gfx)."""
+    return "hip" if arch.startswith("gfx") else "sm_90" if arch == "sm_90" else "sm_80"
+
+
+def config_for(arch: str, experts: int = 128, hidden: int = 2048, inter: int = 768, dtype: str = "bfloat16",
+               variant: str | None = None) -> GroupedConfig:
+    """The grouped GEMMs' config for this op shape: `variant` if named, else tuned if known, else the arch default."""
+    if variant is None:
+        variant = TUNED.get((arch, experts, hidden, inter, dtype))
+    if variant is None:
+        variant = DEFAULT_CONFIG[arch_family(arch)]
+    return VARIANTS[variant]
 
 
 def lowering_kernels(arch: str) -> dict[str, Callable]:
@@ -197,31 +318,79 @@ def lowering_kernels(arch: str) -> dict[str, Callable]:
             for kind in ("nt", "nn")}
 
 
-def _tilelang_gemm(kind: str, rows: Tensor, weights: Tensor, routing: Routing) -> Tensor:
-    experts, n, k = weights.shape
-    dtype, config = _tilelang.DTYPES[rows.dtype], config_for(_tilelang.device_arch(rows.device))
-    kernel = _tilelang.compiled(("moe_experts", kind, experts, n, k, dtype, config),
-                                lambda: grouped_gemm_kernel(kind, experts, n, k, dtype, config))
-    out = rows.new_empty(rows.shape[0], n if kind == "nt" else k)
-    if rows.shape[0]:
-        kernel(rows.contiguous(), weights.contiguous(), routing.tiles, out)
-    return out
+def kernel_build(kind: str, experts: int, n: int, k: int, dtype: str, config: GroupedConfig,
+                 device: torch.device) -> tuple[tuple, Callable]:  # fmt: skip
+    """(the compile cache key, the PrimFunc builder) of one grouped GEMM on `device` (benchmarks compile many
+    at once with them)."""
+    sms = _tilelang.sm_count(device.index or 0) if config.persistent else LOWERING_SMS
+    return (("moe_experts", kind, experts, n, k, dtype, config, sms),
+            lambda: grouped_gemm_kernel(kind, experts, n, k, dtype, config, sms))
 
 
-def tilelang_forward(hidden, top_k_index, top_k_weights, gate_up, down):
-    """(y, kept rows and routing) with the grouped GEMMs in TileLang."""
-    return _experts_forward(_tilelang_gemm, hidden, top_k_index, top_k_weights, gate_up, down)
+def compile_all(configs, experts: int, hidden: int, inter: int, dtype: str, device: torch.device) -> list[tuple]:
+    """Compile the four grouped GEMMs of the op shape for every config at once (TileLang's par_compile) into the
+    kernel cache, for a sweep or a test of many configs; returns the keys that failed to compile."""
+    gemms = [("nt", 2 * inter, hidden), ("nt", hidden, inter), ("nn", hidden, inter), ("nn", 2 * inter, hidden)]
+    builds = {}
+    for config in configs:
+        for kind, n, k in gemms:
+            key, build = kernel_build(kind, experts, n, k, dtype, config, device)
+            if key not in _tilelang._compiled:
+                builds[key] = build
+    failed = []
+    if builds:
+        kernels = _tilelang.tilelang().par_compile([build() for build in builds.values()],
+                                                   target=_tilelang.parse_target(_tilelang.device_target(device)),
+                                                   ignore_error=True)
+        for key, kernel in zip(builds, kernels):
+            if kernel is None:
+                failed.append(key)
+            else:
+                _tilelang._compiled[key] = kernel
+    return failed
 
 
-def tilelang_backward(dy, h, o, order, tiles, offsets, top_k_weights, gate_up, down):
-    """(d hidden, d top_k_weights) with the grouped GEMMs in TileLang."""
-    return _experts_backward(_tilelang_gemm, dy, h, o, order, tiles, offsets, top_k_weights, gate_up, down)
+def grouped_gemm(config: GroupedConfig) -> Callable:
+    """`gemm(kind, rows, weights, routing)` running `config`'s TileLang grouped GEMM (the routing's tiles must be of
+    config.block_m rows)."""
+    def gemm(kind: str, rows: Tensor, weights: Tensor, routing: Routing) -> Tensor:
+        experts, n, k = weights.shape
+        key, build = kernel_build(kind, experts, n, k, _tilelang.DTYPES[rows.dtype], config, rows.device)
+        kernel = _tilelang.compiled(key, build)
+        out = rows.new_empty(rows.shape[0], n if kind == "nt" else k)
+        if rows.shape[0]:
+            # the active tiles come first: the slots past this bound are empty for tiles of config.block_m rows
+            tiles = routing.tiles[: -(-rows.shape[0] // config.block_m) + experts]
+            kernel(rows.contiguous(), weights.contiguous(), tiles, out)
+        return out
+
+    return gemm
+
+
+def op_config(hidden: Tensor, gate_up: Tensor, variant: str | None = None) -> GroupedConfig:
+    """The config of the op's four grouped GEMMs on this device and shape."""
+    experts, inter2, size = gate_up.shape
+    arch = _tilelang.device_arch(hidden.device) or "sm_90"
+    return config_for(arch, experts, size, inter2 // 2, _tilelang.DTYPES.get(hidden.dtype, "bfloat16"), variant)
+
+
+def tilelang_forward(hidden, top_k_index, top_k_weights, gate_up, down, variant: str | None = None):
+    """(y, kept rows and routing) with the grouped GEMMs in TileLang (config `variant`, else op_config's)."""
+    config = op_config(hidden, gate_up, variant)
+    return _experts_forward(grouped_gemm(config), hidden, top_k_index, top_k_weights, gate_up, down, config.block_m)
+
+
+def tilelang_backward(dy, h, o, order, tiles, offsets, top_k_weights, gate_up, down, variant: str | None = None):
+    """(d hidden, d top_k_weights) with the grouped GEMMs in TileLang (the forward's config)."""
+    config = op_config(dy, gate_up, variant)
+    return _experts_backward(grouped_gemm(config), dy, h, o, order, tiles, offsets, top_k_weights, gate_up, down)
 
 
 def tilelang_unsupported(hidden, top_k_index, top_k_weights, gate_up, down) -> str | None:
     """Why the grouped GEMMs cannot run these inputs, or None."""
     reason = _tilelang.unsupported_inputs(hidden, gate_up, down)
-    bn, bk = config_for(_tilelang.device_arch(hidden.device) or "sm_90")[:2]
+    config = op_config(hidden, gate_up)
+    bn, bk = config.block_n, config.block_k
     if reason is None and any(d % bn or d % bk for d in (*gate_up.shape[1:], *down.shape[1:])):
         reason = f"expert shapes {tuple(gate_up.shape)}, {tuple(down.shape)} are not multiples of {bn} and {bk}"
     return reason
