@@ -1,6 +1,7 @@
 """Supervised packing (`packing`, `neat_packing`): the knapsack, the packed rows, the collators, and the
 loss of packed batches against the same examples unpacked on a tiny random Llama."""
 
+import dataclasses
 import itertools
 import json
 import random
@@ -138,24 +139,91 @@ def test_packed_loss_needs_restarting_positions_and_masked_boundaries(tiny_llama
         assert abs(summed_loss(tiny_llama, wrong).item() - unpacked) > 1e-3 * unpacked
 
 
-def test_tiletune_attention_falls_back_on_packed_batches(examples):
-    """tiletune's attention op takes no packed inputs: it must run the stock attention, and say why."""
-    from tiletune.kernels.attention import _call_unfit
+@pytest.mark.parametrize("boundaries", [True, False], ids=["with-cu_seq_lens", "position-ids-only"])
+def test_tiletune_attention_runs_packed_batches_as_unpacked(examples, monkeypatch, boundaries):
+    """SDPA gets transformers' block-diagonal mask (from the position ids; the collator also passes the
+    boundaries): tiletune's attention op runs every layer on the packed row with its cu_seqlens, and the loss
+    and its gradients are the unpacked ones."""
+    from tiletune.kernels import registry
     from tiletune.patch import apply_kernels, parse_kernel_spec
 
     model = tiny_model("sdpa")
     unpacked = summed_loss(model, unpacked_batch(examples))
+    want = torch.autograd.grad(unpacked, model.model.embed_tokens.weight)[0]
     batch = packed_batch(examples, neat=True)
+    if not boundaries:
+        batch = {k: v for k, v in batch.items() if not k.startswith(("cu_seq_lens", "max_length"))}
+    seen = []
+    reference = registry.get("attention", "reference")
+    monkeypatch.setitem(registry._impls["attention"], "reference", dataclasses.replace(
+        reference, forward=lambda *args: seen.append(args[4]) or reference.forward(*args)))
     report = apply_kernels(model, parse_kernel_spec({"attention": "reference"}))
     try:
-        torch.testing.assert_close(summed_loss(model, batch), unpacked, rtol=1e-5, atol=0)
+        packed = summed_loss(model, batch)
+        got = torch.autograd.grad(packed, model.model.embed_tokens.weight)[0]
     finally:
         report.revert()
-    reasons = {item["reason"] for item in report.runtime_fallbacks() if item["op"] == "attention"}
-    assert any("packed sequences" in reason for reason in reasons), reasons  # sdpa: the block-diagonal mask
-    q = torch.zeros(1, 4, 9, 16)  # flash-attention gets no mask: the varlen boundaries name the packing
-    flash_kwargs = {key: batch[key] for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
-    assert "packed sequences" in _call_unfit(model.model.layers[0].self_attn, q, q, q, None, (), flash_kwargs)
+    starts = [0, *itertools.accumulate(len(e["input_ids"]) for e in examples)]  # any order: compare lengths
+    assert len(seen) == 2 and all(cu is not None and cu.dtype == torch.int32 for cu in seen)
+    assert sorted(torch.diff(seen[0]).tolist()) == sorted(torch.diff(torch.tensor(starts)).tolist())
+    assert not [item for item in report.runtime_fallbacks() if item["op"] == "attention"]
+    torch.testing.assert_close(packed, unpacked, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+
+
+def _attention_call(kwargs: dict, mask=None, batch: int = 1, seq: int = 9):
+    """One call of the wrapped SDPA (tiletune's reference) as a Llama layer makes it: (output, fallback reasons)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from tiletune.kernels import registry
+    from tiletune.kernels.attention import _attention_function
+
+    before = dict(registry.runtime_fallbacks)
+    module = tiny_model("sdpa").model.layers[0].self_attn
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, h, seq, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    out, _ = _attention_function(sdpa_attention_forward, "reference", False)(module, q, k, v, mask, scaling=0.25,
+                                                                           **kwargs)
+    reasons = {key[2] for key, n in registry.runtime_fallbacks.items() if key[0] == "attention" and n > before.get(key, 0)}
+    return out, reasons, (q, k, v)
+
+
+def _block_diagonal_sdpa(q, k, v, cu):
+    """Float64 SDPA with the block-diagonal causal mask of the boundaries cu, (batch, seq, heads, d)."""
+    seq = q.shape[2]
+    segment = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.diff(torch.tensor(cu)))
+    mask = (segment[:, None] == segment[None]) & torch.ones(seq, seq, dtype=torch.bool).tril()
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, scale=0.25, enable_gqa=True).transpose(1, 2)
+
+
+def test_flash_attention_boundaries_reach_the_op():
+    """Flash-attention's path: no mask, the boundaries as cu_seq_lens_q/k."""
+    cu = torch.tensor([0, 1, 4, 5, 9], dtype=torch.int32)
+    out, reasons, (q, k, v) = _attention_call({"cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(), "max_length_q": 4,
+                                               "max_length_k": 4})
+    assert reasons == set()
+    torch.testing.assert_close(out, _block_diagonal_sdpa(q, k, v, cu.tolist()), rtol=1e-10, atol=1e-12)
+
+
+def test_packing_tiletune_cannot_take_falls_back_and_says_why():
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]])
+    causal = torch.ones(1, 1, 9, 9, dtype=torch.bool).tril()  # LLaMA-Factory's plain packing: attends across
+    for kwargs, mask, batch, reason in [
+        ({"position_ids": positions}, causal, 1, "an attention mask"),
+        ({"cu_seq_lens_q": cu, "cu_seq_lens_k": torch.tensor([0, 5, 9], dtype=torch.int32)}, None, 1, "packed sequences"),
+        ({"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}, None, 2, "packed sequences"),
+        ({"cu_seq_lens_q": cu[:2], "cu_seq_lens_k": cu[:2]}, None, 1, "packed sequences"),  # not covering the row
+    ]:
+        _, reasons, _ = _attention_call(kwargs, mask, batch)
+        assert any(reason in r for r in reasons), (kwargs, reasons)
+    _, reasons, _ = _attention_call({"position_ids": positions}, causal & _block_mask([0, 4, 9]))
+    assert reasons == set()  # the same row with transformers' block-diagonal mask runs the op
+
+
+def _block_mask(cu):
+    segment = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.diff(torch.tensor(cu)))
+    return (segment[:, None] == segment[None])[None, None]
 
 
 # ---- the data pipeline and the config ------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 q is (batch, heads_q, seq, head_dim) and k, v are (batch, heads_kv, seq, head_dim), the layout
 transformers passes to its attention functions; query head h reads kv head h // (heads_q / heads_kv).
-Query i sees keys 0..i (the same sequence: no KV-cache prefix). The forward also returns the
+Query i sees keys 0..i (the same sequence: no KV-cache prefix); with `cu_seqlens` (packed sequences in
+one row, batch 1, flash-attention's varlen boundaries) it sees only those of its own sequence: the
+block-diagonal causal mask `neat_packing` needs. The forward also returns the
 log-sum-exp of each row's scaled scores (natural log, float32; float64 for float64 inputs), which the
 backward uses to recompute the probabilities without storing them.
 
@@ -32,6 +34,7 @@ from tiletune.kernels.registry import Impl, Op, add, define, note_fallback
 
 HEAD_DIMS = (64, 128)  # head_dim values the TileLang kernels are configured for
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
+MASKED = -1e30  # the varlen kernels' masked score: finite, so a row with no key seen yet is no NaN
 
 # ---- reference -----------------------------------------------------------------------------------
 
@@ -42,34 +45,61 @@ def _grouped(x: Tensor, heads_kv: int, dtype: torch.dtype) -> Tensor:
     return x.to(dtype).reshape(b, heads_kv, h // heads_kv, s, d)
 
 
-def _causal_scores(q5: Tensor, k: Tensor, scale: float) -> Tensor:
-    """Scaled scores (batch, heads_kv, group, seq, seq) with -inf above the diagonal."""
+def segments(cu_seqlens: Tensor, seq: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Per token of a packed row, (start, end) int32: its segment's first token and one past its last.
+
+    cu_seqlens: int32 cumulative lengths [0, len0, len0 + len1, ..., seq], flash-attention's varlen
+    boundaries; tokens before its first or past its last entry form one more segment each. No host
+    synchronisation.
+    """
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    bounds = torch.cat([cu.new_zeros(1), cu, cu.new_tensor([seq])])
+    index = torch.searchsorted(bounds, torch.arange(seq, device=device), right=True)
+    return bounds[index - 1].int(), bounds[index].int()
+
+
+def _causal_scores(q5: Tensor, k: Tensor, scale: float, cu_seqlens: Tensor | None = None) -> Tensor:
+    """Scaled scores (batch, heads_kv, group, seq, seq) with -inf above the diagonal (and, packed, outside
+    each query's segment: block-diagonal causal)."""
     s = q5.shape[-2]
     scores = q5 @ k.unsqueeze(2).transpose(-1, -2) * scale
     future = torch.ones(s, s, dtype=torch.bool, device=q5.device).triu(1)
+    if cu_seqlens is not None:
+        starts, _ = segments(cu_seqlens, s, q5.device)
+        future |= torch.arange(s, device=q5.device) < starts[:, None]  # keys before the query's segment
     return scores.masked_fill(future, float("-inf"))
 
 
-def reference_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """(out like q, lse (batch, heads_q, seq)): causal GQA attention in fp32 (float64 for float64 inputs)."""
+def _check_packed(q: Tensor, cu_seqlens: Tensor | None) -> None:
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError(f"packed sequences (cu_seqlens) are one row of all tokens: batch is {q.shape[0]}, not 1")
+
+
+def reference_forward(q: Tensor, k: Tensor, v: Tensor, scale: float,
+                      cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(out like q, lse (batch, heads_q, seq)): causal GQA attention in fp32 (float64 for float64 inputs);
+    with cu_seqlens (batch 1), each packed sequence attends to itself only."""
     acc = _tilelang.accumulate_dtype(q)
     b, hq, s, _ = q.shape
     hk = k.shape[1]
     if hq % hk:
         raise ValueError(f"{hq} query heads are not a multiple of {hk} kv heads")
-    scores = _causal_scores(_grouped(q, hk, acc), k.to(acc), scale)
+    _check_packed(q, cu_seqlens)
+    scores = _causal_scores(_grouped(q, hk, acc), k.to(acc), scale, cu_seqlens)
     lse = scores.logsumexp(-1, keepdim=True)
     out = (scores - lse).exp() @ v.to(acc).unsqueeze(2)
     return out.reshape(q.shape).to(q.dtype), lse.reshape(b, hq, s)
 
 
-def reference_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float):
+def reference_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                       cu_seqlens: Tensor | None = None):
     """(dq, dk, dv) from the saved output and log-sum-exp, the way the kernel computes them, in fp32 (or float64)."""
     acc = _tilelang.accumulate_dtype(q)
     hk = k.shape[1]
     q5, do5, o5 = (_grouped(t, hk, acc) for t in (q, dout, out))
     k4, v4 = k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)
-    p = (_causal_scores(q5, k.to(acc), scale) - lse.to(acc).reshape(*q5.shape[:-1], 1)).exp()
+    _check_packed(q, cu_seqlens)
+    p = (_causal_scores(q5, k.to(acc), scale, cu_seqlens) - lse.to(acc).reshape(*q5.shape[:-1], 1)).exp()
     dv = (p.transpose(-1, -2) @ do5).sum(2)  # the group's query heads all read this kv head
     delta = (do5 * o5).sum(-1, keepdim=True)
     ds = p * (do5 @ v4.transpose(-1, -2) - delta) * scale
@@ -103,12 +133,19 @@ def config_for(arch: str, kind: str) -> tuple[int, int, int, int, bool]:
     return CONFIGS[kind][family]
 
 
-def forward_kernel(heads_q: int, heads_kv: int, head_dim: int, scale: float, dtype: str, config):
+def forward_kernel(heads_q: int, heads_kv: int, head_dim: int, scale: float, dtype: str, config, varlen: bool = False):
     """PrimFunc: O, LSE from Q (b, s, heads_q, d), K, V (b, s, heads_kv, d); LSE is (b, heads_q, s) float32.
 
     One program per (block of query rows, query head, batch). Online softmax in the log2 domain: per
     block of keys, rescale the running output and denominator by exp2(old max - new max). Key blocks
     entirely above the diagonal are never loaded (causal block skipping); the diagonal block is masked.
+
+    varlen (packed sequences, batch 1): one more input, Starts (s,) int32, each token's segment start;
+    query i sees keys Starts[i]..i, and the walk over key blocks begins at the block of the query block's
+    first row's segment start (Starts is non-decreasing). Masked scores are a large finite negative
+    instead of -inf: a row may see no key of the first blocks (its segment starts later), and its
+    maximum of -1e30 then gives finite garbage that the first real key's rescale exp2(-1e30 - max)
+    multiplies by exactly 0. The flag is static: the plain kernel's code is unchanged.
     """
     import tilelang.language as T
 
@@ -118,14 +155,8 @@ def forward_kernel(heads_q: int, heads_kv: int, head_dim: int, scale: float, dty
     acc = "float32"
     log2_scale = scale * LOG2E
 
-    @T.prim_func
-    def attention_fwd(
-        Q: T.Tensor((batch, seq, heads_q, head_dim), dtype),
-        K: T.Tensor((batch, seq, heads_kv, head_dim), dtype),
-        V: T.Tensor((batch, seq, heads_kv, head_dim), dtype),
-        O: T.Tensor((batch, seq, heads_q, head_dim), dtype),
-        LSE: T.Tensor((batch, heads_q, seq), acc),
-    ):
+    @T.macro
+    def body(Q, K, V, O, LSE, Starts):
         with T.Kernel(T.ceildiv(seq, bm), heads_q, batch, threads=threads) as (bx, head, bz):
             q = T.alloc_shared((bm, head_dim), dtype)
             k = T.alloc_shared((bn, head_dim), dtype)
@@ -138,17 +169,23 @@ def forward_kernel(heads_q: int, heads_kv: int, head_dim: int, scale: float, dty
             rescale = T.alloc_fragment((bm,), acc)
             row_sum = T.alloc_fragment((bm,), acc)
             denom = T.alloc_fragment((bm,), acc)
+            starts = T.alloc_shared((bm,), "int32") if varlen else None
 
             T.copy(Q[bz, bx * bm:(bx + 1) * bm, head, :], q)
+            if varlen:
+                T.copy(Starts[bx * bm:(bx + 1) * bm], starts, disable_tma=True)
             T.fill(out, 0)
             T.fill(denom, 0)
             T.fill(row_max, -T.infinity(acc))
             # keys past the block's last query row are never visited; block 0 holds key 0, which every
-            # row sees, so no row's maximum stays -inf
-            for kb in T.Pipelined(T.ceildiv((bx + 1) * bm, bn), num_stages=stages):
+            # row sees, so no row's maximum stays -inf (varlen: see the docstring)
+            first = Starts[bx * bm] // bn if varlen else 0  # the first key block a row of the block sees
+            for it in T.Pipelined(T.ceildiv((bx + 1) * bm, bn) - first, num_stages=stages):
+                kb = first + it
                 T.copy(K[bz, kb * bn:(kb + 1) * bn, head // groups, :], k)
                 for i, j in T.Parallel(bm, bn):
-                    scores[i, j] = T.if_then_else(bx * bm + i >= kb * bn + j, 0, -T.infinity(acc))
+                    scores[i, j] = (T.if_then_else(T.And(bx * bm + i >= kb * bn + j, kb * bn + j >= starts[i]), 0, MASKED)
+                                    if varlen else T.if_then_else(bx * bm + i >= kb * bn + j, 0, -T.infinity(acc)))
                 T.gemm(q, k, scores, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.copy(V[bz, kb * bn:(kb + 1) * bn, head // groups, :], v)
                 T.copy(row_max, prev_max)
@@ -170,6 +207,32 @@ def forward_kernel(heads_q: int, heads_kv: int, head_dim: int, scale: float, dty
             for i in T.Parallel(bm):
                 denom[i] = (T.log2(denom[i]) + row_max[i] * log2_scale) * LN2  # natural-log LSE
             T.copy(denom, LSE[bz, head, bx * bm:(bx + 1) * bm])
+
+    # Two thin headers over one body: a TileLang prim_func's parameters are fixed, and only the varlen one takes
+    # the sequence boundaries (the plain kernel's source stays byte for byte what it was).
+    if varlen:
+        @T.prim_func
+        def attention_fwd_varlen(
+            Q: T.Tensor((batch, seq, heads_q, head_dim), dtype),
+            K: T.Tensor((batch, seq, heads_kv, head_dim), dtype),
+            V: T.Tensor((batch, seq, heads_kv, head_dim), dtype),
+            O: T.Tensor((batch, seq, heads_q, head_dim), dtype),
+            LSE: T.Tensor((batch, heads_q, seq), acc),
+            Starts: T.Tensor((seq,), "int32"),
+        ):
+            body(Q, K, V, O, LSE, Starts)
+
+        return attention_fwd_varlen
+
+    @T.prim_func
+    def attention_fwd(
+        Q: T.Tensor((batch, seq, heads_q, head_dim), dtype),
+        K: T.Tensor((batch, seq, heads_kv, head_dim), dtype),
+        V: T.Tensor((batch, seq, heads_kv, head_dim), dtype),
+        O: T.Tensor((batch, seq, heads_q, head_dim), dtype),
+        LSE: T.Tensor((batch, heads_q, seq), acc),
+    ):
+        body(Q, K, V, O, LSE, None)
 
     return attention_fwd
 
@@ -202,7 +265,7 @@ def preprocess_kernel(heads_q: int, head_dim: int, dtype: str):
     return attention_bwd_preprocess
 
 
-def backward_kernel(heads_q: int, heads_kv: int, head_dim: int, scale: float, dtype: str, config):
+def backward_kernel(heads_q: int, heads_kv: int, head_dim: int, scale: float, dtype: str, config, varlen: bool = False):
     """PrimFunc: dK, dV (b, s, heads_kv, d) and dQ accumulated into float32 (b, padded s, heads_q, d).
 
     One program per (block of keys, kv head, batch). It walks every query head of the kv head's group
@@ -215,6 +278,10 @@ def backward_kernel(heads_q: int, heads_kv: int, head_dim: int, scale: float, dt
     Rows past the sequence end load as zeros (Q, dO, LSE, Delta), which makes their dK, dV, dQ terms zero.
     LSE and Delta rows load without TMA: a TMA descriptor needs 16-byte row strides, and a float32 row
     of `seq` values has one only when seq % 4 == 0 (seen failing on the H200 for seq 77, 130, 513).
+
+    varlen (packed sequences, batch 1): one more input, Ends (s,) int32, each token's segment end (one
+    past its last token); key j is seen by queries j..Ends[j]-1, and the walk over query blocks stops at
+    the block holding the block's last key's segment end (Ends is non-decreasing). Static, as forward's.
     """
     import tilelang.language as T
 
@@ -224,18 +291,8 @@ def backward_kernel(heads_q: int, heads_kv: int, head_dim: int, scale: float, dt
     acc = "float32"
     log2_scale = scale * LOG2E
 
-    @T.prim_func
-    def attention_bwd(
-        Q: T.Tensor((batch, seq, heads_q, head_dim), dtype),
-        K: T.Tensor((batch, seq, heads_kv, head_dim), dtype),
-        V: T.Tensor((batch, seq, heads_kv, head_dim), dtype),
-        dO: T.Tensor((batch, seq, heads_q, head_dim), dtype),
-        LSE: T.Tensor((batch, heads_q, seq), acc),
-        Delta: T.Tensor((batch, heads_q, seq), acc),
-        dQ: T.Tensor((batch, padded, heads_q, head_dim), acc),
-        dK: T.Tensor((batch, seq, heads_kv, head_dim), dtype),
-        dV: T.Tensor((batch, seq, heads_kv, head_dim), dtype),
-    ):
+    @T.macro
+    def body(Q, K, V, dO, LSE, Delta, dQ, dK, dV, Ends):
         with T.Kernel(T.ceildiv(seq, bn), heads_kv, batch, threads=threads) as (bx, kv_head, bz):
             k = T.alloc_shared((bn, head_dim), dtype)
             v = T.alloc_shared((bn, head_dim), dtype)
@@ -250,13 +307,17 @@ def backward_kernel(heads_q: int, heads_kv: int, head_dim: int, scale: float, dt
             dk = T.alloc_fragment((bn, head_dim), acc)
             dv = T.alloc_fragment((bn, head_dim), acc)
             dq = T.alloc_fragment((bm, head_dim), acc)
+            ends = T.alloc_shared((bn,), "int32") if varlen else None
 
             T.copy(K[bz, bx * bn:(bx + 1) * bn, kv_head, :], k)
             T.copy(V[bz, bx * bn:(bx + 1) * bn, kv_head, :], v)
+            if varlen:
+                T.copy(Ends[bx * bn:(bx + 1) * bn], ends, disable_tma=True)
             T.clear(dk)
             T.clear(dv)
             first = bx * bn // bm  # the first query block that sees any of these keys
-            steps = T.ceildiv(seq, bm) - first
+            # one past the last query block that sees a key of this block
+            steps = T.ceildiv(Ends[T.min((bx + 1) * bn, seq) - 1] if varlen else seq, bm) - first
             for it in T.Pipelined(groups * steps, num_stages=stages):
                 head = kv_head * groups + it // steps
                 qb = first + it % steps
@@ -265,8 +326,9 @@ def backward_kernel(heads_q: int, heads_kv: int, head_dim: int, scale: float, dt
                 T.gemm(k, q, probs_t, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.copy(LSE[bz, head, qb * bm:(qb + 1) * bm], lse, disable_tma=True)
                 for i, j in T.Parallel(bn, bm):
-                    probs_t[i, j] = T.if_then_else(bx * bn + i <= qb * bm + j,
-                                                   T.exp2(probs_t[i, j] * log2_scale - lse[j] * LOG2E), 0)
+                    probs_t[i, j] = T.if_then_else(
+                        T.And(bx * bn + i <= qb * bm + j, qb * bm + j < ends[i]) if varlen else bx * bn + i <= qb * bm + j,
+                        T.exp2(probs_t[i, j] * log2_scale - lse[j] * LOG2E), 0)
                 T.copy(dO[bz, qb * bm:(qb + 1) * bm, head, :], do)
                 T.clear(dprobs_t)
                 T.gemm(v, do, dprobs_t, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -284,6 +346,38 @@ def backward_kernel(heads_q: int, heads_kv: int, head_dim: int, scale: float, dt
             T.copy(dk, dK[bz, bx * bn:(bx + 1) * bn, kv_head, :])
             T.copy(dv, dV[bz, bx * bn:(bx + 1) * bn, kv_head, :])
 
+    if varlen:  # two headers over one body, as for the forward
+        @T.prim_func
+        def attention_bwd_varlen(
+            Q: T.Tensor((batch, seq, heads_q, head_dim), dtype),
+            K: T.Tensor((batch, seq, heads_kv, head_dim), dtype),
+            V: T.Tensor((batch, seq, heads_kv, head_dim), dtype),
+            dO: T.Tensor((batch, seq, heads_q, head_dim), dtype),
+            LSE: T.Tensor((batch, heads_q, seq), acc),
+            Delta: T.Tensor((batch, heads_q, seq), acc),
+            dQ: T.Tensor((batch, padded, heads_q, head_dim), acc),
+            dK: T.Tensor((batch, seq, heads_kv, head_dim), dtype),
+            dV: T.Tensor((batch, seq, heads_kv, head_dim), dtype),
+            Ends: T.Tensor((seq,), "int32"),
+        ):
+            body(Q, K, V, dO, LSE, Delta, dQ, dK, dV, Ends)
+
+        return attention_bwd_varlen
+
+    @T.prim_func
+    def attention_bwd(
+        Q: T.Tensor((batch, seq, heads_q, head_dim), dtype),
+        K: T.Tensor((batch, seq, heads_kv, head_dim), dtype),
+        V: T.Tensor((batch, seq, heads_kv, head_dim), dtype),
+        dO: T.Tensor((batch, seq, heads_q, head_dim), dtype),
+        LSE: T.Tensor((batch, heads_q, seq), acc),
+        Delta: T.Tensor((batch, heads_q, seq), acc),
+        dQ: T.Tensor((batch, padded, heads_q, head_dim), acc),
+        dK: T.Tensor((batch, seq, heads_kv, head_dim), dtype),
+        dV: T.Tensor((batch, seq, heads_kv, head_dim), dtype),
+    ):
+        body(Q, K, V, dO, LSE, Delta, dQ, dK, dV, None)
+
     return attention_bwd
 
 
@@ -292,10 +386,12 @@ def lowering_kernels(arch: str) -> dict[str, Callable]:
     scale = 128**-0.5
     return {"attention_fwd": lambda: forward_kernel(32, 8, 128, scale, "bfloat16", config_for(arch, "fwd")),
             "attention_bwd_preprocess": lambda: preprocess_kernel(32, 128, "bfloat16"),
-            "attention_bwd": lambda: backward_kernel(32, 8, 128, scale, "bfloat16", config_for(arch, "bwd"))}
+            "attention_bwd": lambda: backward_kernel(32, 8, 128, scale, "bfloat16", config_for(arch, "bwd")),
+            "attention_fwd_varlen": lambda: forward_kernel(32, 8, 128, scale, "bfloat16", config_for(arch, "fwd"), True),
+            "attention_bwd_varlen": lambda: backward_kernel(32, 8, 128, scale, "bfloat16", config_for(arch, "bwd"), True)}
 
 
-def tilelang_unsupported(q: Tensor, k: Tensor, v: Tensor, scale: float) -> str | None:
+def tilelang_unsupported(q: Tensor, k: Tensor, v: Tensor, scale: float, cu_seqlens: Tensor | None = None) -> str | None:
     """Why the TileLang kernels cannot run these inputs, or None."""
     reason = _tilelang.unsupported_inputs(q, k, v)
     if reason is None and not (q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] in HEAD_DIMS):
@@ -305,18 +401,21 @@ def tilelang_unsupported(q: Tensor, k: Tensor, v: Tensor, scale: float) -> str |
         reason = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} differ in batch or sequence length"
     if reason is None and q.shape[1] % k.shape[1]:
         reason = f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads"
+    if reason is None and cu_seqlens is not None and q.shape[0] != 1:
+        reason = f"packed sequences (cu_seqlens) with batch {q.shape[0]}: they are one row of all tokens"
     return reason
 
 
-def _kernel(kind: str, q: Tensor, heads_kv: int, scale: float):
-    """The compiled `kind` kernel ('fwd', 'bwd' or 'preprocess') for q's heads, head_dim and dtype."""
+def _kernel(kind: str, q: Tensor, heads_kv: int, scale: float, varlen: bool = False):
+    """The compiled `kind` kernel ('fwd', 'bwd' or 'preprocess') for q's heads, head_dim and dtype
+    (varlen: the packed-sequences variant of 'fwd' or 'bwd')."""
     heads_q, d, dtype = q.shape[1], q.shape[-1], _tilelang.DTYPES[q.dtype]
     if kind == "preprocess":
         return _tilelang.compiled(("attention", kind, heads_q, d, dtype), lambda: preprocess_kernel(heads_q, d, dtype))
     config = config_for(_tilelang.device_arch(q.device), kind)
     build = forward_kernel if kind == "fwd" else backward_kernel
-    return _tilelang.compiled(("attention", kind, heads_q, heads_kv, d, scale, dtype, config),
-                              lambda: build(heads_q, heads_kv, d, scale, dtype, config))
+    key = ("attention", kind + "_varlen" if varlen else kind, heads_q, heads_kv, d, scale, dtype, config)
+    return _tilelang.compiled(key, lambda: build(heads_q, heads_kv, d, scale, dtype, config, varlen))
 
 
 def _bshd(x: Tensor) -> Tensor:
@@ -324,17 +423,21 @@ def _bshd(x: Tensor) -> Tensor:
     return x.transpose(1, 2).contiguous()
 
 
-def tilelang_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def tilelang_forward(q: Tensor, k: Tensor, v: Tensor, scale: float,
+                     cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(out, lse) by the TileLang forward kernel; out is a (1, 2) transpose of a (batch, seq, heads, d) tensor."""
     b, hq, s, _ = q.shape
     qs, ks, vs = _bshd(q), _bshd(k), _bshd(v)
     out, lse = torch.empty_like(qs), q.new_empty(b, hq, s, dtype=torch.float32)
-    if b and s:
+    if b and s and cu_seqlens is not None:
+        _kernel("fwd", q, k.shape[1], scale, True)(qs, ks, vs, out, lse, segments(cu_seqlens, s, q.device)[0])
+    elif b and s:
         _kernel("fwd", q, k.shape[1], scale)(qs, ks, vs, out, lse)
     return out.transpose(1, 2), lse
 
 
-def tilelang_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float):
+def tilelang_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                      cu_seqlens: Tensor | None = None):
     """(dq, dk, dv) by the TileLang preprocess and backward kernels (dq cast from its float32 accumulator)."""
     b, hq, s, d = q.shape
     qs, ks, vs, dos = _bshd(q), _bshd(k), _bshd(v), _bshd(dout)
@@ -344,7 +447,11 @@ def tilelang_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
     if b and s:
         delta = q.new_empty(b, hq, s, dtype=torch.float32)
         _kernel("preprocess", q, k.shape[1], scale)(_bshd(out), dos, delta)
-        _kernel("bwd", q, k.shape[1], scale)(qs, ks, vs, dos, lse.contiguous(), delta, dq, dk, dv)
+        args = (qs, ks, vs, dos, lse.contiguous(), delta, dq, dk, dv)
+        if cu_seqlens is None:
+            _kernel("bwd", q, k.shape[1], scale)(*args)
+        else:
+            _kernel("bwd", q, k.shape[1], scale, True)(*args, segments(cu_seqlens, s, q.device)[1])
     return dq[:, :s].to(q.dtype).transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
@@ -363,34 +470,39 @@ def _empty_like_kernel(x: Tensor) -> Tensor:
 
 
 attention_op = make_custom_op(Signature(
-    "attention", "Tensor q, Tensor k, Tensor v, float scale", "(Tensor, Tensor)",
-    backward_inputs="Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale",
+    "attention", "Tensor q, Tensor k, Tensor v, float scale, Tensor? cu_seqlens", "(Tensor, Tensor)",
+    backward_inputs="Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, Tensor? cu_seqlens",
     backward_outputs="(Tensor, Tensor, Tensor)",
-    fake=lambda q, k, v, scale: (_empty_like_kernel(q), q.new_empty(*q.shape[:3], dtype=_tilelang.accumulate_dtype(q))),
-    backward_fake=lambda dout, q, k, v, out, lse, scale: (_empty_like_kernel(q), _empty_like_kernel(k), _empty_like_kernel(v)),
-    save=lambda inputs, outputs, needs: (*inputs[:3], *outputs, inputs[3]),
-    judged_on=lambda grads, saved: (*saved[:3], saved[5]),
-    grad_of=(0, 1, 2, None),
+    fake=lambda q, k, v, scale, cu_seqlens: (_empty_like_kernel(q),
+                                             q.new_empty(*q.shape[:3], dtype=_tilelang.accumulate_dtype(q))),
+    backward_fake=lambda dout, q, k, v, out, lse, scale, cu_seqlens: (_empty_like_kernel(q), _empty_like_kernel(k),
+                                                                      _empty_like_kernel(v)),
+    save=lambda inputs, outputs, needs: (*inputs[:3], *outputs, *inputs[3:]),
+    judged_on=lambda grads, saved: (*saved[:3], *saved[5:]),
+    grad_of=(0, 1, 2, None, None),
     layout=_kernel_layout,
 ))
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str = "reference", strict: bool = False) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str = "reference", strict: bool = False,
+              cu_seqlens: Tensor | None = None) -> Tensor:
     """Causal GQA attention: q (batch, heads_q, seq, d), k, v (batch, heads_kv, seq, d) -> (batch, heads_q, seq, d).
 
     The result is a (1, 2) transpose of a contiguous (batch, seq, heads_q, d) tensor, the layout
-    transformers' attention functions return after their own transpose.
+    transformers' attention functions return after their own transpose. cu_seqlens (int32, flash-attention's
+    varlen boundaries [0, ..., seq]): packed sequences in one row (batch 1), each attending to itself only.
     """
-    return torch.ops.tiletune.attention(q, k, v, scale, impl, strict)[0]
+    return torch.ops.tiletune.attention(q, k, v, scale, cu_seqlens, impl, strict)[0]
 
 
 # ---- binding: transformers' attention call, per module ----------------------------------------------
 
 _GLOBAL = "ALL_ATTENTION_FUNCTIONS"  # where transformers' attention forwards look up SDPA, flash, ...
 # Keyword arguments of transformers' attention functions that change what is computed; the others
-# (position_ids, output_attentions, ...) do not, and SDPA ignores them as well.
+# (position_ids, output_attentions, ...) do not, and SDPA ignores them as well. cu_seq_lens_q (packed
+# sequences) is read by `_packed_boundaries`.
 _VARIANTS = {"sliding_window": "sliding window", "softcap": "logit softcapping", "s_aux": "attention sinks",
-             "sinks": "attention sinks", "position_bias": "a position bias", "cu_seq_lens_q": "packed sequences"}
+             "sinks": "attention sinks", "position_bias": "a position bias"}
 
 
 def _fit(site: Site) -> str | None:
@@ -419,15 +531,80 @@ def _unfit_now(module: nn.Module) -> str | None:
     return f"{reason}: stock attention kept"
 
 
-def _call_unfit(module: nn.Module, query, key, value, mask, args: tuple, kwargs: dict) -> str | None:
-    """Why this call is not plain causal self-attention tiletune's op computes, or None."""
+def _cached(tensor: Tensor, name: str, of: Tensor | None, compute: Callable):
+    """compute(), kept on `tensor` (transformers passes every layer the same mask, position ids and
+    boundaries tensors, so a forward computes it once) for the same `of` tensor."""
+    kept = getattr(tensor, name, None)
+    if kept is None or kept[0] is not of:
+        kept = (of, compute())
+        setattr(tensor, name, kept)
+    return kept[1]
+
+
+def _boundaries_of_positions(position_ids: Tensor) -> Tensor:
+    """cu_seqlens of a row from its position ids: a sequence starts where a position is not its predecessor
+    + 1 (transformers' `find_packed_sequence_indices`); one host synchronisation."""
+    row = position_ids[0]
+    starts = torch.nonzero(torch.diff(row) != 1).flatten() + 1
+    return torch.cat([starts.new_zeros(1), starts, starts.new_tensor([row.numel()])]).to(torch.int32)
+
+
+def _block_diagonal(cu_seqlens: Tensor, seq: int, device: torch.device) -> Tensor:
+    """(seq, seq) bool: True where a query sees a key of packed sequences `cu_seqlens` (block-diagonal causal)."""
+    starts, _ = segments(cu_seqlens, seq, device)
+    keys = torch.arange(seq, device=device)
+    return (keys <= keys[:, None]) & (keys >= starts[:, None])
+
+
+def _mask_is(mask: Tensor, cu_seqlens: Tensor, seq: int) -> bool:
+    """Whether SDPA's mask (bool, or additive float) is exactly the block-diagonal causal mask of cu_seqlens."""
+    if mask.dim() != 4 or tuple(mask.shape[:2]) != (1, 1) or tuple(mask.shape[2:]) != (seq, seq):
+        return False
+    seen = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0
+    return bool(torch.equal(seen, _block_diagonal(cu_seqlens, seq, mask.device)))
+
+
+def _packed_boundaries(query, key, mask, kwargs: dict) -> tuple[bool, Tensor | None]:
+    """(packed, cu_seqlens): whether this call is packed sequences in one row (batch 1) tiletune's op can run,
+    and their int32 boundaries (None for a single sequence: plain causal).
+
+    Flash-attention's path gives the boundaries (cu_seq_lens_q/k, no mask); SDPA's gets transformers'
+    block-diagonal mask, built from the position ids (or given with the boundaries too): the mask must be
+    exactly the boundaries' block-diagonal causal mask, checked once per forward and kept on the mask.
+    Anything else (padding, a plain packing's causal mask, different q and k boundaries) is not packed.
+    """
+    cu_q, cu_k, positions = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), kwargs.get("position_ids")
+    seq = query.shape[2]
+    if query.shape[0] != 1 or key.shape[2] != seq or (cu_q is None and (mask is None or positions is None)):
+        return False, None
+    if cu_q is not None:
+        if cu_k is None or cu_q.dim() != 1 or cu_q.numel() < 2:
+            return False, None
+        fits = _cached(cu_q, "_tiletune_packed", cu_k, lambda: bool(
+            cu_k.shape == cu_q.shape and torch.equal(cu_q, cu_k.to(cu_q.device)) and cu_q[0] == 0 and cu_q[-1] == seq))
+        cu = cu_q.to(device=query.device, dtype=torch.int32)
+    elif positions.dim() == 2 and tuple(positions.shape) == (1, seq):
+        fits, cu = True, _cached(positions, "_tiletune_boundaries", None, lambda: _boundaries_of_positions(positions))
+        cu = cu.to(query.device)
+    else:
+        return False, None
+    if fits and mask is not None:
+        fits = _cached(mask, "_tiletune_packed", cu_q if cu_q is not None else positions, lambda: _mask_is(mask, cu, seq))
+    return fits, (cu if fits and cu.numel() > 2 else None)
+
+
+def _call_unfit(module: nn.Module, query, key, value, mask, args: tuple, kwargs: dict,
+                packed: bool = False) -> str | None:
+    """Why this call is not (packed, when `packed`) causal self-attention tiletune's op computes, or None."""
     variant = next((text for name, text in _VARIANTS.items() if kwargs.get(name) is not None), None)
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal  # None: the module decides, as in SDPA
     if args:
         reason = "positional arguments after the mask"
-    elif mask is not None:
+    elif mask is not None and not packed:
         reason = "an attention mask (padding, packed sequences, or the eager implementation's explicit causal mask)"
+    elif kwargs.get("cu_seq_lens_q") is not None and not packed:
+        reason = "packed sequences other than one row of whole sequences with the same query and key boundaries"
     elif variant:
         reason = variant
     elif kwargs.get("dropout", 0.0):
@@ -447,7 +624,8 @@ class _AttentionFunctions:
     """Stands in for transformers' ALL_ATTENTION_FUNCTIONS inside a patched attention forward.
 
     Each lookup returns the function transformers would use (SDPA, flash, ...), wrapped so that plain
-    causal self-attention runs tiletune's attention op and every other call the stock function.
+    causal self-attention, and packed sequences in one row (`_packed_boundaries`), run tiletune's attention
+    op and every other call the stock function.
     """
 
     def __init__(self, stock, impl: str, strict: bool):
@@ -474,13 +652,15 @@ def _attention_function(stock: Callable, impl: str, strict: bool) -> Callable:
 
     @functools.wraps(stock)
     def attention_function(module, query, key, value, attention_mask, *args, **kwargs):
-        reason = _call_unfit(module, query, key, value, attention_mask, args, kwargs)
+        packed, cu_seqlens = _packed_boundaries(query, key, attention_mask, kwargs)
+        reason = _call_unfit(module, query, key, value, attention_mask, args, kwargs, packed)
         if reason:
             note_fallback("attention", impl, reason)
             return stock(module, query, key, value, attention_mask, *args, **kwargs)
         scaling = kwargs.get("scaling")
         query, key, value = autocast(query, key, value)
-        out = attention(query, key, value, query.shape[-1] ** -0.5 if scaling is None else scaling, impl, strict)
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        out = attention(query, key, value, scale, impl, strict, cu_seqlens)
         return out.transpose(1, 2), None  # (batch, seq, heads, head_dim), no attention weights, as SDPA
     return attention_function
 
