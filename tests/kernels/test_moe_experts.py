@@ -241,6 +241,12 @@ def test_bound_into_moe_models_with_the_stock_loss_and_gradients(model_type):
     ("mixtral-8x7b", 1024, 8, 2, 4096, 14336), ("mixtral-8x7b", 3, 8, 2, 4096, 14336),
 ])
 def test_tilelang_matches_float64(dtype, name, tokens, experts, k, hidden, inter):
+    check_against_float64(f"{name} tokens={tokens}", dtype, tokens, experts, k, hidden, inter)
+
+
+def check_against_float64(label: str, dtype, tokens: int, experts: int, k: int, hidden: int, inter: int) -> None:
+    """The whole op on the TileLang kernels (both forward GEMMs, both input-gradient GEMMs) against float64 on
+    fresh random routes, inputs and expert weights."""
     from _gpu_check import check
 
     index, weights = routes(tokens, experts, k, device="cuda")
@@ -248,7 +254,7 @@ def test_tilelang_matches_float64(dtype, name, tokens, experts, k, hidden, inter
     w = weights.to(dtype).requires_grad_()
     gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden**0.5).to(dtype)
     down = (torch.randn(experts, hidden, inter, device="cuda") / inter**0.5).to(dtype)
-    check("moe", f"{name} tokens={tokens}", dtype, [x, w, gate_up, down],
+    check("moe", label, dtype, [x, w, gate_up, down],
           lambda x, w, gu, d: moe_experts(x, index, w, gu, d),
           lambda x, w, gu, d: moe_experts(x, index, w, gu, d, impl="tilelang", strict=True),
           ["y", "dhidden", "dweights"])
@@ -279,22 +285,11 @@ def candidates_compiled():
 def test_every_candidate_config_matches_float64(monkeypatch, variant, name, tokens, experts, k, hidden, inter):
     """Each grouped GEMM config the sweep may pick (benchmarks/kernel_bench.py --only moe), through the whole op
     (both forward GEMMs, both input-gradient GEMMs) against float64, bf16; an expert with no rows included."""
-    from _gpu_check import check
-
     from tiletune.kernels import _tilelang
 
     arch = _tilelang.device_arch()
     if variant not in moe.CANDIDATES[moe.arch_family(arch)]:
         pytest.skip(f"{variant} is not a candidate on {arch}")
-    dtype = torch.bfloat16
     monkeypatch.setitem(moe.TUNED, (arch, experts, hidden, inter, "bfloat16"), variant)
     assert moe.config_for(arch, experts, hidden, inter, "bfloat16") == moe.VARIANTS[variant]
-    index, weights = routes(tokens, experts, k, device="cuda")
-    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype, requires_grad=True)
-    w = weights.to(dtype).requires_grad_()
-    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden**0.5).to(dtype)
-    down = (torch.randn(experts, hidden, inter, device="cuda") / inter**0.5).to(dtype)
-    check("moe", f"{name} {variant} t={tokens}", dtype, [x, w, gate_up, down],
-          lambda x, w, gu, d: moe_experts(x, index, w, gu, d),
-          lambda x, w, gu, d: moe_experts(x, index, w, gu, d, impl="tilelang", strict=True),
-          ["y", "dhidden", "dweights"])
+    check_against_float64(f"{name} {variant} t={tokens}", torch.bfloat16, tokens, experts, k, hidden, inter)
