@@ -15,8 +15,10 @@ kernel set with tiletune's `linear_logprobs` (`all` selects it), or `llamafactor
 from __future__ import annotations
 
 import functools
+import shutil
 import tempfile
 import types
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -60,11 +62,13 @@ def preference_step(cfg: TuneConfig, model, variant: str, batch: int, seq: int, 
 
     tokenizer = bench_tokenizer()
     trainer_class, arguments, stage_kwargs = preference_stage(cfg, model, tokenizer, load_model)
-    args = arguments(training_arguments(cfg, tempfile.mkdtemp(prefix="tiletune-bench-"), model))
+    scratch = tempfile.mkdtemp(prefix="tiletune-bench-")  # the Trainer wants an output folder; nothing is saved
+    args = arguments(training_arguments(cfg, scratch, model))
     args.per_device_train_batch_size = batch
     rows = random_rows(cfg.stage, batch, seq, model.config.vocab_size, seed)
     trainer = trainer_class(model=model, args=args, train_dataset=Dataset.from_dict(rows), processing_class=tokenizer,
                             **stage_kwargs)  # fmt: skip
+    weakref.finalize(trainer, shutil.rmtree, scratch, True)
     if variant == "llamafactory":
         unwrapped = trainer.accelerator.unwrap_model(trainer.model)
         for target in (unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped, trainer.ref_model):
