@@ -69,10 +69,8 @@ def test_threads_compile_different_kernels_at_once_and_each_kernel_once(monkeypa
 
 def test_compile_jobs_from_the_environment(monkeypatch):
     from tiletune.errors import UserError
-    from tiletune.patch.warmup import compile_jobs
-
     monkeypatch.setenv("TILETUNE_COMPILE_JOBS", "3")
-    assert compile_jobs() == 3
+    assert _tilelang.compile_jobs() == 3
     monkeypatch.setenv("TILETUNE_COMPILE_JOBS", "many")
     with pytest.raises(UserError, match="TILETUNE_COMPILE_JOBS='many'"):
-        compile_jobs()
+        _tilelang.compile_jobs()

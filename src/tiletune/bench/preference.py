@@ -70,10 +70,8 @@ def preference_step(cfg: TuneConfig, model, variant: str, batch: int, seq: int, 
                             **stage_kwargs)  # fmt: skip
     weakref.finalize(trainer, shutil.rmtree, scratch, True)
     if variant == "llamafactory":
-        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-        for target in (unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped, trainer.ref_model):
-            if target is not None:
-                add_full_logits_head(target)
+        for target in trainer.head_targets():
+            add_full_logits_head(target)
     trainer.autocast_smart_context_manager = lambda cache_enabled=True: autocast()  # the Trainer's autocast hook
     trainer.current_gradient_accumulation_steps = 1  # what train() sets: one micro-batch per step
     inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))

@@ -86,8 +86,9 @@ def build_model(cfg: TuneConfig, preset: str | None, variant: str, device: torch
         from tiletune.patch import apply_kernels, parse_kernel_spec
         from tiletune.patch.warmup import compile_ahead
 
-        compile_ahead(model, parse_kernel_spec(spec), compute_dtype(cfg))
-        report = apply_kernels(model, parse_kernel_spec(spec))
+        spec = parse_kernel_spec(spec)
+        compile_ahead(model, spec, compute_dtype(cfg))
+        report = apply_kernels(model, spec)
     return model, report
 
 

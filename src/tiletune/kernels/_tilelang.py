@@ -118,6 +118,17 @@ def machine_unavailable_reason() -> str | None:
     return None
 
 
+def compile_jobs() -> int:
+    """How many kernels compile at once (warm-up threads, library build processes): TILETUNE_COMPILE_JOBS, else up to
+    8 (one per CPU core)."""
+    from tiletune.errors import UserError
+
+    given = os.environ.get("TILETUNE_COMPILE_JOBS", "")
+    if given and not given.isdigit():
+        raise UserError(f"TILETUNE_COMPILE_JOBS={given!r}: give how many kernels may compile at once, e.g. 8 (1: one by one)")
+    return int(given or 0) or min(8, os.cpu_count() or 1)
+
+
 _compiled: dict[tuple, Any] = {}
 _key_locks: dict[tuple, threading.Lock] = {}  # one per kernel: threads compile different kernels at once
 _locks_lock = threading.Lock()

@@ -377,7 +377,7 @@ def build(kernels: Iterable[tuple[tuple, Callable]], target: str, out_dir: str |
             progress(f"reused {entry.name} (its source is unchanged)")
     commands = [[tools.compiler, *tools.kernel_flags, "-c", str(folder / "objects" / f"{entry.name}.{suffix}"),
                  "-o", str(obj.with_suffix(".o.tmp"))] for entry, obj in stale]  # fmt: skip
-    for (entry, obj), failure in zip(stale, _run_parallel(commands, tools.env, jobs or min(8, os.cpu_count() or 1)), strict=True):
+    for (entry, obj), failure in zip(stale, _run_parallel(commands, tools.env, jobs or _tilelang.compile_jobs()), strict=True):
         if failure:
             raise UserError(f"kernels build: compiling {entry.name} failed:\n{failure}")
         _run(["objcopy", "--weaken", str(obj.with_suffix(".o.tmp"))], tools.env, f"{entry.name} (weakening its symbols)")

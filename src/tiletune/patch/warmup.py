@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -11,7 +10,7 @@ import torch
 from torch import nn
 
 from tiletune.errors import UserError
-from tiletune.kernels import registry
+from tiletune.kernels import _tilelang, registry
 from tiletune.kernels.binding import Binding
 from tiletune.kernels.registry import REFERENCE
 from tiletune.patch import apply_kernels, parse_kernel_spec
@@ -24,17 +23,9 @@ def _run_once(binding: Binding, key: tuple, impl: str, dtype: torch.dtype) -> No
     binding.warm(key, impl, dtype).float().sum().backward()
 
 
-def compile_jobs() -> int:
-    """How many kernels compile at once: TILETUNE_COMPILE_JOBS, else up to 8 (one per CPU core)."""
-    given = os.environ.get("TILETUNE_COMPILE_JOBS", "")
-    if given and not given.isdigit():
-        raise UserError(f"TILETUNE_COMPILE_JOBS={given!r}: give how many kernels may compile at once, e.g. 8 (1: one by one)")
-    return int(given or 0) or min(8, os.cpu_count() or 1)
-
-
 def compile_ahead(model: nn.Module, spec: Any, dtype: torch.dtype) -> None:
-    """Before a run on the GPU (train, verify, bench): the kernels `spec` needs, compiled `compile_jobs()` at a time
-    rather than one by one at their first calls. Best effort: an op that cannot run here is left to its runtime
+    """Before a run on the GPU (train, verify, bench): the kernels `spec` needs, compiled side by side
+    (`_tilelang.compile_jobs()`) rather than one by one at their first calls. Best effort: an op that cannot run here is left to its runtime
     fallback, and a warm-up that fails leaves its kernel to compile at its first call, with one warning line."""
     if torch.cuda.is_available():
         warmup_kernels(model, spec, dtype, strict=False)
@@ -45,7 +36,7 @@ def warmup_kernels(model: nn.Module, spec: Any, dtype: torch.dtype, jobs: int | 
     """Compile, on this machine's GPU, every kernel `spec` needs for `model` in `dtype`; return what was done.
 
     `model` may live on the meta device: only its structure is read. Each (op, shape) runs once, `jobs` of them
-    at a time in threads (`compile_jobs()` by default): their compilers run side by side. The compiled kernels
+    at a time in threads (`_tilelang.compile_jobs()` by default): their compilers run side by side. The kernels
     land in the disk cache, so training starts without compiling. Not `strict`: ops that cannot run here and
     warm-ups that fail are skipped (with a warning for the latter) instead of refused.
     """
@@ -82,7 +73,7 @@ def warmup_kernels(model: nn.Module, spec: Any, dtype: torch.dtype, jobs: int | 
             return None
         return f"{op} {impl} {'x'.join(str(s) for s in key)} {str(dtype).removeprefix('torch.')}"
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs or compile_jobs()), thread_name_prefix="tiletune-warmup") as pool:
+    with ThreadPoolExecutor(max_workers=max(1, jobs or _tilelang.compile_jobs()), thread_name_prefix="tiletune-warmup") as pool:
         return [line for line in pool.map(run, runs.items()) if line]
 
 

@@ -251,15 +251,19 @@ class _TokenisedData:
             model.delete_adapter("ref")
         self._add_logprob_heads()
 
+    def head_targets(self) -> list:
+        """The models whose LM head gives the log-probs: the policy (the base model under PEFT, where TRL puts its
+        own head) and the reference model, when there is one."""
+        model = self.accelerator.unwrap_model(self.model)
+        policy = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return [target for target in (policy, self.ref_model) if target is not None]
+
     def _add_logprob_heads(self):
-        """tiletune's head over TRL's on the policy (the base model under PEFT, where TRL puts its own) and the
-        reference."""
+        """tiletune's head over TRL's on `head_targets()`."""
         if self.logprob_head is None:
             return
-        model = self.accelerator.unwrap_model(self.model)
-        for target in (model.get_base_model() if hasattr(model, "get_base_model") else model, self.ref_model):
-            if target is not None:
-                add_logprob_head(target, *self.logprob_head)
+        for target in self.head_targets():
+            add_logprob_head(target, *self.logprob_head)
 
     def _precompute_ref_logps(self, *args, **kwargs):
         self._add_logprob_heads()  # TRL precomputes in its __init__, after adding its heads

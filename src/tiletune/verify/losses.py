@@ -48,7 +48,8 @@ def _preference_loss(cfg: TuneConfig, head, model, batch: dict, device: torch.de
     pref = PREF_LOSSES[cfg.pref_loss] if cfg.stage == "dpo" else None
     ref_sums = None
     if pref is None or pref.reference:
-        with torch.no_grad(), _adapters_disabled(model):
+        base = model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()  # LoRA's reference
+        with torch.no_grad(), base:
             ref_sums, _ = _answer_sums(model, ids, labels, head)
     sums, lengths = _answer_sums(model, ids, labels, head)
     if pref is None:  # KTO, KL estimate 0
@@ -71,13 +72,6 @@ def _answer_sums(model, ids: torch.Tensor, labels: torch.Tensor, head) -> tuple[
         causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         log_probs, _, mask = fused_label_log_probs(causal_lm, labels, *head, input_ids=ids)
     return log_probs.sum(1), mask.sum(1).clamp(min=1)
-
-
-@contextlib.contextmanager
-def _adapters_disabled(model):
-    """The base model under LoRA (the reference training uses); the model itself otherwise."""
-    with model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext():
-        yield
 
 
 def preference_rows(cfg: TuneConfig, rows: list[dict], seq: int, pad_id: int) -> dict[str, torch.Tensor]:
