@@ -1,7 +1,10 @@
 """Score `tiletune hipify` on human CUDA -> HIP ports held out from its tests.
 
 Each `ports/*.json` names a public file (repo, path, the CUDA commit and the commit of the human AMD
-port) and lists the human changes as line ranges of the CUDA original, each with a class. This script
+port) and lists the human changes as line ranges of the CUDA original, each with a class (a change made
+once for many places, such as a polyfill or a `#define` at the top of the file, lists those places as
+`sites`: a fitting finding on any of them covers it). Classes `not-needed` and `plumbing` (no AMD reason)
+and `obsolete` (only a ROCm older than 6.0 needed it) are counted apart. This script
 reads the CUDA originals from `cache/` (it fetches nothing while scoring), runs the migration lint and
 the torch engine on them, and reports:
 
@@ -11,7 +14,7 @@ the torch engine on them, and reports:
 
     python benchmarks/hipify_eval/score.py --fetch               # online: fill cache/ from raw GitHub
     python benchmarks/hipify_eval/score.py --from-git owner/name=DIR  # or from a local clone
-    python benchmarks/hipify_eval/score.py [--markdown] [--verbose]   # offline: score
+    python benchmarks/hipify_eval/score.py [--verbose] [--ports GLOB]  # offline: score
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ class ChangeClass:
 
 
 WARP_RULES = ("warp-size-define", "warp-size-literal", "warp-lane-loop", "lane-indexed-warp-array",
-              "block-32-threads", "warp-tile-32", "mask-32bit", "ballot-32bit-result", "popc-32bit")
+              "block-32-threads", "warp-tile-32", "mask-32bit", "ballot-32bit-result", "popc-32bit", "host-warp-size")
 CLASSES: dict[str, ChangeClass] = {
     "cub-to-hipcub": ChangeClass((), True, "CUB headers / names replaced by hipCUB"),
     "bf16-header": ChangeClass(("bf16-type",), True, "cuda_bf16.h -> hip/hip_bf16.h"),
@@ -60,21 +63,32 @@ CLASSES: dict[str, ChangeClass] = {
     "libcudacxx": ChangeClass(("libcudacxx",), False, "libcu++ <cuda/std/...> replaced"),
     "arch-guard": ChangeClass(("cuda-arch-guard",), False, "a `__CUDA_ARCH__` test that compiles code out on AMD"),
     "cg-header": ChangeClass((), True, "<cooperative_groups.h> -> <hip/hip_cooperative_groups.h>"),
-    "cg-api": ChangeClass((), False, "a cooperative-groups API HIP lacked (static tiles, cg::sync) rewritten"),
     "large-block": ChangeClass(("launch-bounds",), False, "a block above 256 threads (no launch bounds) shrunk for ROCm"),
     "sync-shuffle": ChangeClass(("mask-32bit",), False, "a `*_sync` shuffle (absent before ROCm 6.2) routed to a shim"),
-    "half2-members": ChangeClass((), False, "`half2.x` read as a half (HIP's members are not `__half`)"),
     "hipcub-api": ChangeClass((), False, "a hipCUB call differs from CUB (extra argument)"),
-    "hip-math-bug": ChangeClass((), False, "a HIP half intrinsic replaced by the port's own (hrcp)"),
-    "blas-backend": ChangeClass((), False, "cuBLAS call sent to hipBLAS instead of the translator's rocBLAS"),
-    "missing-return": ChangeClass((), False, "non-void function fell off its end"),
-    "device-only-math": ChangeClass((), False, "a device-only math function called from a host function (rsqrtf)"),
+    "blas-backend": ChangeClass((), True, "cuBLAS call sent to hipBLAS (torch 2.13's hipify maps it there too; 2023's, to rocBLAS)"),
+    "missing-return": ChangeClass(("missing-return",), False, "non-void function fell off its end"),
+    "device-only-math": ChangeClass(("device-only-math",), False, "a device-only math function called from a host function (rsqrtf)"),
     "launch-bounds-added": ChangeClass(("launch-bounds",), False,
                                        "__launch_bounds__(max block size) added to kernels for ROCm"),
+    "host-warp-size": ChangeClass(WARP_RULES, False,
+                                  "C10_WARP_SIZE or 32 as the warp size in host code -> at::cuda::warp_size()"),
+    "syncwarp": ChangeClass(("syncwarp",), False, "__syncwarp removed or made a no-op (HIP has none)"),
+    "builtin-redefinition": ChangeClass(("hip-builtin-redefinition",), False, "the file's own atomicMax/atomicMin(float) clash with HIP's"),
+    "math-constants-header": ChangeClass((), True, "<math_constants.h> -> <hip/hip_math_constants.h>"),
+    "wmma-header": ChangeClass(("wmma",), True, "<mma.h> removed"),
+    "missing-include": ChangeClass((), False, "a standard header CUDA's headers include transitively, added"),
+    "missing-intrinsic": ChangeClass(("missing-intrinsic",), False, "a polyfill for a CUDA intrinsic HIP lacks (__dp4a, __vsubss4)"),
+    "runtime-header": ChangeClass((), True, "CUDA runtime / cuBLAS / fp16 headers -> HIP's"),
+    "blas-workaround": ChangeClass((), False, "a call added to work around a rocBLAS bug"),
+    "missing-overload": ChangeClass((), False, "an at::Half overload HIP lacks (__ldg, __shfl_*) added"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).
 EXCLUDED = ("not-needed", "plumbing")
+# Also left out of the score, and counted apart: changes only the ROCm of their day needed (each note names
+# the ROCm version whose headers made the CUDA original compile and behave; tiletune targets ROCm >= 6.0).
+OBSOLETE = "obsolete"
 
 
 def cached(repo: str, commit: str, path: str) -> Path:
@@ -82,9 +96,9 @@ def cached(repo: str, commit: str, path: str) -> Path:
     return CACHE / repo.replace("/", "+") / commit / path
 
 
-def load_ports() -> list[dict]:
-    """Every ground-truth file under ports/, sorted by name."""
-    return [json.loads(path.read_text()) for path in sorted(PORTS.glob("*.json"))]
+def load_ports(pattern: str = "*") -> list[dict]:
+    """The ground-truth files under ports/ whose names match `pattern` (a glob), sorted by name."""
+    return [json.loads(path.read_text()) for path in sorted(PORTS.glob(f"{pattern}.json"))]
 
 
 def fill_cache(get) -> None:
@@ -124,6 +138,7 @@ class PortScore:
     pitfalls: int = 0
     unlabelled: int = 0
     excluded: int = 0
+    obsolete: int = 0
 
 
 def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortScore:
@@ -141,16 +156,19 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
         translated_of[line].append(translated_lines[index])
 
     result = PortScore(port["name"])
-    ranges = []
+    ranges, all_sites = [], set()
     for change in port["changes"]:
         first, last = change["lines"]
         ranges.append((first, last))
-        if change["class"] in EXCLUDED:
-            result.excluded += 1
+        all_sites.update(change.get("sites", ()))
+        if change["class"] in (*EXCLUDED, OBSOLETE):
+            result.obsolete += change["class"] == OBSOLETE
+            result.excluded += change["class"] != OBSOLETE
             continue
         kind = CLASSES[change["class"]]
         result.changes += 1
-        flagged = any(f.rule in kind.rules and first <= f.line <= last for f in findings)
+        sites = set(change.get("sites", ()))
+        flagged = any(f.rule in kind.rules and (first <= f.line <= last or f.line in sites) for f in findings)
         before = "\n".join(original_lines[first - 1 : last])
         after = "\n".join(line for n in range(first, last + 1) for line in translated_of[n])
         rewritten = kind.translation_covers and after.strip() != before.strip() and not cuda_names(after)
@@ -162,7 +180,7 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
     labels = port.get("findings", {})
     for finding in findings:
         result.findings += 1
-        if any(first - 1 <= finding.line <= last + 1 for first, last in ranges):
+        if finding.line in all_sites or any(first - 1 <= finding.line <= last + 1 for first, last in ranges):
             result.on_change += 1
             continue
         label = labels.get(f"{finding.line} {finding.rule}")
@@ -189,14 +207,14 @@ def table(scores: list[PortScore], missed: Counter) -> str:
     for score in [*scores, total]:
         if score is not total:
             for name in ("changes", "covered", "by_translation", "findings", "on_change", "pitfalls", "unlabelled",
-                         "excluded"):
+                         "excluded", "obsolete"):
                 setattr(total, name, getattr(total, name) + getattr(score, name))
         good = score.on_change + score.pitfalls
         rows.append(f"| {score.name} | {score.changes} | {score.covered} | {percent(score.covered, score.changes)} | "
                     f"{percent(score.by_translation, score.changes)} | {score.findings} | {score.on_change} | "
                     f"{score.pitfalls} | {percent(good, score.findings)} |")
     left_out = (f"Human edits left out (no AMD reason, or plumbing of a counted fix): {total.excluded}. "
-                f"Unlabelled findings: {total.unlabelled}.")
+                f"Changes only a ROCm older than 6.0 needed: {total.obsolete}. Unlabelled findings: {total.unlabelled}.")
     misses = ", ".join(f"{name} {count} ({CLASSES[name].what})" for name, count in missed.most_common()) or "none"
     rows += ["", left_out, "", f"Missed, by class: {misses}"]
     return "\n".join(rows)
@@ -208,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-git", action="append", default=[], metavar="OWNER/NAME=GIT_DIR",
                         help="fill cache/ from a local clone instead of the network")
     parser.add_argument("--verbose", action="store_true", help="list every miss and every finding off a change")
+    parser.add_argument("--ports", default="*", metavar="GLOB", help="score only the ports whose names match")
     args = parser.parse_args(argv)
     if args.fetch:
         fill_cache(fetch_raw)
@@ -215,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         fill_cache(from_git(dict(item.split("=", 1) for item in args.from_git)))
     engine = select_engine("torch")
     missed, notes = Counter(), []
-    scores = [score_port(port, engine, missed, notes) for port in load_ports()]
+    scores = [score_port(port, engine, missed, notes) for port in load_ports(args.ports)]
     print(table(scores, missed))
     if args.verbose:
         print("\n" + "\n".join(notes))

@@ -49,7 +49,8 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("__shared__ float big[128][160];", "lds-limit"),
     ("__launch_bounds__(MAX_THREADS, MIN_BLOCKS(2))", "launch-bounds-2nd-arg"),
     ("#include \"cuda_fp8.h\"", "fp8-type"),
-    ("#elif __CUDA_ARCH__ == 900", "cuda-arch-guard"),
+    ("#if FOO\n#elif __CUDA_ARCH__ == 900\n#endif", "cuda-arch-guard"),
+    ("#ifdef __CUDA_ARCH__\n__syncthreads();\n#endif", "cuda-arch-guard"),
     ("auto tile = cg::tiled_partition<32>(cg::this_thread_block());", "warp-tile-32"),
     ("template <typename T> __device__ T f(const Frag<T, 4>& frag) { return frag.get<0>(); }", "dependent-template-name"),
     ("template <class Tile> __device__ void f(Tile* tile) { tile->load<8>(0); }", "dependent-template-name"),
@@ -123,6 +124,16 @@ def test_rule_variants_stay_silent(code, rule):
     "template <typename T> __device__ void f() { typename T::index_type i = 0; Holder h; h.get<4>(); }",
     "__shared__ float sums[32];\nv = lane < blockDim.x / warpSize ? sums[lane] : 0.f; sums[warp] = v;",
     "dim3 block(32, 8); k<<<32, 256>>>(x); k<<<g, dim3(32, 4)>>>(x);",
+    # a butterfly over a named width of 32 lanes reduces each 32-lane group of a 64-lane wavefront
+    "for (int o = 16; o > 0; o /= 2) v += __shfl_xor(v, o, 32);",
+    "#ifndef USE_ROCM\nint lane = threadIdx.x % 32;\n#endif",  # the CUDA side of a port already made
+    "#if defined(USE_ROCM)\nint lane = threadIdx.x % warpSize;\n#else\nint lane = threadIdx.x & 31;\n#endif",
+    "#if __CUDA_ARCH__ < 700\n__syncthreads();\n#endif",  # true on AMD, nothing compiled out
+    "__device__ int lanes() { return C10_WARP_SIZE; }",  # the device pass knows its wavefront
+    "__global__ void k(float* m, float v) { atomicMax(m, v); }",  # a call of HIP's own, not a definition
+    "#ifndef USE_ROCM\n__device__ int dot(int a, int b) { return __dp4a(a, b, 0); }\n#endif",
+    "__device__ float inv(float v) { return rsqrtf(v); }\nfloat host_inv(float v) { return 1.f / std::sqrt(v); }",
+    "template <typename T> __device__ T first(const T* v) { return v[0]; }\n__global__ void k(float* x) { x[0] = 1; }",
 ])
 def test_portable_code_stays_quiet(code):
     rules = {f.rule for f in lint_text(code, "snippet.cu")}

@@ -99,6 +99,10 @@ TORCH_TABLE_GAPS: list[Rewrite] = [
     Rewrite(re.compile(r"\bhipFuncSetAttribute\s*\(\s*(?!\(\s*const\s+void\s*\*\s*\))"),
             "hipFuncSetAttribute((const void*)",
             "hipcc only declares `hipFuncSetAttribute(const void*, ...)`: a kernel name does not convert implicitly"),
+    Rewrite(re.compile(r"""(#\s*include\s*[<"])math_constants\.h([>"])"""), r"\1hip/hip_math_constants.h\2",
+            "CUDA's CUDART_* constants; HIP has them as HIP_* in hip/hip_math_constants.h (hipify-clang's header table)"),
+    Rewrite(re.compile(r"\bCUDART_(\w+)"), r"HIP_\1",
+            "hip/hip_math_constants.h names CUDA's constants with a HIP_ prefix (CUDART_PI_F -> HIP_PI_F)"),
     Rewrite(re.compile(r"""(#\s*include\s*[<"])((?:ATen/(?:native/(?:\w+/)?)?|c10/)cuda/[^>"]+)"""), _torch_header,
             "torch.utils.hipify renames PyTorch's CUDA headers by path when it builds an extension "
             "(ATen/cuda/CUDAContext.h -> ATen/hip/HIPContext.h), not through its table"),

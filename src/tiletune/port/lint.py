@@ -1,7 +1,8 @@
 """The migration lint: run the rules in `rules.py` over CUDA sources and return findings.
 
 Comments are blanked before matching (string literals are kept: inline PTX lives in them), so a
-comment that mentions "32 lanes" never fires a rule and line numbers stay those of the file.
+comment that mentions "32 lanes" never fires a rule and line numbers stay those of the file; so are the
+preprocessor branches hipcc never compiles (`#ifndef USE_ROCM`, `#if __CUDA_ARCH__ >= 800`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from tiletune.port.preprocessor import blank_branches_dead_on_amd
 from tiletune.port.rules import RULES, Hit, Rule
 
 _COMMENT_OR_LITERAL = re.compile(
@@ -59,7 +61,7 @@ def _pattern_hits(rule: Rule, lines: list[str]) -> list[Hit]:
 
 def lint_text(text: str, path: str, rules: list[Rule] = RULES) -> list[Finding]:
     """Findings of `rules` on CUDA source `text`; `path` is only used to label them."""
-    code = strip_comments(text)
+    code = blank_branches_dead_on_amd(strip_comments(text))
     code_lines = code.splitlines()
     source_lines = text.splitlines()
     findings = []

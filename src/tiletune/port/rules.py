@@ -19,6 +19,8 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from tiletune.port.preprocessor import directives, on_amd
+
 LDS_LIMIT_BYTES = 64 * 1024
 
 
@@ -195,20 +197,32 @@ _INT_LITERAL_32 = re.compile(r"(?:0[xX][0-9a-fA-F]{1,8}|\d+)[uU]?")  # no `ll` s
 
 def check_lane_masks(text: str) -> Iterable[Hit]:
     """Flag where a 32-bit mask is written: an all-ones mask or any other integer literal without an
-    `ll` suffix (`0x55555555`) as the mask argument of a `*_sync` warp function, or an all-ones
-    constant or variable that such a call uses (or whose name says mask)."""
+    `ll` suffix (`0x55555555`) as the mask argument of a `*_sync` warp function, an all-ones constant or
+    variable that such a call uses (or whose name says mask) and each call using it, a mask parameter or
+    variable declared 32 bits wide, and (a warning) a mask constant defined in another file."""
+    bindings = {match.group(1) or match.group(2): match.start() for match in _MASK32_BINDING.finditer(text)}
     masks_used = set()
     for match in _WARP_SYNC_MASK.finditer(text):
-        if re.fullmatch(_MASK32, match.group(1)):
+        mask = match.group(1)
+        if re.fullmatch(_MASK32, mask):
             yield Hit(*_position(text, match.start()))
-        elif _INT_LITERAL_32.fullmatch(match.group(1)):
-            yield Hit(*_position(text, match.start()), f"`{match.group(1)}` is a 32-bit integer")
-        else:
-            masks_used.add(match.group(1))
-    for match in _MASK32_BINDING.finditer(text):
-        name = match.group(1) or match.group(2)
+        elif _INT_LITERAL_32.fullmatch(mask):
+            yield Hit(*_position(text, match.start()), f"`{mask}` is a 32-bit integer")
+        elif mask[0].isalpha() or mask[0] == "_":
+            masks_used.add(mask)
+            name = re.escape(mask)
+            if mask in bindings:
+                yield Hit(*_position(text, match.start()), f"`{mask}` (line {_position(text, bindings[mask])[0]}) "
+                          "is a 32-bit mask")
+            elif not re.search(rf"#\s*define\s+{name}\b|\b{name}\s*=(?!=)|\b\w+[\s*&]+{name}\s*[,;)=\[]", text):
+                yield Hit(*_position(text, match.start()), f"`{mask}` is defined in another file: HIP's "
+                          "`*_sync` functions need it 64 bits wide", severity="warning")
+    for name, offset in bindings.items():
         if name in masks_used or "mask" in name.lower():
-            yield Hit(*_position(text, match.start()), f"`{name}` holds a 32-bit mask")
+            yield Hit(*_position(text, offset), f"`{name}` holds a 32-bit mask")
+    for name in masks_used:  # a mask parameter or variable declared 32 bits wide
+        for declaration in re.finditer(rf"\b(?:unsigned(?:\s+int)?|uint32_t|int)\s+(?:const\s+)?{name}\b(?!\s*=)", text):
+            yield Hit(*_position(text, declaration.start()), f"`{name}` is declared 32 bits wide")
 
 
 # ---- lane arithmetic: 32 applied to a thread index, and where a lane-0 test matters ---------------
@@ -490,13 +504,26 @@ _LANE_LOOP = re.compile(r"\bfor\s*\([^;]*=\s*16[uU]?\s*;|\bfor\s*\([^;]*;[^;]*<=
 _FIXED_TILE = re.compile(r"\bthread_block_tile\s*<[^<>]+>\s+(\w+)|\b(\w+)\s*=\s*(?:\w+::)*tiled_partition\s*<[^<>]+>\s*\(")
 
 
+def _explicit_width_shuffles(text: str, constants: dict[str, str]) -> str:
+    """`text` without the shuffle calls that name a width of at most 32 lanes (`__shfl_xor_sync(m, v, o, 32)`,
+    `__shfl_down(v, o, 16)`): each works on its own group of that many lanes, on a 64-lane wavefront too."""
+    for call in reversed(list(re.finditer(r"\b__shfl(_up|_down|_xor)?(_sync)?\s*\(", text))):
+        arguments = _split_top_level(_balanced_args(text, call.end() - 1))
+        width_at = 2 + bool(call.group(2))  # (mask,) var, lane or offset, width
+        width = evaluate_int(arguments[width_at], constants) if len(arguments) > width_at else None
+        if width is not None and width <= 32:
+            text = text[: call.start()] + text[call.start() :].replace(call.group(0), "shuffle_of_width(", 1)
+    return text
+
+
 def check_lane_loops(text: str) -> Iterable[Hit]:
-    """Flag a loop starting at 16 or running to 32 with a shuffle in it or within 3 lines below,
-    except shuffles of a cooperative-groups tile of fixed size (`thread_block_tile<32> g`): the loop
-    then covers the tile, whose size `warp-tile-32` / `warp-size-define` flag where it is written."""
+    """Flag a loop starting at 16 or running to 32 with a shuffle in it or within 3 lines below, except
+    shuffles of a cooperative-groups tile of fixed size (`thread_block_tile<32> g`) and shuffles that name
+    their width (`__shfl_xor_sync(m, v, o, 32)`): the loop then covers the tile or the width, whose size
+    `warp-tile-32` / `warp-size-define` flag where it is written."""
     tiles = {match.group(1) or match.group(2) for match in _FIXED_TILE.finditer(text)}
     tile_shuffle = re.compile(rf"\b(?:{'|'.join(tiles)})\s*(?:\.|->)\s*shfl\w*") if tiles else None
-    lines = text.splitlines()
+    lines = _explicit_width_shuffles(text, source_constants(text)).splitlines()
     for index, line in enumerate(lines):
         loop = _LANE_LOOP.search(line)
         if loop is None:
@@ -538,6 +565,140 @@ def check_warp_size_definitions(text: str) -> Iterable[Hit]:
             line, _ = _position(text, use)
             yield Hit(*_position(text, definition.start() + len(definition.group(0)) - len(definition.group(0).lstrip())),
                       f"`{name}` is used as a warp width on line {line}")
+
+
+# ---- __CUDA_ARCH__ tests that compile code out on AMD ---------------------------------------------
+
+_ARCH_TEST = re.compile(r"__CUDA_ARCH__\s*(?:[<>]=?|==|!=)|defined\s*\(?\s*__CUDA_ARCH__\b")
+
+
+def check_arch_guards(text: str) -> Iterable[Hit]:
+    """Flag an `#if` / `#elif` that tests `__CUDA_ARCH__` (a comparison, or `#ifdef`) where hipcc compiles a
+    branch of its group out because of it: its own (`>= 800` and `defined(__CUDA_ARCH__)` are false on AMD)
+    or, when it is true there (`< 700`), the `#elif` / `#else` after it. A true test with nothing after it
+    only keeps its code, which is then compiled on AMD."""
+    found = directives(text)
+    for directive in found:
+        if directive.kind == "else" or directive.kind == "endif" or directive.enclosed_dead or not _ARCH_TEST.search(directive.condition):
+            continue
+        value = on_amd(directive.condition)
+        later = [d for d in found if d.group == directive.group and d.first > directive.first and d.kind != "endif"]
+        if value is not True or later:
+            line = text.split("\n")[directive.first]
+            yield Hit(directive.first + 1, len(line) - len(line.lstrip()) + 1,
+                      "the branch it opens is compiled out on AMD" if value is False
+                      else f"the branch on line {later[0].first + 1} is compiled out on AMD" if value is True and later
+                      else "")
+
+
+# ---- functions: where each is defined, what it returns, whether it runs on the device ---------------
+
+_CONTROL = {"if", "for", "while", "switch", "catch", "return", "sizeof", "decltype", "alignof", "do", "else", "new"}
+_ATTRIBUTES = {"__launch_bounds__", "__attribute__", "alignas", "__align__", "__declspec"}
+_CALLABLE_HEAD = re.compile(r"(~?\w+)\s*(?:<(?:[^<>;{}]|<[^<>;{}]*>)*>)?\s*\(")
+_AFTER_PARAMETERS = re.compile(r"^(?:\s|const\b|noexcept\b|override\b|final\b|mutable\b|&|->[^;{}]*)*$|^\s*:")
+_DEVICE_WORD = re.compile(r"\b__(?:device|global)__\b")
+_CLASS_QUALIFIER = re.compile(r"(?:\w+\s*(?:<(?:[^<>]|<[^<>]*>)*>)?\s*::\s*)+$")
+
+
+@dataclass(frozen=True)
+class Function:
+    """A function a source defines: its name, what is written before the name (qualifiers and return type,
+    without a `Class<T>::` qualification), whether it is compiled for the device, and where its body is."""
+
+    name: str
+    before_name: str
+    device: bool
+    body_start: int  # just past the opening brace
+    body_end: int  # at the closing brace
+
+
+def _signature(header: str) -> tuple[str, str] | None:
+    """(name, text before the name) when `header` (the text before a `{`) ends a function's signature."""
+    for head in _CALLABLE_HEAD.finditer(header):
+        if head.group(1) in _ATTRIBUTES or head.group(1) in _CONTROL:
+            continue
+        after = header[head.end() - 1 + len(_balanced_args(header, head.end() - 1)) + 2 :]
+        if _AFTER_PARAMETERS.match(after) and "=" not in header[: head.start()].replace("operator", ""):
+            return head.group(1), _CLASS_QUALIFIER.sub("", header[: head.start()])
+        return None
+    return None
+
+
+def functions(text: str) -> list[Function]:
+    """The functions `text` defines, members included (lambdas and local classes stay part of their function's
+    body); a qualifier macro counts as `__device__` when its definition holds it (`#define HD __host__ __device__`)."""
+    macros = [name for name, expr in source_constants(text).items() if _DEVICE_WORD.search(expr)]
+    device = re.compile("|".join([_DEVICE_WORD.pattern, *(rf"\b{re.escape(name)}\b" for name in macros)]))
+    found, depth, head_start, open_function = [], 0, 0, None
+    for index, char in enumerate(text):
+        if char == "{":
+            header = text[head_start:index]
+            if open_function is None and (signature := _signature(header)):
+                open_function = (*signature, bool(device.search(header)), index + 1, depth)
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if open_function is not None and depth == open_function[4]:
+                found.append(Function(*open_function[:4], body_end=index))
+                open_function = None
+        if char in ";{}" or (char == "\n" and text[head_start:index].lstrip().startswith("#")):
+            head_start = index + 1
+    return found
+
+
+# ---- CUDA math functions HIP declares for the device only --------------------------------------
+
+# CUDA's math headers give these host definitions too (for what the host C library lacks); HIP's are device-only.
+_CUDA_HOST_MATH = re.compile(r"\b(rsqrtf?|rcbrtf?|sinpif?|cospif?|sincospif?|normcdff?|normcdfinvf?|erfinvf?|"
+                             r"erfcinvf?|erfcxf?|norm[34]df?|rnorm[34]?df?|rnormf?|rhypotf?)\s*\(")
+
+
+def check_host_math(text: str) -> Iterable[Hit]:
+    """Flag a call of a CUDA math function that HIP declares only for the device (`rsqrtf`, `sinpif`,
+    `normcdff`, ...) inside a function that is not compiled for the device (no `__device__` / `__global__`);
+    a function calling itself by the same name is its own overload, not the math function."""
+    for function in functions(text):
+        if function.device:
+            continue
+        for call in _CUDA_HOST_MATH.finditer(text, function.body_start, function.body_end):
+            if call.group(1) != function.name:
+                yield Hit(*_position(text, call.start()), f"`{call.group(1)}` in host function `{function.name}`")
+
+
+# ---- C10_WARP_SIZE on the host ------------------------------------------------------------------
+
+def check_host_warp_size(text: str) -> Iterable[Hit]:
+    """Flag each line of a function not compiled for the device that uses `C10_WARP_SIZE`."""
+    for function in functions(text):
+        if function.device:
+            continue
+        lines = {_position(text, use.start())[0]: use.start()
+                 for use in re.finditer(r"\bC10_WARP_SIZE\b", text[: function.body_end]) if use.start() >= function.body_start}
+        for offset in lines.values():
+            yield Hit(*_position(text, offset), f"in host function `{function.name}`")
+
+
+# ---- non-void functions that fall off their end -----------------------------------------------
+
+_NOT_A_RETURN_TYPE = {"static", "inline", "constexpr", "extern", "virtual", "explicit", "friend", "__host__", "__device__",
+                      "__global__", "__forceinline__", "__noinline__", "__inline__", "const"}
+
+
+def check_missing_return(text: str) -> Iterable[Hit]:
+    """Flag a function with a return type other than void (or auto) whose body has no `return` (nor a
+    `throw`, `abort`, `__builtin_unreachable` or `__trap`), at its closing brace: falling off the end of such a
+    function is undefined behaviour that clang (hipcc) optimises as unreachable, while nvcc returns whatever the
+    register held."""
+    for function in functions(text):
+        before = re.sub(r"template\s*<(?:[^<>]|<[^<>]*>)*>|__launch_bounds__\s*\([^()]*\)", " ", function.before_name)
+        words = [word for word in re.findall(r"\w+", before) if word not in _NOT_A_RETURN_TYPE]
+        returns_nothing = words and words[-1] in ("void", "auto") and not re.search(r"[*&]\s*$", before)
+        if not words or returns_nothing or "operator" in words or function.name == "main":
+            continue
+        body = text[function.body_start : function.body_end]
+        if not re.search(r"\b(?:return|throw|abort|exit|__builtin_unreachable|__trap|assert\s*\(\s*(?:false|0))\b", body):
+            yield Hit(*_position(text, function.body_end), f"`{function.name}` returns `{' '.join(words)}` and ends here")
 
 
 # ---- the table ---------------------------------------------------------------------------------
@@ -596,7 +757,8 @@ RULES: list[Rule] = [
         pattern=re.compile(r"<<<[^,;>]+,\s*(?:32[uU]?\s*[,>]|dim3\s*\(\s*32[uU]?\s*(?:,\s*1\s*)*\))"
                            r"|\bdim3\s+\w+\s*[({]\s*32[uU]?\s*(?:,\s*1\s*)*[)}]"
                            r"|\b\w*(?i:launch)\w*\s*<\s*32[uU]?\s*,"  # launch tables: f_launch<32, kNItems>
-                           r"|\b(?i:block\w*|\w*threads\w*)\s*=\s*(?:std::)?max\s*\(\s*32[uU]?\s*,"),  # one warp at least
+                           r"|\b(?i:block\w*|\w*threads\w*)\s*=\s*(?:std::)?max\s*\(\s*(?:32[uU]?\s*,"  # one warp at least
+                           r"|[^,;()]+,\s*(?:static_cast\s*<[^<>]*>\s*\(\s*)?32[uU]?\s*\)?\s*\))"),
     ),
     Rule(
         "warp-tile-32", "warning", "cooperative-groups tile of 32 used as a warp",
@@ -797,6 +959,75 @@ RULES: list[Rule] = [
         check=check_constexpr_minmax,
     ),
     Rule(
+        "device-only-math", "error", "CUDA math function HIP declares for the device only, called from host code",
+        "CUDA's math headers also define `rsqrtf`, `rcbrtf`, `sinpif`, `cospif`, `normcdff`, `erfinvf`, `rhypotf`, "
+        "`norm3df` ... for the host, so nvcc accepts them in host functions and in templates a host function "
+        "instantiates. HIP declares them `__device__` only: hipcc stops with 'no matching function for call to "
+        "rsqrtf' (apex's ROCm port hit it in a host template specialisation).",
+        "Compute it with standard functions on the host (`1.f / std::sqrt(x)`), or mark the function "
+        "`__host__ __device__` and keep the call on the device side (`#ifdef __HIP_DEVICE_COMPILE__`).",
+        before="template <> float rsqrt(float v) { return rsqrtf(v); }",
+        after="template <> __host__ __device__ float rsqrt(float v) { return 1.f / sqrtf(v); }",
+        check=check_host_math,
+    ),
+    Rule(
+        "missing-return", "error", "function with a return type ends without `return`",
+        "Falling off the end of a function that returns a value is undefined behaviour. nvcc usually hands "
+        "back whatever the return register held; clang (hipcc) treats the path as unreachable and may drop "
+        "the code before it or the branches leading there, so the kernel computes garbage or hangs (mamba's "
+        "ROCm port fixed a scan helper that returned nothing).",
+        "Return the value on every path (`return value;`), or declare the function `void` if nothing uses it.",
+        before="template <typename T> __device__ T scan_step(T* v) { v[0] += v[1]; }",
+        after="template <typename T> __device__ T scan_step(T* v) { v[0] += v[1]; return v[0]; }",
+        check=check_missing_return,
+    ),
+    Rule(
+        "host-warp-size", "warning", "`C10_WARP_SIZE` in host code",
+        "In a ROCm build of PyTorch, `C10_WARP_SIZE` is the wavefront size of the GPU being compiled for in "
+        "device code (64 on CDNA, 32 on RDNA), but the host pass cannot know which GPU will run the kernel: "
+        "launch geometry, warps per block and shared-memory sizes computed from it on the host disagree with "
+        "the kernel on one of the two families (and ROCm's newer PyTorch no longer gives the host a constant).",
+        "Ask the device on the host: `at::cuda::warp_size()` (or `hipDeviceProp_t::warpSize`), and keep "
+        "`C10_WARP_SIZE` for device code.",
+        before="void launch(int num_warps) { const dim3 threads(C10_WARP_SIZE, num_warps); }",
+        after="void launch(int num_warps) { const dim3 threads(at::cuda::warp_size(), num_warps); }",
+        check=check_host_warp_size,
+    ),
+    Rule(
+        "syncwarp", "error", "`__syncwarp`",
+        "HIP has no `__syncwarp` (ROCm's headers through 6.2 at least): the port does not compile. The lanes of "
+        "an AMD wavefront execute in lockstep, so what it guards on NVIDIA's independently scheduled lanes is "
+        "already ordered; the compiler may still move shared-memory accesses across the spot.",
+        "Under `USE_ROCM`, replace it by `__builtin_amdgcn_wave_barrier()` (a scheduling barrier for the "
+        "wavefront), keeping `__syncwarp(mask)` for CUDA behind one macro.",
+        before="__syncwarp();",
+        after="#ifdef USE_ROCM\n__builtin_amdgcn_wave_barrier();\n#else\n__syncwarp();\n#endif",
+        pattern=re.compile(r"\b__syncwarp\s*\("),
+    ),
+    Rule(
+        "hip-builtin-redefinition", "error", "a device function HIP already defines",
+        "CUDA code often brings its own `atomicMax(float*, float)` / `atomicMin(float*, float)` (an atomicCAS loop) "
+        "or, for GPUs before sm_60, `atomicAdd(double*, double)` under `#if __CUDA_ARCH__ < 600` (which is true "
+        "on AMD). HIP's headers define all of these, so hipcc stops with a redefinition error.",
+        "Leave the definition out under `USE_ROCM` (HIP's own use hardware atomics where the GPU has them).",
+        before="__device__ float atomicMax(float* address, float val) { /* atomicCAS loop */ }",
+        after="#ifndef USE_ROCM\n__device__ float atomicMax(float* address, float val) { /* atomicCAS loop */ }\n#endif",
+        pattern=re.compile(r"\b(?:float|double)\s+atomic(?:Max|Min|Add)\s*\(\s*(?:float|double)\s*\*[^;{}]*\)\s*\{"),
+    ),
+    Rule(
+        "missing-intrinsic", "error", "CUDA intrinsic HIP does not have",
+        "HIP lacks CUDA's SIMD-within-a-word and dot-product intrinsics (`__dp4a`, `__dp2a_lo`, `__vsubss4`, "
+        "`__vabsdiffs4`, ...), `__nanosleep` and the `__reduce_*_sync` warp reductions: the port does not compile.",
+        "Write a small polyfill under `USE_ROCM`: `__builtin_amdgcn_sdot4` (gfx9xx: gfx906, gfx90a, gfx942) or "
+        "`__builtin_amdgcn_sudot4` (gfx11) for `__dp4a`, `__builtin_elementwise_sub_sat` on a char4 for "
+        "`__vsubss4`, a shuffle reduction for `__reduce_add_sync`.",
+        before="acc = __dp4a(a, b, acc);",
+        after="acc = __builtin_amdgcn_sdot4(a, b, acc, false);  // gfx9xx; __dp4a on CUDA",
+        pattern=re.compile(r"\b(?:__dp4a|__dp2a_(?:lo|hi)|__nanosleep|__reduce_\w+_sync|"
+                           r"__v(?:add|sub|abs|absdiff|avg|hadd|max|min|neg|sad|cmp(?:eq|ne|lt|le|gt|ge)|"
+                           r"set(?:eq|ne|lt|le|gt|ge))(?:s|u|ss|us)?[24])\s*\("),
+    ),
+    Rule(
         "libcudacxx", "warning", "libcu++ (`<cuda/std/...>`, `cuda::std::`)",
         "libcu++ ships with the CUDA toolkit and CCCL; ROCm has no `<cuda/std/...>` headers (libhipcxx is a "
         "separate, partial port) and no translator maps them, so the include fails or `cuda::std::` is unknown.",
@@ -809,11 +1040,12 @@ RULES: list[Rule] = [
     Rule(
         "cuda-arch-guard", "warning", "`__CUDA_ARCH__` version test",
         "`__CUDA_ARCH__` is not defined when hipcc compiles for AMD, so `#if __CUDA_ARCH__ >= 800` "
-        "silently selects the fallback (or the host-only) branch: fast paths disappear without an error.",
+        "silently selects the fallback (or the host-only) branch: fast paths disappear without an error. "
+        "The lint skips the code AMD compiles out: lint again after enabling a branch there.",
         "Test `__HIP_DEVICE_COMPILE__` / `__HIP_PLATFORM_AMD__` (and `__gfx942__` etc.) explicitly for the AMD path.",
         before="#if __CUDA_ARCH__ >= 800",
         after="#if defined(__gfx90a__) || defined(__gfx942__)  // the AMD path, then the __CUDA_ARCH__ tests",
-        pattern=re.compile(r"^\s*#\s*(?:if|elif)\b.*__CUDA_ARCH__\s*(?:[<>]=?|==|!=)"),
+        check=check_arch_guards,
     ),
 ]
 

@@ -19,7 +19,7 @@ __global__ void quantize_fp8_kernel(const float* __restrict__ x, __nv_fp8_e4m3* 
   if (blockIdx.x == 0 && threadIdx.x == 0) *inv_scale = 1.f / scale;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
 #if __CUDA_ARCH__ >= 890  // expect: cuda-arch-guard
-    q[i] = __nv_fp8_e4m3(x[i] * scale);  // expect: fp8-type
+    q[i] = __nv_fp8_e4m3(x[i] * scale);  // compiled out on AMD: not linted
 #else
     q[i].__x = __nv_cvt_float_to_fp8(x[i] * scale, __NV_SATFINITE, __NV_E4M3);  // expect: fp8-type
 #endif

@@ -10,7 +10,7 @@
 __device__ __forceinline__ float warp_reduce_sum(float value) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {  // expect: warp-lane-loop
-    value += __shfl_xor_sync(FULL_MASK, value, offset);
+    value += __shfl_xor_sync(FULL_MASK, value, offset);  // expect: mask-32bit
   }
   return value;
 }

@@ -1,0 +1,116 @@
+"""The preprocessor as hipcc sees it: which `#if` branches AMD compiles, without running a preprocessor.
+
+hipcc defines USE_ROCM (torch extensions) and the __HIP_PLATFORM_* macros, and leaves __CUDA_ARCH__ and
+CUDA's version macros undefined (0 in a comparison). Code under `#ifndef USE_ROCM` is the CUDA side of a port already made;
+code under `#ifdef __CUDA_ARCH__` or `#if __CUDA_ARCH__ >= 800` is compiled out on AMD (the `cuda-arch-guard`
+rule says so at the `#if`, and the port decides whether to enable it there). The lint skips both. Conditions
+on anything else are unknown, and their branches count as compiled.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+DEFINED_ON_AMD = {"USE_ROCM", "__HIP_PLATFORM_AMD__", "__HIP_PLATFORM_HCC__", "__HIPCC__", "__HIP__"}
+_DIRECTIVE = re.compile(r"^\s*#\s*(if|ifdef|ifndef|elif|else|endif)\b(.*)$")
+# CUDA's version macros are undefined under hipcc (0 in a comparison); torch's hipify renames CUDA_VERSION to
+# TORCH_HIP_VERSION (major * 100 + minor, ~600), which compares the same against CUDA's versions (>= 9000).
+_VERSION_TEST = re.compile(r"^(__CUDA_ARCH__|CUDA_VERSION|CUDART_VERSION|__CUDACC_VER_MAJOR__)\s*(>=|<=|==|!=|>|<)\s*(\d+)[uUlL]*$")
+_COMPARE = {">=": int.__ge__, "<=": int.__le__, "==": int.__eq__, "!=": int.__ne__, ">": int.__gt__, "<": int.__lt__}
+
+
+def on_amd(condition: str) -> bool | None:
+    """The value of a preprocessor condition under hipcc, or None when it depends on anything else."""
+    condition = condition.strip()
+    for operator, decisive in (("||", True), ("&&", False)):
+        parts = _split_outside_parentheses(condition, operator)
+        if len(parts) > 1:
+            values = [on_amd(part) for part in parts]
+            if decisive in values:
+                return decisive
+            return None if None in values else not decisive
+    if condition.startswith("!"):
+        value = on_amd(condition[1:])
+        return None if value is None else not value
+    if condition.startswith("(") and condition.endswith(")"):
+        return on_amd(condition[1:-1])
+    if match := re.fullmatch(r"defined\s*\(?\s*(\w+)\s*\)?", condition):
+        return True if match.group(1) in DEFINED_ON_AMD else False if match.group(1) == "__CUDA_ARCH__" else None
+    if match := _VERSION_TEST.match(condition):
+        return _COMPARE[match.group(2)](0, int(match.group(3)))
+    return True if condition in DEFINED_ON_AMD else None
+
+
+def _split_outside_parentheses(text: str, operator: str) -> list[str]:
+    parts, depth, start, index = [], 0, 0, 0
+    while index < len(text):
+        depth += {"(": 1, ")": -1}.get(text[index], 0)
+        if depth == 0 and text.startswith(operator, index):
+            parts.append(text[start:index])
+            start = index = index + len(operator)
+            continue
+        index += 1
+    return [*parts, text[start:]]
+
+
+@dataclass
+class Directive:
+    """One conditional directive: its first and last line (0-based; continued lines included), kind and
+    condition, whether it sits in code hipcc compiles out, and whether the lines after it are (the branch it
+    opens, or after an #endif the enclosing code)."""
+
+    first: int
+    last: int
+    kind: str
+    condition: str
+    enclosed_dead: bool
+    opens_dead: bool
+    group: int  # the index of its #if among the directives
+
+
+def directives(code: str) -> list[Directive]:
+    """The conditional directives of `code` (comments stripped) with what hipcc makes of them."""
+    lines = code.split("\n")
+    found: list[Directive] = []
+    stack = []  # per open #if: [its index, dead around it, a branch so far known taken]
+    index = 0
+    while index < len(lines):
+        first = index
+        while lines[index].endswith("\\") and index + 1 < len(lines):  # continued on the next line
+            index += 1
+        match = _DIRECTIVE.match(" ".join(line.rstrip("\\") for line in lines[first : index + 1]))
+        if match and (match.group(1) in ("if", "ifdef", "ifndef") or stack):
+            kind, condition = match.group(1), match.group(2).strip()
+            if kind in ("if", "ifdef", "ifndef"):
+                condition = {"ifdef": f"defined({condition})", "ifndef": f"!defined({condition})"}.get(kind, condition)
+                around = bool(found) and found[-1].opens_dead  # the state of the code this #if sits in
+                stack.append([len(found), around, False])
+            group, around, taken = stack[-1]
+            value = on_amd(condition) if kind != "else" else True
+            opens_dead = around if kind == "endif" else around or taken or value is False
+            stack[-1][2] = taken or value is True
+            found.append(Directive(first, index, kind, condition, around, opens_dead, group))
+            if kind == "endif":
+                stack.pop()
+        index += 1
+    return found
+
+
+def dead_lines(code: str) -> Iterable[int]:
+    """0-based lines hipcc compiles out: the body of each dead branch and every directive inside dead code."""
+    found = directives(code)
+    for directive, following in zip(found, found[1:] + [None]):
+        if directive.enclosed_dead:
+            yield from range(directive.first, directive.last + 1)
+        if directive.opens_dead and following is not None:
+            yield from range(directive.last + 1, following.first)
+
+
+def blank_branches_dead_on_amd(code: str) -> str:
+    """`code` with every line hipcc compiles out replaced by blanks (line numbers kept)."""
+    lines = code.split("\n")
+    for number in dead_lines(code):
+        lines[number] = " " * len(lines[number])
+    return "\n".join(lines)

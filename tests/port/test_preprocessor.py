@@ -1,0 +1,66 @@
+"""Which preprocessor branches hipcc compiles, and what the lint skips."""
+
+import pytest
+
+from tiletune.port.lint import lint_text
+from tiletune.port.preprocessor import blank_branches_dead_on_amd, on_amd
+
+
+@pytest.mark.parametrize(("condition", "value"), [
+    ("defined(USE_ROCM)", True),
+    ("!defined(__HIP_PLATFORM_AMD__)", False),
+    ("__CUDA_ARCH__ >= 800", False),
+    ("__CUDA_ARCH__ < 700", True),
+    ("defined(__CUDA_ARCH__)", False),
+    ("defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 || defined(USE_ROCM)", True),
+    ("!defined(__STOCHASTIC_MODE__) || __CUDA_ARCH__ < 700", True),
+    ("!defined(__STOCHASTIC_MODE__) && __CUDA_ARCH__ < 700", None),  # depends on a macro of the project
+    ("(FOO) && (__CUDA_ARCH__ >= 750)", False),
+    ("FOO > 2", None),
+    ("CUDA_VERSION >= 9000", False),  # the old-CUDA branch (unmasked shuffles) is the one hipcc compiles
+])
+def test_conditions_as_hipcc_sees_them(condition, value):
+    assert on_amd(condition) is value
+
+
+def test_dead_branches_are_blanked_with_their_nested_directives():
+    code = """\
+live0
+#if __CUDA_ARCH__ >= 800
+dead1
+#ifdef FOO
+dead2
+#endif
+dead3
+#elif __CUDA_ARCH__ < 700
+live1
+#else
+dead4
+#endif
+#if !defined(USE_ROCM) && \\
+    FOO
+dead5
+#endif
+#ifdef FOO
+live2
+#else
+live3
+#endif"""
+    kept = [line for line in blank_branches_dead_on_amd(code).split("\n") if line.strip()]
+    assert [line for line in kept if not line.startswith("#") and not line.startswith(" ")] == [
+        "live0", "live1", "live2", "live3"]
+    assert len(blank_branches_dead_on_amd(code).split("\n")) == len(code.split("\n"))  # line numbers kept
+
+
+def test_the_guard_is_flagged_and_what_it_compiles_out_is_not_linted():
+    code = "#if __CUDA_ARCH__ >= 800\n__nv_bfloat162 v;\n#else\nfloat2 v;\n#endif\n"
+    assert [(f.line, f.rule) for f in lint_text(code, "k.cu")] == [(1, "cuda-arch-guard")]
+    assert "compiled out on AMD" in lint_text(code, "k.cu")[0].detail
+
+
+def test_a_true_guard_is_flagged_only_when_it_compiles_an_else_out():
+    kept = "#if __CUDA_ARCH__ < 700\n__syncthreads();\n#endif\n"
+    dropped = "#if __CUDA_ARCH__ < 700\nslow();\n#else\nfast();\n#endif\n"
+    assert [f.rule for f in lint_text(kept, "k.cu")] == []
+    finding, = lint_text(dropped, "k.cu")
+    assert (finding.rule, finding.line) == ("cuda-arch-guard", 1) and "line 3" in finding.detail
