@@ -19,6 +19,7 @@ import functools
 import importlib.util
 import json
 import logging
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -70,6 +71,8 @@ class TuneConfig:
     lora_alpha: int | None = None
     lora_dropout: float = 0.0
     lora_target: str = "all"
+    # tiletune's own: LoRA on the MoE experts' fused 3-D weights too (peft's target_parameters); never the router
+    lora_target_experts: bool = False
     additional_target: str | None = None
     use_rslora: bool = False
     use_dora: bool = False
@@ -398,7 +401,7 @@ def _check_values(cfg: TuneConfig, source: str) -> None:
         raise UserError(f"{source}: gradient_checkpointing={cfg.gradient_checkpointing!r} contradicts "
                         "disable_gradient_checkpointing=true; keep one of them")  # fmt: skip
     budget = cfg.gradient_checkpointing_budget
-    if budget is not None and (budget <= 0 or budget != budget or budget == float("inf")):
+    if budget is not None and (budget <= 0 or not math.isfinite(budget)):
         raise UserError(f"{source}: gradient_checkpointing_budget={budget} must be a positive number of GiB (or null for 90% of the GPU)")
     if budget is not None and cfg.checkpointing != "auto":
         raise UserError(f"{source}: gradient_checkpointing_budget is read only with gradient_checkpointing=auto; set that too")
@@ -433,7 +436,8 @@ def _check_values(cfg: TuneConfig, source: str) -> None:
 
 # keys read only when another is on: what turns them on (as the message says it), the test, the keys
 _READ_ONLY_WITH = (
-    ("finetuning_type=lora", lambda cfg: cfg.finetuning_type == "lora", ("loraplus_lr_ratio", "pissa_init")),
+    ("finetuning_type=lora", lambda cfg: cfg.finetuning_type == "lora", ("loraplus_lr_ratio", "pissa_init",
+                                                                         "lora_target_experts")),
     ("finetuning_type=oft", lambda cfg: cfg.finetuning_type == "oft",
      ("oft_rank", "oft_block_size", "oft_target", "module_dropout")),
     ("pissa_init=true", lambda cfg: cfg.pissa_init, ("pissa_iter", "pissa_convert")),
@@ -478,9 +482,27 @@ def _check_method_keys(cfg: TuneConfig, source: str) -> None:
     if cfg.pissa_init and cfg.quantization_bit:
         raise UserError(f"{source}: pissa_init moves each weight's principal part into the adapter, which a quantized "
                         "base cannot give up; remove pissa_init or quantization_bit")
+    if cfg.lora_target_experts:
+        _check_lora_experts(cfg, source)
     low_rank = next((switch for switch in LOW_RANK_OPTIMS if getattr(cfg, switch)), None)
     if low_rank:
         _check_low_rank(cfg, low_rank, source)
+
+
+def _check_lora_experts(cfg: TuneConfig, source: str) -> None:
+    """lora_target_experts: peft's LoRA on parameters (ParamWrapper, peft >= 0.17), which takes no dropout, DoRA or
+    PiSSA (whether the model has experts is checked when it loads: train/model.py)."""
+    import peft
+
+    if "target_parameters" not in {f.name for f in dataclasses.fields(peft.LoraConfig)}:
+        raise UserError(f"{source}: lora_target_experts needs peft >= 0.17 (LoRA on parameters, target_parameters); "
+                        f"peft {peft.__version__} is installed: pip install -U 'peft>=0.17', or remove lora_target_experts")
+    unsupported = [(key, why) for key, why in (
+        ("lora_dropout", cfg.lora_dropout != 0), ("use_dora", cfg.use_dora), ("pissa_init", cfg.pissa_init)) if why]
+    if unsupported:
+        key = unsupported[0][0]
+        raise UserError(f"{source}: lora_target_experts with {key}={getattr(cfg, key)}: peft's LoRA on the expert weights "
+                        f"(a parameter, not a Linear) takes no {key}; remove {key} or lora_target_experts")
 
 
 def _check_low_rank(cfg: TuneConfig, switch: str, source: str) -> None:

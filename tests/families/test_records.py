@@ -28,27 +28,41 @@ MODELS = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    # attention sinks, a sliding window on layer 0, YaRN rotary with each angle once, biased clamped-SwiGLU experts
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {**MOE, "layer_types": ["sliding_attention", "full_attention"],
+                                                      "sliding_window": 4}),
+    # MLA (q/k heads of 16 + 8, v heads of 16; both latent norms), layer 0 dense, layer 1 routed + shared experts
+    # behind a grouped sigmoid router, YaRN rotary on adjacent pairs
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    {**MOE, "n_routed_experts": 4, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+                     "n_shared_experts": 1, "num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                     "qk_nope_head_dim": 16, "v_head_dim": 16, "head_dim": 8,
+                     "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}),
 }
 # what `kernels: all` cannot take in a family: op -> (sites it takes, why not the others); every other site installs
 NOT_TAKEN = {
     "llama4_text": {"rope": (1, "no rotary embedding in this layer (NoPE)")},  # rope on pairs in layer 0
+    "deepseek_v3": {"rope": (0, ("MLA rotary (the qk_rope_head_dim slice of each q head and one shared k head; "
+                                 "adjacent pairs returned in halves order under rope_interleave): no kernel yet"))},
 }
 EVERY_KERNEL = "all"
-# model types the issue names that have no record yet (attention sinks and a clamped SwiGLU; MLA with a rotated
-# slice of each head): they train stock, every op's fallback naming the missing record
-UNRECORDED = {
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {**MOE, "layer_types": ["sliding_attention", "full_attention"]}),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
-                    {**MOE, "n_routed_experts": 4, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
-                     "q_lora_rank": None, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-                     "v_head_dim": 16, "head_dim": 8}),
+# the opt-in ops where a family refuses them, per site: op -> why (every site of the op's role says it)
+OPT_IN_REFUSED = {
+    "gpt_oss": {"attention": "attention sinks: no kernel yet: stock attention kept",
+                "moe_experts": "experts computing clamped_swiglu with biases: the op computes silu(gate)·up without biases: "
+                                "stock experts kept"},
+    "deepseek_v3": {"attention": "multi-head latent attention (q/k head_dim 24, v head_dim 16; the op takes one "
+                                 "head_dim): no kernel yet: stock attention kept"},
 }
+# a model type without a record: it trains stock, every op's fallback naming the missing record
+UNRECORDED = {"olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {})}
 
 
 def tiny(model_type: str):
     config_class, model_class, extra = MODELS[model_type]
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**SHAPE, **extra)
+    config = getattr(transformers, config_class)(**{**SHAPE, **extra})
     return getattr(transformers, model_class)(config).eval()
 
 
@@ -123,3 +137,71 @@ def test_a_family_without_a_record_trains_stock_and_every_op_says_why(model_type
     reasons = {info["fallback"] for info in report.to_dict()["ops"].values()}
     assert len(reasons) == 1 and reasons.pop().startswith(f"no family record for model_type {model_type!r}")
     torch.testing.assert_close(model(input_ids=ids, labels=ids).loss.detach(), stock, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model_type", OPT_IN_REFUSED)
+def test_opt_in_ops_refuse_what_they_cannot_compute_and_say_why(model_type):
+    """attention and moe_experts named on top of `all`, the routed experts frozen (as under LoRA): every site of an op
+    the family refuses reports why and keeps its stock forward, the others install, and a training step computes
+    what the stock model's does."""
+    model = tiny(model_type).train()
+    for name, param in model.named_parameters():
+        if ".experts." in name:
+            param.requires_grad_(False)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for spec in ("", "all,attention,moe_experts"):
+        report = apply_kernels(model, spec)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        model.zero_grad(set_to_none=True)
+    refused = OPT_IN_REFUSED[model_type]
+    for op in ("attention", "moe_experts"):
+        entries = [e for e in report.entries if e.op == op]
+        assert len(entries) == (2 if op == "attention" else 1 + (model_type == "gpt_oss"))  # deepseek: layer 1 only
+        if op in refused:
+            assert all(not e.installed and e.fallback == refused[op] for e in entries), entries
+            assert report.to_dict()["ops"][op]["fallback"] == refused[op]
+        else:
+            assert all(e.installed for e in entries)
+    (stock_loss, stock_grads), (loss, grads) = runs
+    torch.testing.assert_close(loss, stock_loss, rtol=1e-5, atol=1e-6)
+    assert set(grads) == set(stock_grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, stock_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_gpt_oss_norms_and_rotary_compute_bit_for_bit_as_stock_in_bfloat16():
+    """GPT-OSS's RMSNorm rounds once (its weight kept in float32, as transformers loads it) and its rotary holds each
+    angle once: rms_norm (round_once) and rope (half_angles) reproduce both exactly in bfloat16, not just closely."""
+    model = tiny("gpt_oss").to(torch.bfloat16)
+    for layer in model.model.layers:
+        layer.input_layernorm.float()
+        layer.post_attention_layernorm.float()
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        stock = model(ids).logits
+        report = apply_kernels(model, "rms_norm=reference,rope=reference")
+        assert [e.op for e in report.entries if e.installed] == ["rms_norm"] * 4 + ["rope"] * 2
+        assert torch.equal(model(ids).logits, stock)
+
+
+# these families' presets, in billions of parameters as their model cards give them (DeepSeek-V3 without its
+# multi-token-prediction layer, which transformers does not build)
+PUBLISHED = {"gpt-oss-20b": 20.91, "deepseek-v3": 671.0, "moonlight-16b-a3b": 16.0}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_presets_build_at_their_published_size_into_the_record(name):
+    from transformers import AutoModelForCausalLM
+
+    from tiletune.train.presets import preset_config
+
+    config = preset_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert family_of(config) is not None
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(PUBLISHED[name], rel=0.01)
+    if config.model_type == "deepseek_v3":  # the rotary embedding turns the qk_rope_head_dim slice
+        assert config.head_dim == config.qk_rope_head_dim

@@ -1,6 +1,9 @@
 """moe_experts: the routing's tile schedule, the reference against transformers' own experts in float64, a
 wrong kernel caught by the gate, the binding on tiny Qwen3-MoE and Mixtral models, and (GPU) the TileLang
-grouped GEMMs against float64 at Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes."""
+grouped GEMMs against float64 at Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes. The LoRA form (LoRA on the
+expert weights, peft's target_parameters): against the merged weights W + s·B·A in float64, its custom op, every
+variant's tile schedule, the binding against peft's own path on tiny models (and each adapter state it leaves to
+peft, named per call), and (GPU) its TileLang path against float64."""
 
 import pytest
 import torch
@@ -232,6 +235,185 @@ def test_bound_into_moe_models_with_the_stock_loss_and_gradients(model_type):
     report = apply_kernels(model, {"moe_experts": "reference"})
     entry = next(e for e in report.entries if e.op == "moe_experts" and e.layer == 0)
     assert not entry.installed and "expert weights train" in entry.fallback
+
+
+# ---- LoRA on the expert weights -------------------------------------------------------------------------
+
+
+def lora_inputs(tokens=61, experts=8, k=2, hidden=16, inter=12, ranks=(4, 3), dtype=torch.float64, seed=0):
+    """Routes (expert 1 empty), hidden states, base weights and LoRA factors A [E, r, in], B [E, out, r]."""
+    index, weights = routes(tokens, experts, k, seed)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    return (rand(tokens, hidden), index, weights.to(dtype), rand(experts, 2 * inter, hidden, scale=0.3),
+            rand(experts, hidden, inter, scale=0.3), rand(experts, ranks[0], hidden, scale=0.3),
+            rand(experts, 2 * inter, ranks[0], scale=0.3), rand(experts, ranks[1], inter, scale=0.3),
+            rand(experts, hidden, ranks[1], scale=0.3), 2.0, 0.5)
+
+
+def merged_lora(hidden, index, weights, gate_up, down, a1, b1, a2, b2, s1, s2):
+    """What peft's ParamWrapper computes: the experts on W + s·B·A, in plain autograd (each route's weights gathered)."""
+    gate_up, down = gate_up + s1 * b1 @ a1, down + s2 * b2 @ a2
+    y = torch.zeros_like(hidden)
+    for j in range(index.shape[1]):
+        h = torch.einsum("th,toh->to", hidden, gate_up[index[:, j]])
+        y = y + weights[:, j, None] * torch.einsum("ti,toi->to", moe._silu_gate(h), down[index[:, j]])
+    return y
+
+
+@pytest.mark.parametrize("ranks", [(4, 3), (4, 0), (0, 2)])
+def test_lora_form_is_the_merged_weights_in_float64(ranks):
+    """y and the gradients of the hidden states, the routing weights and all four factors equal autograd through the
+    merged weights; a projection of rank 0 (no adapter on it) is the plain weight."""
+    inputs = list(lora_inputs(ranks=ranks))
+    for i in (0, 2, 5, 6, 7, 8):
+        inputs[i].requires_grad_()
+    grad_out = torch.randn(inputs[0].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    leaves = [inputs[i] for i in (0, 2, 5, 6, 7, 8)]
+    want = merged_lora(*inputs)
+    want_grads = torch.autograd.grad(want, leaves, grad_out, allow_unused=True)
+    got = moe.moe_experts_lora(*inputs)
+    got_grads = torch.autograd.grad(got, leaves, grad_out, allow_unused=True)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for mine, theirs in zip(got_grads, want_grads):
+        theirs = torch.zeros_like(mine) if theirs is None else theirs  # rank 0: an empty factor
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
+
+
+def test_lora_form_passes_opcheck():
+    """Its custom op (schema, fakes, autograd, torch.compile's view) as test_customop checks every op's."""
+    inputs = [x.float().requires_grad_(i in (0, 2, 5, 6, 7, 8)) if isinstance(x, torch.Tensor) and x.is_floating_point()
+              else x for i, x in enumerate(lora_inputs(tokens=7, experts=3, hidden=16, inter=12))]  # fmt: skip
+    results = torch.library.opcheck(torch.ops.tiletune.moe_experts_lora.default, (*inputs, "reference", False))
+    assert set(results.values()) == {"SUCCESS"}
+
+
+@pytest.mark.parametrize("variant", sorted(moe.VARIANTS))
+def test_every_variants_tile_schedule_computes_the_lora_reference(variant):
+    """The LoRA form with each variant's grouped GEMM (emulated tile by tile) for the base weights equals the loop's."""
+    config = moe.VARIANTS[variant]
+    inputs = lora_inputs(tokens=600)
+    want = moe._lora_experts_forward(moe._loop_gemm, *inputs)
+    got = moe._lora_experts_forward(_emulated_grouped_gemm(config), *inputs, config.block_m)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    dy = torch.randn_like(inputs[0])
+    want_grads = moe._lora_experts_backward(moe._loop_gemm, dy, inputs[0], *want[1:], *inputs[2:])
+    got_grads = moe._lora_experts_backward(_emulated_grouped_gemm(config), dy, inputs[0], *got[1:], *inputs[2:])
+    for mine, theirs in zip(got_grads, want_grads):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_tilelang_lora_path_wires_the_grouped_gemm_for_the_base_weights(monkeypatch):
+    """tilelang_lora_forward / _backward with the TileLang grouped GEMM replaced by its emulation (CPU, float64):
+    the reference's outputs and gradients, so only the kernel itself is left to the GPU test."""
+    monkeypatch.setattr(moe, "grouped_gemm", _emulated_grouped_gemm)
+    inputs = lora_inputs(tokens=300)
+    want = moe.reference_lora_forward(*inputs)
+    got = moe.tilelang_lora_forward(*inputs)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    dy = torch.randn_like(inputs[0])
+    for mine, theirs in zip(moe.tilelang_lora_backward(dy, inputs[0], *got[1:], *inputs[2:]),
+                            moe.reference_lora_backward(dy, inputs[0], *want[1:], *inputs[2:])):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+    assert moe.tilelang_lora_unsupported(*inputs) is not None  # 16 x 12 experts: not multiples of the tiles
+
+
+def lora_model(model_type, adapters=("default",)):
+    """A tiny float64 MoE model (transformers' eager experts) with LoRA on q_proj and both expert weights, B non-zero."""
+    from peft import LoraConfig, get_peft_model
+
+    config_class, model_class, extra = MOE_MODELS[model_type]
+    config = getattr(transformers, config_class)(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, **extra)  # fmt: skip
+    config._experts_implementation = "eager"  # float64: torch's grouped_mm takes none
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).double()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM",
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    model = get_peft_model(model, lora, adapter_name=adapters[0])
+    for name in adapters[1:]:
+        model.add_adapter(name, lora)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=param.dtype) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("model_type", MOE_MODELS)
+def test_lora_on_the_experts_binds_with_peft_loss_and_adapter_gradients(model_type):
+    """peft folds W + s·B·A into a merged expert stack per forward; the op's LoRA form computes x·Wᵀ + s·(x·Aᵀ)·Bᵀ per
+    expert group: the same loss and gradients (float64), the report saying the experts took the op."""
+    model = lora_model(model_type)
+    ids = torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(2))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert sum(1 for n, p in model.named_parameters() if p.requires_grad and ".experts." in n) == 8  # A, B x 2 x 2 layers
+    stock = model(input_ids=ids, labels=ids).loss
+    stock_grads = torch.autograd.grad(stock, trainable)
+    with model.disable_adapter():
+        base = model(input_ids=ids, labels=ids).loss
+    report = apply_kernels(model, {"moe_experts": "reference"})
+    assert [(e.module, e.installed, e.fallback) for e in report.entries] == [("mlp.experts", True, None)] * 2
+    loss = model(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(loss, stock, rtol=1e-12, atol=0)
+    for mine, theirs in zip(torch.autograd.grad(loss, trainable), stock_grads):
+        torch.testing.assert_close(mine, theirs, rtol=1e-9, atol=1e-12)
+    with model.disable_adapter():  # adapters off (a preference stage's reference): the plain op on the base weights
+        torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, base, rtol=1e-12, atol=0)
+    assert report.runtime_fallbacks() == []
+    report.revert()
+
+
+def test_adapter_states_the_lora_form_does_not_compute_run_peft_and_say_so_per_call():
+    """Two active adapters on the experts, or an adapter merged into them: peft's own path (right), each call counted
+    with the reason; never the op on the un-adapted weights."""
+    model = lora_model("qwen3_moe", adapters=("default", "second"))
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+    model.base_model.set_adapter(["default", "second"])
+    stock = model(input_ids=ids, labels=ids).loss
+    report = apply_kernels(model, {"moe_experts": "reference"})
+    entry = report.entries[0]
+    assert entry.installed and entry.fallback == "LoRA on expert weights: 2 active adapters on down_proj: stock peft experts"
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, stock, rtol=1e-12, atol=0)
+    assert report.runtime_fallbacks() == [{"op": "moe_experts", "impl": "reference", "calls": 2,
+                                           "reason": "LoRA on expert weights: 2 active adapters on down_proj: stock peft experts"}]
+    report.revert()
+    model.base_model.set_adapter("default")
+    merged = model.get_base_model().model.layers[0].mlp.experts
+    merged.merge()
+    report = apply_kernels(model, {"moe_experts": "reference"})
+    assert report.entries[0].fallback == "LoRA on expert weights: adapter merged into down_proj: stock peft experts"
+    assert report.entries[1].fallback is None
+    model(input_ids=ids, labels=ids)
+    assert [f["calls"] for f in report.runtime_fallbacks()] == [1]
+    report.revert()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,tokens,experts,k,hidden,inter", [
+    ("qwen3-30b-a3b", 1024, 128, 8, 2048, 768), ("mixtral-8x7b", 77, 8, 2, 4096, 14336)])
+def test_tilelang_lora_form_matches_float64(name, tokens, experts, k, hidden, inter):
+    """The LoRA form on the TileLang grouped GEMMs (rank 8 on both weights) against float64, bf16: y and the gradients
+    of the hidden states, the routing weights and the four factors."""
+    from _gpu_check import check
+
+    dtype = torch.bfloat16
+    index, weights = routes(tokens, experts, k, device="cuda")
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype, requires_grad=True)
+    w = weights.to(dtype).requires_grad_()
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden**0.5).to(dtype)
+    down = (torch.randn(experts, hidden, inter, device="cuda") / inter**0.5).to(dtype)
+    factors = [(torch.randn(*shape, device="cuda") / shape[-1] ** 0.5).to(dtype).requires_grad_()
+               for shape in ((experts, 8, hidden), (experts, 2 * inter, 8), (experts, 8, inter), (experts, hidden, 8))]
+    check("moe_lora", name, dtype, [x, w, gate_up, down, *factors],
+          lambda x, w, gu, d, a1, b1, a2, b2: moe.moe_experts_lora(x, index, w, gu, d, a1, b1, a2, b2, 2.0, 2.0),
+          lambda x, w, gu, d, a1, b1, a2, b2: moe.moe_experts_lora(x, index, w, gu, d, a1, b1, a2, b2, 2.0, 2.0,
+                                                                   "tilelang", True),
+          ["y", "dhidden", "dweights", "dA_gu", "dB_gu", "dA_down", "dB_down"])
 
 
 @pytest.mark.gpu

@@ -9,7 +9,8 @@ from tiletune.train.presets import PRESETS, preset_config
 
 # billions of parameters as the model cards give them (rounded), for the shapes a user would recognise
 PUBLISHED = {"llama3-8b": 8.03, "llama3-70b": 70.6, "qwen3-8b": 8.19, "mistral-7b": 7.25, "qwen3-30b-a3b": 30.5,
-             "mixtral-8x7b": 46.7, "phi4-mini": 3.84, "phi3-mini": 3.82}  # fmt: skip
+             "mixtral-8x7b": 46.7, "phi4-mini": 3.84, "phi3-mini": 3.82, "gpt-oss-20b": 20.91,
+             "deepseek-v3": 671.0, "moonlight-16b-a3b": 16.0}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", PRESETS)

@@ -299,6 +299,8 @@ TEMPLATES: dict[str, Template] = {
             tool_format="mistral",
             system_in_user=True,
         ),
+        # DeepSeek-V3's (and R1's, without the reasoning): LLaMA-Factory's `deepseek3`
+        Template("deepseek3", user=("<｜User｜>{content}<｜Assistant｜>",), prefix=(BOS,)),
         Template("phi", **PHI3),
         # Phi-3-small's template starts with its BOS (<|endoftext|>); LLaMA-Factory's prefix {"<|endoftext|>"}
         # is a set naming neither bos_token nor eos_token, which it encodes to nothing

@@ -21,6 +21,9 @@ class Norm:
     path: str
     position: str = "pre"  # pre (before attention / MLP), post (on a sublayer's output), qk (on queries and keys)
     offset: bool = False  # x·(1 + w), Gemma's, instead of x·w
+    # x·w in float32, rounded to x's dtype once (GPT-OSS's), instead of Llama's normalised x rounded to x's dtype
+    # first and then times w
+    round_once: bool = False
 
 
 @dataclass(frozen=True)
@@ -37,9 +40,13 @@ class Attention:
     """Self-attention: its path and rotary embedding; what the family's attention may add to plain causal GQA."""
 
     path: str = "self_attn"
-    rotary: str = "full"  # full, partial (part of head_dim), interleaved (adjacent pairs as complex numbers) or none
+    # full, partial (part of head_dim), interleaved (adjacent pairs as complex numbers), half_angles (full, halves
+    # layout, cos and sin holding each angle once: GPT-OSS's), latent (MLA's: the rotated slice of each q head and one
+    # shared k head, adjacent pairs returned in halves order: DeepSeek's) or none
+    rotary: str = "full"
     softcap: bool = False  # attention logit soft-capping
     sinks: bool = False  # attention sinks
+    latent: bool = False  # multi-head latent attention (DeepSeek's MLA): q/k heads wider than v heads
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,10 @@ class Experts:
     path: str = "mlp.experts"
     router: str = "mlp.gate"
     shared: str | None = None
+    # what each expert computes: silu (silu(gate)·up, gate and up as the two halves of gate_up_proj) or
+    # clamped_swiglu (GPT-OSS's: gate and up interleaved columns, clamped, (up + 1)·gate·sigmoid(alpha·gate))
+    activation: str = "silu"
+    bias: bool = False  # biases on the gate_up and down projections
 
 
 @dataclass(frozen=True)

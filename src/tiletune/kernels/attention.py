@@ -508,6 +508,10 @@ _VARIANTS = {"sliding_window": "sliding window", "softcap": "logit softcapping",
 def _fit(site: Site) -> str | None:
     if site.part.softcap or site.part.sinks:
         return f"{'logit soft-capping' if site.part.softcap else 'attention sinks'}: no kernel yet: stock attention kept"
+    if getattr(site.part, "latent", False):
+        qk, v = (getattr(site.module, name, "?") for name in ("qk_head_dim", "v_head_dim"))
+        return (f"multi-head latent attention (q/k head_dim {qk}, v head_dim {v}; the op takes one head_dim): "
+                "no kernel yet: stock attention kept")
     if not calls_global(type(site.module).forward, _GLOBAL):
         return f"{type(site.module).__name__}.forward does not look up {_GLOBAL}: stock attention kept"
     if not all(hasattr(site.module, name) for name in ("q_proj", "k_proj", "head_dim", "scaling")):

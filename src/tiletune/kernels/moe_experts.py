@@ -4,8 +4,15 @@ Semantics (the reference): for each token t and each of its k routes (expert e =
 w = top_k_weights[t, j]): ``y[t] += w · (silu(g) * u) · down[e]ᵀ`` with ``[g, u] = x[t] · gate_up[e]ᵀ``;
 ``gate_up`` is [experts, 2·intermediate, hidden] (gate rows first), ``down`` [experts, hidden, intermediate]
 (Qwen3-MoE, Mixtral, Llama-4's routed experts). Gradients for the hidden states and the routing weights
-(the router trains through them); the experts' weights are frozen (LoRA trains attention; a site whose expert
-weights train is reported and left alone).
+(the router trains through them); the experts' weights are frozen (a site whose expert weights train is reported
+and left alone).
+
+LoRA on the expert weights (peft's `target_parameters`, tiletune's `lora_target_experts`): peft's ParamWrapper
+folds ``W + s·B·A`` into a merged copy of the whole expert stack on every forward (a parametrization), which the
+stock experts then read. The op's LoRA form (`moe_experts_lora`) never forms that copy: per expert group,
+``[g, u] = x·W_eᵀ + s·(x·A_eᵀ)·B_eᵀ`` and ``o = a·D_eᵀ + s·(a·A'_eᵀ)·B'_eᵀ``, the base parts through the same
+grouped GEMMs, the rank-r parts through small per-expert GEMMs (PyTorch), with the gradients of A and B as well;
+beyond the plain op it keeps only the [rows, r] products x·Aᵀ and a·A'ᵀ for the backward.
 
 How it runs: the k·tokens routes are sorted by expert (`Routing`: one sort, no host sync), the rows gathered
 once, and each expert's block of rows meets its weights in a grouped GEMM: one kernel launch for all experts,
@@ -24,18 +31,19 @@ with float32 accumulation; the TileLang version's GEMMs accumulate in float32 an
 
 # No `from __future__ import annotations` here: TileLang reads the kernel signature's shapes from the closure.
 
+import inspect
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-from tiletune.kernels import _tilelang
+from tiletune.kernels import _tilelang, registry
 from tiletune.kernels.binding import Binding, Site
 from tiletune.kernels.customop import Signature, make_custom_op
-from tiletune.kernels.registry import Impl, Op, add, define
+from tiletune.kernels.registry import Impl, Op, add, define, note_fallback
 
 # Rows of one expert per tile of the schedule's bound: small, as experts see few rows each (Qwen3-30B-A3B: 512 on
 # average). The smallest block_m of any GroupedConfig: the tiles tensor is sized by it whatever the config, so its
@@ -129,12 +137,13 @@ def _experts_backward(gemm: Callable, dy: Tensor, h: Tensor, o: Tensor, order: T
 # ---- reference: one PyTorch GEMM per expert --------------------------------------------------------------
 
 
-def _loop_gemm(kind: str, rows: Tensor, weights: Tensor, routing: Routing) -> Tensor:
-    """Each expert's rows times its weights (ᵀ for ``nt``), in float32 (float64 for float64), rounded once."""
+def _loop_gemm(kind: str, rows: Tensor, weights: Tensor, routing: Routing, bounds: list[int] | None = None) -> Tensor:
+    """Each expert's rows times its weights (ᵀ for ``nt``), in float32 (float64 for float64), rounded once;
+    `bounds`: the routing's offsets on the host, if already read."""
     acc = torch.promote_types(rows.dtype, torch.float32)
     out_features = weights.shape[1] if kind == "nt" else weights.shape[2]
     out = rows.new_zeros(rows.shape[0], out_features)
-    bounds = routing.offsets.tolist()
+    bounds = routing.offsets.tolist() if bounds is None else bounds
     for expert, (start, end) in enumerate(itertools.pairwise(bounds)):
         if end > start:
             w = weights[expert].to(acc)
@@ -150,6 +159,81 @@ def reference_forward(hidden, top_k_index, top_k_weights, gate_up, down):
 def reference_backward(dy, h, o, order, tiles, offsets, top_k_weights, gate_up, down):
     """(d hidden, d top_k_weights) by the expert loop."""
     return _experts_backward(_loop_gemm, dy, h, o, order, tiles, offsets, top_k_weights, gate_up, down)
+
+
+# ---- LoRA on the expert weights: the base through `gemm`, the rank-r parts per expert ------------------------
+
+
+def _loop_wgrad(x: Tensor, y: Tensor, bounds: list[int], like: Tensor) -> Tensor:
+    """[experts, n, k] like `like`: each expert's x_eᵀ·y_e (x [rows, n], y [rows, k] sorted by expert), in float32
+    (float64 for float64), in like's dtype (an adapter's gradient)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    out = torch.zeros(like.shape, dtype=acc, device=x.device)
+    for expert, (start, end) in enumerate(itertools.pairwise(bounds)):
+        if end > start:
+            out[expert] = x[start:end].to(acc).t() @ y[start:end].to(acc)
+    return out.to(like.dtype)
+
+
+def _lora_experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
+                          down: Tensor, gate_up_a: Tensor, gate_up_b: Tensor, down_a: Tensor, down_b: Tensor,
+                          gate_up_scaling: float, down_scaling: float, block_m: int = BLOCK_M):  # fmt: skip
+    """(y, the gate_up rows, the down rows, x·Aᵀ, a·A'ᵀ, the routing's order, tiles and offsets) with LoRA on both
+    projections: A [experts, r, in], B [experts, out, r] (rank 0: no adapter there). The base GEMMs by `gemm`, the
+    rank-r ones per expert group in the rows' dtype (as peft's LoRA Linear under autocast), each rounded, then added."""
+    routing = route(top_k_index, gate_up.shape[0], block_m, BLOCK_M)
+    bounds = routing.offsets.tolist()  # one host sync for the small GEMMs
+    rows = hidden[routing.token]
+    xa = _loop_gemm("nt", rows, gate_up_a.to(rows.dtype), routing, bounds)
+    h = gemm("nt", rows, gate_up, routing) + _loop_gemm("nt", xa, gate_up_b.to(rows.dtype), routing, bounds) * gate_up_scaling
+    a = _silu_gate(h)
+    aa = _loop_gemm("nt", a, down_a.to(a.dtype), routing, bounds)
+    o = gemm("nt", a, down, routing) + _loop_gemm("nt", aa, down_b.to(a.dtype), routing, bounds) * down_scaling
+    weights = top_k_weights.reshape(-1)[routing.order].to(o.dtype)
+    y = torch.zeros_like(hidden).index_add_(0, routing.token, (o * weights[:, None]).to(hidden.dtype))
+    return y, h, o, xa, aa, routing.order, routing.tiles, routing.offsets
+
+
+def _lora_experts_backward(gemm: Callable, dy: Tensor, hidden: Tensor, h: Tensor, o: Tensor, xa: Tensor, aa: Tensor,
+                           order: Tensor, tiles: Tensor, offsets: Tensor, top_k_weights: Tensor, gate_up: Tensor,
+                           down: Tensor, gate_up_a: Tensor, gate_up_b: Tensor, down_a: Tensor, down_b: Tensor,
+                           gate_up_scaling: float, down_scaling: float):  # fmt: skip
+    """(d hidden, d top_k_weights, d gate_up A, d gate_up B, d down A, d down B): with g = s·dOut·B,
+    dIn = dOut·W + g·A, dA = gᵀ·In, dB = s·dOutᵀ·(In·Aᵀ) per expert; the activation recomputed from h."""
+    routing = Routing(order // top_k_weights.shape[-1], order, tiles, offsets)
+    bounds = offsets.tolist()
+    weights = top_k_weights.reshape(-1)[routing.order]
+    dy_rows = dy[routing.token]
+    dweights = torch.empty_like(weights)
+    acc = torch.promote_types(o.dtype, torch.float32)
+    dweights[routing.order] = (dy_rows.to(acc) * o.to(acc)).sum(-1).to(weights.dtype)
+    do = (dy_rows * weights[:, None].to(dy.dtype)).to(o.dtype)
+    g2 = _loop_gemm("nn", do, down_b.to(do.dtype), routing, bounds) * down_scaling
+    da = gemm("nn", do, down, routing) + _loop_gemm("nn", g2, down_a.to(do.dtype), routing, bounds)
+    a = _silu_gate(h)
+    d_down_a = _loop_wgrad(g2, a, bounds, down_a)
+    d_down_b = _loop_wgrad(do * down_scaling, aa, bounds, down_b)
+    dh = _silu_gate_backward(da, h)
+    g1 = _loop_gemm("nn", dh, gate_up_b.to(dh.dtype), routing, bounds) * gate_up_scaling
+    d_rows = gemm("nn", dh, gate_up, routing) + _loop_gemm("nn", g1, gate_up_a.to(dh.dtype), routing, bounds)
+    d_gate_up_a = _loop_wgrad(g1, hidden[routing.token], bounds, gate_up_a)
+    d_gate_up_b = _loop_wgrad(dh * gate_up_scaling, xa, bounds, gate_up_b)
+    dhidden = torch.zeros(dy.shape, dtype=dy.dtype, device=dy.device).index_add_(0, routing.token, d_rows.to(dy.dtype))
+    return dhidden, dweights.view_as(top_k_weights), d_gate_up_a, d_gate_up_b, d_down_a, d_down_b
+
+
+def reference_lora_forward(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b, down_a, down_b,
+                           gate_up_scaling, down_scaling):  # fmt: skip
+    """(y, kept rows, LoRA products and routing) by the expert loop, LoRA on the expert weights."""
+    return _lora_experts_forward(_loop_gemm, hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b,
+                                 down_a, down_b, gate_up_scaling, down_scaling)
+
+
+def reference_lora_backward(dy, hidden, h, o, xa, aa, order, tiles, offsets, top_k_weights, gate_up, down, gate_up_a,
+                            gate_up_b, down_a, down_b, gate_up_scaling, down_scaling):  # fmt: skip
+    """(d hidden, d top_k_weights, d A, d B of gate_up and of down) by the expert loop."""
+    return _lora_experts_backward(_loop_gemm, dy, hidden, h, o, xa, aa, order, tiles, offsets, top_k_weights, gate_up,
+                                  down, gate_up_a, gate_up_b, down_a, down_b, gate_up_scaling, down_scaling)
 
 
 # ---- TileLang grouped GEMM --------------------------------------------------------------------------------
@@ -396,6 +480,30 @@ def tilelang_unsupported(hidden, top_k_index, top_k_weights, gate_up, down) -> s
     return reason
 
 
+def tilelang_lora_forward(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b, down_a, down_b,
+                          gate_up_scaling, down_scaling, variant: str | None = None):  # fmt: skip
+    """The LoRA form's forward: the base GEMMs in TileLang (as tilelang_forward), the rank-r ones per expert (PyTorch)."""
+    config = op_config(hidden, gate_up, variant)
+    return _lora_experts_forward(grouped_gemm(config), hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a,
+                                 gate_up_b, down_a, down_b, gate_up_scaling, down_scaling, config.block_m)
+
+
+def tilelang_lora_backward(dy, hidden, h, o, xa, aa, order, tiles, offsets, top_k_weights, gate_up, down, gate_up_a,
+                           gate_up_b, down_a, down_b, gate_up_scaling, down_scaling, variant: str | None = None):  # fmt: skip
+    """The LoRA form's backward: the input-gradient GEMMs in TileLang, the rank-r ones and dA, dB per expert."""
+    config = op_config(dy, gate_up, variant)
+    return _lora_experts_backward(grouped_gemm(config), dy, hidden, h, o, xa, aa, order, tiles, offsets, top_k_weights,
+                                  gate_up, down, gate_up_a, gate_up_b, down_a, down_b, gate_up_scaling, down_scaling)
+
+
+def tilelang_lora_unsupported(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b, down_a, down_b,
+                              gate_up_scaling, down_scaling) -> str | None:  # fmt: skip
+    """Why the LoRA form's grouped GEMMs cannot run these inputs, or None."""
+    if any(t.device != hidden.device for t in (gate_up_a, gate_up_b, down_a, down_b)):
+        return "LoRA on expert weights: adapter weights on another device than the input"
+    return tilelang_unsupported(hidden, top_k_index, top_k_weights, gate_up, down)
+
+
 # ---- custom ops and binding ------------------------------------------------------------------------------
 
 moe_experts_op = make_custom_op(Signature(
@@ -423,42 +531,155 @@ def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate
     return torch.ops.tiletune.moe_experts(hidden, top_k_index, top_k_weights, gate_up, down, impl, strict)[0]
 
 
+# The LoRA form: its own custom-op pair (A and B of both projections take gradients), selected per call like the
+# plain op's. It is part of the moe_experts op (the same binding, `kernels: {moe_experts: ...}` selects it) and has
+# no Op record of its own: its implementations are registered under "moe_experts_lora" below.
+LORA = "moe_experts_lora"
+_LORA_INPUTS = ("Tensor gate_up_a, Tensor gate_up_b, Tensor down_a, Tensor down_b, float gate_up_scaling, "
+                "float down_scaling")
+
+
+def _lora_fake(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b, down_a, down_b, s1, s2):
+    rows = top_k_index.numel()
+    return (torch.empty_like(hidden), hidden.new_empty(rows, gate_up.shape[1]), hidden.new_empty(rows, hidden.shape[-1]),
+            hidden.new_empty(rows, gate_up_a.shape[1]), hidden.new_empty(rows, down_a.shape[1]), top_k_index.new_empty(rows),
+            torch.empty(-(-rows // BLOCK_M) + gate_up.shape[0], 3, dtype=torch.int32, device=hidden.device),
+            torch.empty(gate_up.shape[0] + 1, dtype=torch.int32, device=hidden.device))
+
+
+registry.define_form(LORA)
+moe_experts_lora_op = make_custom_op(Signature(
+    LORA, f"Tensor hidden, Tensor top_k_index, Tensor top_k_weights, Tensor gate_up, Tensor down, {_LORA_INPUTS}",
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    backward_inputs="Tensor hidden, Tensor h, Tensor o, Tensor xa, Tensor aa, Tensor order, Tensor tiles, Tensor offsets, "
+                    f"Tensor top_k_weights, Tensor gate_up, Tensor down, {_LORA_INPUTS}",
+    backward_outputs="(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    fake=_lora_fake,
+    backward_fake=lambda dy, hidden, h, o, xa, aa, order, tiles, offsets, top_k_weights, gate_up, down, a1, b1, a2, b2, s1, s2: (
+        torch.empty_like(dy), torch.empty_like(top_k_weights), torch.empty_like(a1), torch.empty_like(b1),
+        torch.empty_like(a2), torch.empty_like(b2)),
+    save=lambda inputs, outputs, needs: (inputs[0], *outputs[1:], *inputs[2:]),
+    judged_on=lambda grads, saved: (grads[0], None, *saved[8:]),
+    grad_of=(0, None, 1, None, None, 2, 3, 4, 5, None, None),
+))
+
+
+def moe_experts_lora(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor, down: Tensor,
+                     gate_up_a: Tensor, gate_up_b: Tensor, down_a: Tensor, down_b: Tensor, gate_up_scaling: float,
+                     down_scaling: float, impl: str = "reference", strict: bool = False) -> Tensor:  # fmt: skip
+    """The routed experts' output with LoRA on their weights: A [experts, r, in], B [experts, out, r] per projection
+    (peft's ParamWrapper factors; rank 0 where a projection has none), ``W_e + s·B_e·A_e`` never formed."""
+    return torch.ops.tiletune.moe_experts_lora(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b,
+                                               down_a, down_b, gate_up_scaling, down_scaling, impl, strict)[0]
+
+
 _LAYOUT = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,
            "has_post_expert_norm": False, "_is_expert_parallel": False}  # fmt: skip
 
 
+def peft_wrappers(module: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
+    """(the experts module under any peft ParamWrappers, {parameter name: its wrapper}): LoRA on the experts'
+    parameters (`target_parameters`) nests one ParamWrapper per parameter around the experts module."""
+    wrappers = {}
+    while isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "parameter_name"):
+        wrappers[module.parameter_name] = module
+        module = module.base_layer
+    return module, wrappers
+
+
 def _fit(site: Site) -> str | None:
-    module = site.module
+    module, wrappers = peft_wrappers(site.module)
+    if site.part.activation != "silu" or site.part.bias:
+        return (f"experts computing {site.part.activation}{' with biases' if site.part.bias else ''}: the op computes "
+                "silu(gate)·up without biases: stock experts kept")
     for name, value in _LAYOUT.items():
         if getattr(module, name, value) != value:
             return f"{type(module).__name__}.{name} is {getattr(module, name)!r} (the op takes {value!r}): stock experts kept"
     params = [getattr(module, name, None) for name in ("gate_up_proj", "down_proj")]
     if not all(isinstance(p, torch.nn.Parameter) and p.dim() == 3 for p in params):
         return f"{type(module).__name__} has no 3-D gate_up_proj and down_proj: stock experts kept"
+    if len(inspect.signature(type(module).forward).parameters) < 4:
+        return f"{type(module).__name__}.forward takes no top_k_index and top_k_weights (pre-sorted rows): stock experts kept"
     if any(p.requires_grad for p in params):
         return "the expert weights train (the op computes no weight gradient): stock experts kept"
     if getattr(getattr(module, "config", None), "hidden_act", "silu") != "silu":
         return f"activation {module.config.hidden_act!r}: the op computes silu(gate)·up: stock experts kept"
+    for name, wrapper in wrappers.items():
+        if name not in ("gate_up_proj", "down_proj"):
+            return f"LoRA on expert weights: peft adapts {name}, which the op does not take: stock peft experts kept"
+        param = getattr(module, name)
+        for adapter, lora_a in wrapper.lora_A.items():
+            if lora_a.weight.shape[1] != param.shape[2] or wrapper.lora_B[adapter].weight.shape[0] != param.shape[1]:
+                return (f"LoRA on expert weights: adapter {adapter!r} of {name} is not laid out as [experts, out, in]: "
+                        "stock peft experts kept")
+    return None
+
+
+def _lora_unfit(wrappers: dict[str, nn.Module]) -> str | None:
+    """Why the LoRA form cannot compute the adapted experts right now (peft's own path must), or None."""
+    for name, wrapper in wrappers.items():
+        adapters = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+        if wrapper.merged:
+            return f"adapter merged into {name}"
+        if len(adapters) != 1 and not wrapper.disable_adapters:
+            return f"{len(adapters)} active adapters on {name}"
+        if adapters and not isinstance(wrapper.lora_dropout[adapters[0]], nn.Identity):
+            return f"lora_dropout on {name}"
     return None
 
 
 def unfit_now(module) -> str | None:
-    """Why the op cannot stand in right now: expert weights that take gradients (unfrozen after patching, or an
-    adapter on them: the op computes no weight gradient, which would leave them untrained silently)."""
-    if module.gate_up_proj.requires_grad or module.down_proj.requires_grad:
+    """Why the op cannot stand in right now: an adapter state the LoRA form does not compute (merged, several active),
+    or expert weights that take gradients (unfrozen after patching: the op computes no weight gradient, which would
+    leave them untrained silently)."""
+    experts, wrappers = peft_wrappers(module)
+    reason = _lora_unfit(wrappers)
+    if reason:
+        return f"LoRA on expert weights: {reason}: stock peft experts"
+    if experts.gate_up_proj.requires_grad or experts.down_proj.requires_grad:
         return "the expert weights take gradients (the op computes none): stock experts"
     return None
 
 
+def lora_factors(wrappers: dict[str, nn.Module], experts: nn.Module) -> tuple | None:
+    """(gate_up A, gate_up B, down A, down B, gate_up scaling, down scaling) of the active adapters, A [experts, r, in]
+    and B [experts, out, r] as peft's ParamWrapper lays them out in lora_A [r·experts, in] (expert-major) and
+    lora_B [out, r·experts] (rank-major); rank 0 for a projection without one. None: no adapter active."""
+    factors, scalings, active = [], [], False
+    for name in ("gate_up_proj", "down_proj"):
+        param = getattr(experts, name)
+        num, out_features, in_features = param.shape
+        wrapper = wrappers.get(name)
+        adapter = None if wrapper is None or wrapper.disable_adapters else next(
+            (a for a in wrapper.active_adapters if a in wrapper.lora_A), None)
+        if adapter is None:
+            factors += [param.new_zeros(num, 0, in_features), param.new_zeros(num, out_features, 0)]
+            scalings.append(1.0)
+            continue
+        active = True
+        lora_a, lora_b = wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight
+        rank = lora_a.shape[0] // num
+        factors += [lora_a.view(num, rank, in_features), lora_b.view(out_features, rank, num).permute(2, 0, 1).contiguous()]
+        scalings.append(float(wrapper.scaling[adapter]))
+    return (*factors, *scalings) if active else None
+
+
 def _experts_forward_binding(site: Site, impl: str, strict: bool, current: Callable) -> Callable:
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        if unfit_now(self):
+        reason = unfit_now(self)
+        if reason:
+            if reason.startswith("LoRA on expert weights"):
+                note_fallback("moe_experts", impl, reason)
             return current(self, hidden_states, top_k_index, top_k_weights)
+        experts, wrappers = peft_wrappers(self)
+        factors = lora_factors(wrappers, experts)
         dtype = torch.get_autocast_dtype(hidden_states.device.type) if torch.is_autocast_enabled(hidden_states.device.type) else None
-        gate_up, down = self.gate_up_proj, self.down_proj
+        gate_up, down = experts.gate_up_proj, experts.down_proj
         if dtype is not None:  # under autocast the GEMMs run in its dtype, as F.linear's would
             hidden_states, gate_up, down = hidden_states.to(dtype), gate_up.to(dtype), down.to(dtype)
-        return moe_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, impl, strict)
+        if factors is None:  # no LoRA, or its adapters disabled (a preference stage's reference): the base experts
+            return moe_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, impl, strict)
+        return moe_experts_lora(hidden_states, top_k_index, top_k_weights, gate_up, down, *factors, impl, strict)
 
     return forward
 
@@ -473,3 +694,8 @@ add(Impl("moe_experts", "reference", reference_forward, reference_backward,
 add(Impl("moe_experts", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
          tilelang_unsupported, "TileLang grouped GEMMs over the expert-sorted rows (forward and input gradient)",
          accumulation="float32"))
+add(Impl(LORA, "reference", reference_lora_forward, reference_lora_backward,
+         description="PyTorch: one GEMM per expert for the base and for each rank-r product", accumulation="float32"))
+add(Impl(LORA, "tilelang", tilelang_lora_forward, tilelang_lora_backward, _tilelang.machine_unavailable_reason,
+         tilelang_lora_unsupported, "TileLang grouped GEMMs for the base weights, the rank-r products per expert by "
+         "PyTorch (forward, input gradient, adapter gradients)", accumulation="float32"))

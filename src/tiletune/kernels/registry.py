@@ -90,6 +90,12 @@ def define(op: Op) -> Op:
     return op
 
 
+def define_form(name: str) -> None:
+    """Make room for the implementations of a second custom op of a defined op (moe_experts' LoRA form): it is
+    selected through its op's binding and spec, so it has no Op record and is not listed among the ops."""
+    _impls.setdefault(name, {})
+
+
 def add(impl: Impl) -> Impl:
     """Add (or replace) an implementation of a defined op."""
     if impl.op not in _impls:

@@ -240,6 +240,12 @@ def _fit(site: Site) -> str | None:
 
 def _forward(site: Site, impl: str, strict: bool, current):
     offset = 1.0 if site.part.offset else 0.0
+    if getattr(site.part, "round_once", False) and not offset:
+        # GPT-OSS's (w · x_normed in float32).to(x.dtype): the op's x·w form on x in float32 is that product
+        def rounded_once(self, hidden_states):
+            out = rms_norm(hidden_states.float(), self.weight, _eps(self), impl, strict, 0.0)
+            return out.to(hidden_states.dtype)
+        return rounded_once
 
     def forward(self, hidden_states):
         return rms_norm(hidden_states, self.weight, _eps(self), impl, strict, offset)

@@ -274,9 +274,16 @@ _GLOBAL = "apply_rotary_pos_emb"  # what transformers' attention forwards call t
 _PAIRS_GLOBAL = "apply_rotary_emb"  # what Llama 4's attention calls (pairs)
 
 
+# rotary kinds of a family record that no binding takes, and why
+_NO_KERNEL = {
+    "latent": "MLA rotary (the qk_rope_head_dim slice of each q head and one shared k head; adjacent pairs returned "
+              "in halves order under rope_interleave)",
+}
+
+
 def _fit(site: Site) -> str | None:
-    if site.part.rotary != "full":
-        return f"{site.part.rotary} rotary embedding: no kernel yet: stock forward kept"
+    if site.part.rotary not in ("full", "half_angles"):
+        return f"{_NO_KERNEL.get(site.part.rotary, site.part.rotary + ' rotary embedding')}: no kernel yet: stock forward kept"
     return _attention_fit(site, _GLOBAL)
 
 
@@ -299,6 +306,19 @@ def _rope_function(original: Callable, impl: str, strict: bool) -> Callable:
         # partial rotation (Phi-4-mini: 3/4 of each head): the op turns the leading features, the rest pass
         q_turned, k_turned = rope(_leading(q, rotary), _leading(k, rotary), cos, sin, impl, strict)
         return torch.cat((q_turned, q[..., rotary:]), -1), torch.cat((k_turned, k[..., rotary:]), -1)
+    return apply_rotary_pos_emb
+
+
+def _half_angles_function(original: Callable, impl: str, strict: bool) -> Callable:
+    """A drop-in for GPT-OSS's apply_rotary_pos_emb: the halves layout with cos, sin of width head_dim / 2, each angle
+    once (``[x1·cos - x2·sin, x2·cos + x1·sin]``); the op's halves form with cos, sin doubled computes the same products
+    and sums (x1·cos + (-x2)·sin), rounded alike."""
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, unsqueeze_dim=1, **kwargs):
+        if args or kwargs or unsqueeze_dim != 1 or 2 * cos.shape[-1] != q.shape[-1]:
+            return original(q, k, cos, sin, *args, unsqueeze_dim=unsqueeze_dim, **kwargs)
+        return rope(q, k, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1), impl, strict)
     return apply_rotary_pos_emb
 
 
@@ -346,9 +366,15 @@ def _interleaved(site: Site) -> bool:
     return site.part.rotary == "interleaved"
 
 
+def _half_angles(site: Site) -> bool:
+    return site.part.rotary == "half_angles"
+
+
 define(Op("rope", (
     Binding("rope", "rotary", replacing_global(_GLOBAL, _rope_function), _fit, compile_key=_compile_key, warm=_warm,
-            applies=lambda site: not _interleaved(site)),
+            applies=lambda site: not _interleaved(site) and not _half_angles(site)),
+    Binding("rope", "rotary", replacing_global(_GLOBAL, _half_angles_function), _fit, compile_key=_compile_key,
+            warm=_warm, applies=_half_angles),
     Binding("rope", "rotary", replacing_global(_PAIRS_GLOBAL, _pairs_function), _pairs_fit, compile_key=_compile_key,
             warm=_warm_pairs, applies=_interleaved),
 ), lowering=lowering_kernels))

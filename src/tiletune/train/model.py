@@ -45,12 +45,12 @@ def autocast(device: torch.device, dtype: torch.dtype):
 
 
 def _hub_kwargs(cfg: TuneConfig) -> dict:
-    return dict(
-        cache_dir=cfg.cache_dir,
-        revision=cfg.model_revision,
-        token=cfg.hf_hub_token,
-        trust_remote_code=cfg.trust_remote_code,
-    )
+    return {
+        "cache_dir": cfg.cache_dir,
+        "revision": cfg.model_revision,
+        "token": cfg.hf_hub_token,
+        "trust_remote_code": cfg.trust_remote_code,
+    }
 
 
 def _check_model_path(path: str) -> None:
@@ -83,9 +83,7 @@ def load_model(cfg: TuneConfig, tokenizer, trainable: bool, device_map: str | No
     dequantized for that, unless `keep_quantized` (chat): then one adapter stays unmerged on the quantized
     weights, which keep their size.
     """
-    from transformers import AutoModelForCausalLM
-
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from tiletune.train.quantized import is_bnb_4bit
 
@@ -250,11 +248,33 @@ def linear_module_names(model) -> list[str]:
     return sorted(names - routers)
 
 
-def _lora_config(cfg: TuneConfig, targets: list[str]):
-    """LoRA, initialised as peft's PiSSA with `pissa_init` (a full SVD with pissa_iter -1, else that many fast-SVD steps)."""
+def expert_parameters(model) -> list[str]:
+    """What `lora_target_experts` puts LoRA on (peft's `target_parameters`): the MoE experts' 3-D weights (transformers
+    5 fuses each layer's experts into `gate_up_proj` [experts, 2·inter, hidden] and `down_proj` [experts, hidden, inter]),
+    found at the family record's experts path; the router, elsewhere, never. UserError for a model without them."""
+    from tiletune.families import family_of
+
+    family = family_of(model.config)
+    model_type = getattr(model.config, "model_type", None)
+    if family is None or family.experts is None:
+        why = "no family record names them" if family is None else f"the {family.name} family is dense"
+        raise UserError(f"lora_target_experts=true: {model_type} has no MoE experts ({why}); remove lora_target_experts")
+    path = family.experts.path
+    names = {f"{path}.{name}" for module_path, module in model.named_modules() if module_path.endswith("." + path)
+             for name, param in module.named_parameters(recurse=False) if param.dim() == 3}
+    if not names:
+        raise UserError(f"lora_target_experts=true: the experts of {model_type} (at {path}) hold no 3-D expert weights for "
+                        "LoRA on parameters; remove lora_target_experts")
+    return sorted(names)
+
+
+def _lora_config(cfg: TuneConfig, targets: list[str], parameters: list[str] | None = None):
+    """LoRA, initialised as peft's PiSSA with `pissa_init` (a full SVD with pissa_iter -1, else that many fast-SVD steps);
+    `parameters`: peft's target_parameters (`lora_target_experts`)."""
     from peft import LoraConfig
 
     pissa = "pissa" if cfg.pissa_iter == -1 else f"pissa_niter_{cfg.pissa_iter}"
+    extra = {"target_parameters": parameters} if parameters else {}
     return LoraConfig(
         task_type="CAUSAL_LM",
         r=cfg.lora_rank,
@@ -265,6 +285,7 @@ def _lora_config(cfg: TuneConfig, targets: list[str]):
         use_rslora=cfg.use_rslora,
         use_dora=cfg.use_dora,
         init_lora_weights=pissa if cfg.pissa_init else True,
+        **extra,
     )
 
 
@@ -300,9 +321,15 @@ def _setup_adapter(cfg: TuneConfig, model):
             if cfg.pissa_init:
                 raise UserError("pissa_init initialises a new adapter, and adapter_name_or_path continues training the "
                                 "last one; set create_new_adapter=true or remove pissa_init")  # fmt: skip
+            if cfg.lora_target_experts and not getattr(model.peft_config[model.active_adapter], "target_parameters", None):
+                raise UserError("lora_target_experts=true, but the adapter adapter_name_or_path continues training has no "
+                                "LoRA on the expert weights; set create_new_adapter=true or remove lora_target_experts")
             return model
     build, target_key = ADAPTERS[cfg.finetuning_type]
-    return get_peft_model(model, build(cfg, target_modules(model, target_key, getattr(cfg, target_key))))
+    targets = target_modules(model, target_key, getattr(cfg, target_key))
+    if cfg.finetuning_type == "lora" and cfg.lora_target_experts:
+        return get_peft_model(model, build(cfg, targets, expert_parameters(model)))
+    return get_peft_model(model, build(cfg, targets))
 
 
 def target_modules(model, key: str, value: str) -> list[str]:

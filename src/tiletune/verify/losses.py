@@ -32,6 +32,24 @@ def lm_loss(model, batch: dict, device: torch.device) -> torch.Tensor:
     return model(input_ids=batch["input_ids"].to(device), labels=batch["labels"].to(device)).loss
 
 
+def high_precision_lm_loss(model, batch: dict, device: torch.device) -> torch.Tensor:
+    """The causal LM loss as transformers defines it (next-token labels, -100 ignored, the mean over the rest), in the
+    logits' own precision (float32 at least). transformers' loss casts the logits to float32, a float64 run's down to
+    float32 too: the high-precision run's loss, and every gradient flowing back from it, would be a float32 one, on
+    the stock run's arithmetic, so that the stock loss looked exact and any other float32 summation order failed."""
+    labels = batch["labels"].to(device)
+    logits = model(input_ids=batch["input_ids"].to(device)).logits
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].to(logits.device)
+    return F.cross_entropy(logits.flatten(0, -2), shifted.flatten(), ignore_index=-100)
+
+
+def reference_step_loss(cfg: TuneConfig) -> StepLoss:
+    """The loss of cfg's stage for verify's high-precision run: the LM loss in the run's precision (a preference
+    stage's log-probs are already taken in it)."""
+    return step_loss(cfg) if cfg.stage in PREFERENCE_STAGES else high_precision_lm_loss
+
+
 def step_loss(cfg: TuneConfig, spec=None) -> StepLoss:
     """The loss of cfg's stage; in a run under the kernel `spec` that selects `linear_logprobs`, a preference stage
     takes its log-probs from that op."""

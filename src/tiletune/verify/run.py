@@ -26,7 +26,13 @@ from tiletune.numerics import DTYPE_TOLERANCE, FLOOR_ULPS, compare_runs, errors
 from tiletune.patch import apply_kernels, parse_kernel_spec
 from tiletune.patch.warmup import compile_ahead
 from tiletune.verify.capture import run_and_capture, watched_modules
-from tiletune.verify.losses import PREFERENCE_STAGES, StepLoss, preference_rows, step_loss
+from tiletune.verify.losses import (
+    PREFERENCE_STAGES,
+    StepLoss,
+    preference_rows,
+    reference_step_loss,
+    step_loss,
+)
 
 log = logging.getLogger("tiletune.verify")
 FP16_MAX = torch.finfo(torch.float16).max
@@ -175,7 +181,7 @@ def capture_three(cfg: TuneConfig, model, spec, batches, device, dtype, watch_ex
     reference_dtype = torch.float32 if device.type == "cuda" else torch.float64
     model.to(reference_dtype)
     with _experts_running(model, reference_dtype):
-        reference = run_and_capture(model, batches, watch, reference_dtype, device, step_loss(cfg))
+        reference = run_and_capture(model, batches, watch, reference_dtype, device, reference_step_loss(cfg))
     return stock, patched, reference, report
 
 
