@@ -34,7 +34,8 @@
 #           GPU tensor by tensor: tiletune's QLoRA without kernels (the baseline) and with every kernel under
 #           `gradient_checkpointing: auto` with offload within BUDGET_GIB (default 38)
 #   dpo:    `tiletune bench` of the DPO step (examples/bench/llama3_8b_dpo.yaml): TRL's fused head, LLaMA-Factory's
-#           full logits, Liger, every kernel; ORPO and KTO with and without the kernels
+#           full logits, Liger's layer kernels, Liger's kernels with its fused linear DPO loss, every kernel; ORPO and
+#           KTO with and without the kernels
 #   library: the GPU tests of the kernel library, `tiletune kernels build` for the 8B preset (into build/library),
 #           then `tiletune verify` with TileLang blocked (every kernel from the library)
 #   library-bench: the same build (reused on a warm machine), then `tiletune bench baseline,all` with TileLang's JIT
@@ -120,9 +121,12 @@ library|library-bench)
     fi ;;
 dpo)
     # #20: the DPO step (4 pairs x 2048 tokens) on TRL's trainer: TRL's fused LM head (stock), LLaMA-Factory's
-    # full-logits log-probs, Liger's kernels, every tiletune kernel (linear_logprobs included); ORPO and KTO the same way
+    # full-logits log-probs, Liger's kernels, Liger's kernels + its fused linear DPO loss (liger_fused), every tiletune
+    # kernel (linear_logprobs included); ORPO and KTO stock and with every kernel. First the GPU tests of
+    # linear_logprobs' TileLang kernels (selected by name until they pass here)
+    mkdir -p "$OUT" && python3 -m pytest -q -m gpu tests/kernels/test_linear_logprobs.py 2>&1 | tail -4 | tee "$OUT/gpu_tests_linear_logprobs.txt"
     python3 -m tiletune bench examples/bench/llama3_8b_dpo.yaml --model-preset llama3-8b --steps 5 --warmup 2 --repeats 1 \
-        --variants "baseline,llamafactory,liger,all,baseline:pref_loss=orpo,all:pref_loss=orpo,baseline:stage=kto,all:stage=kto" \
+        --variants "baseline,llamafactory,liger,liger_fused,all,baseline:pref_loss=orpo,all:pref_loss=orpo,baseline:stage=kto,all:stage=kto" \
         --out "$OUT/bench-dpo" 2>&1 | tail -12 ;;
 families)
     python3 -m pytest -q -m gpu tests/kernels/test_rms_norm.py tests/kernels/test_swiglu.py 2>&1 \

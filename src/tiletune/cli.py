@@ -158,7 +158,8 @@ def env(ctx: click.Context, as_json: bool, strict: bool, library: str | None) ->
 @click.argument("overrides", nargs=-1)
 @click.option("--variants", default="baseline,all", show_default=True,
               help="Comma-separated: baseline, all, an op name (rms_norm, swiglu, ...), liger, bnb, llamafactory "
-                   "(stage dpo/kto: LLaMA-Factory's full-logits log-probs); each may add "
+                   "(stage dpo/kto: LLaMA-Factory's full-logits log-probs), liger_fused (stage dpo/kto: "
+                   "Liger-Kernel's fused linear preference losses); each may add "
                    "config overrides as NAME:key=value[:key=value], e.g. all:gradient_checkpointing=auto.")
 @click.option("--ablation", is_flag=True, help="baseline, each op alone, all, and liger when installed; "
               "--variants adds more to the same run.")

@@ -12,7 +12,7 @@ KERNELS = ["rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope_fwd
            "linear_fwd", "linear_dgrad", "linear_wgrad", "lora_linear_fwd", "lora_linear_dgrad",
            "attention_fwd", "attention_bwd_preprocess", "attention_bwd", "attention_fwd_varlen", "attention_bwd_varlen",
            "dequantize_nf4", "geglu_fwd", "geglu_bwd",
-           "grouped_gemm_nt", "grouped_gemm_nn"]
+           "grouped_gemm_nt", "grouped_gemm_nn", "linear_logprobs_fwd", "linear_logprobs_bwd"]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_every_kernel_lowers_for_every_target(lowered, target):
 
 
 @pytest.mark.parametrize("name", ["linear_fwd", "linear_dgrad", "linear_wgrad", "lora_linear_fwd", "lora_linear_dgrad",
-                                  "grouped_gemm_nt", "grouped_gemm_nn"])
+                                  "grouped_gemm_nt", "grouped_gemm_nn", "linear_logprobs_fwd", "linear_logprobs_bwd"])
 def test_sm90_gemms_use_wgmma_and_gfx942_mfma(lowered, name):
     assert "wgmma" in (lowered / "cuda-sm_90" / f"{name}.cu").read_text()
     assert "mfma" in (lowered / "hip-gfx942" / f"{name}.hip").read_text().lower()

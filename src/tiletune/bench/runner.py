@@ -32,7 +32,7 @@ def ablation_variants() -> list[str]:
 
 
 def check_variants(variants: list[str], stage: str = "sft") -> None:
-    from tiletune.bench.preference import STAGES
+    from tiletune.bench.preference import LIGER_FUSED, STAGES
     from tiletune.kernels.registry import OPS
 
     if stage not in ("pt", "sft", *STAGES):
@@ -45,8 +45,9 @@ def check_variants(variants: list[str], stage: str = "sft") -> None:
     if unknown:
         raise UserError(f"bench variant {unknown[0]!r} is unknown; available: {', '.join(sorted(known))}, ops joined "
                         "by + (rms_norm+rope), each optionally with :key=value config overrides (all:gradient_checkpointing=auto)")  # fmt: skip
-    if "liger" in names and not find_spec("liger_kernel"):
-        raise UserError("bench variant 'liger' needs Liger-Kernel; pip install liger-kernel (or drop the variant)")
+    for liger in ("liger", LIGER_FUSED):
+        if liger in names and not find_spec("liger_kernel"):
+            raise UserError(f"bench variant {liger!r} needs Liger-Kernel; pip install liger-kernel (or drop the variant)")
     if "llamafactory" in names and stage not in STAGES:
         raise UserError(f"bench variant 'llamafactory' computes LLaMA-Factory's preference log-probs: it needs stage "
                         f"{' or '.join(STAGES)} (this config's stage is {stage})")  # fmt: skip
@@ -59,6 +60,22 @@ def check_variants(variants: list[str], stage: str = "sft") -> None:
             if name not in variants[:index]:
                 raise UserError(f"bench variant {variant!r} takes the peak memory of {name!r}: list {name!r} before it "
                                 f"(variants: {', '.join(variants)})")  # fmt: skip
+
+
+def check_liger_fused(config: str, overrides: list[str], variants: list[str]) -> None:
+    """Refuse a `liger_fused` variant whose config (with its own overrides) has a loss Liger-Kernel's fused
+    preference losses do not compute (bench/preference.py's liger_fused_refusal): its row would time another loss."""
+    from tiletune.bench.preference import LIGER_FUSED, liger_fused_refusal
+    from tiletune.config import load_config
+
+    for variant in variants:
+        name, extra = split_variant(variant)
+        if name != LIGER_FUSED:
+            continue
+        extra = [o for o in extra if not o.partition("=")[2].startswith("@")]  # peaks of other variants: set later
+        why = liger_fused_refusal(load_config(config, [*overrides, *extra]))
+        if why:
+            raise UserError(f"bench variant {variant!r}: {why}")
 
 
 def peak_references(variant: str) -> list[str]:
@@ -98,6 +115,7 @@ def run_bench(config: str, overrides: list[str], variants: list[str], out_dir: P
               profile: bool = False, layers: int | None = None, stage: str = "sft") -> dict:  # fmt: skip
     """Measure every variant `repeats` times, interleaved; write bench.json/csv/png (and profile.md) into `out_dir`."""
     check_variants(variants, stage)
+    check_liger_fused(config, overrides, variants)
     if out_dir.exists() and (any(out_dir.glob("bench.*")) or (out_dir / "runs.jsonl").exists()):
         raise UserError(f"{out_dir} already holds bench results; choose another --out or move them away")
     out_dir.mkdir(parents=True, exist_ok=True)

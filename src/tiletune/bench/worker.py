@@ -28,8 +28,9 @@ def split_variant(variant: str) -> tuple[str, list[str]]:
     return name, overrides
 
 
-# the stock model, patched by Liger-Kernel, on bitsandbytes' 4-bit Linears, with LLaMA-Factory's preference log-probs
-PEER_VARIANTS = ("baseline", "liger", "bnb", "llamafactory")
+# the stock model, patched by Liger-Kernel, on bitsandbytes' 4-bit Linears, with LLaMA-Factory's preference log-probs,
+# patched by Liger-Kernel with its fused linear preference loss (bench/preference.py)
+PEER_VARIANTS = ("baseline", "liger", "bnb", "llamafactory", preference.LIGER_FUSED)
 
 
 def variant_kernels(variant: str):
@@ -41,13 +42,13 @@ def variant_kernels(variant: str):
     return {op: True for op in variant.split("+")}  # the op alone (or ops joined by +), default implementations
 
 
-def liger_patch(model_config) -> str:
+def liger_patch(model_config, variant: str = "liger") -> str:
     """The name of Liger-Kernel's patch function for this model's family (from its family record)."""
     from tiletune.families import family_of
 
     family = family_of(model_config)
     if family is None or family.liger is None:
-        raise UserError(f"bench variant 'liger': no Liger-Kernel patch known for model_type {model_config.model_type!r}")
+        raise UserError(f"bench variant {variant!r}: no Liger-Kernel patch known for model_type {model_config.model_type!r}")
     return family.liger
 
 
@@ -65,10 +66,10 @@ def build_model(cfg: TuneConfig, preset: str | None, variant: str, device: torch
     from tiletune.train.presets import preset_config, preset_model
 
     model_config = preset_config(preset) if preset else AutoConfig.from_pretrained(cfg.model_name_or_path)  # for Liger
-    if variant == "liger":
+    if variant in ("liger", preference.LIGER_FUSED):
         import liger_kernel.transformers as liger
 
-        getattr(liger, liger_patch(model_config))()  # patches the model classes: before building
+        getattr(liger, liger_patch(model_config, variant))()  # patches the model classes: before building
     if variant == "bnb" and not cfg.quantization_bit:
         raise UserError("bench variant 'bnb' is peft + bitsandbytes QLoRA: give it quantization_bit=4 (bnb:quantization_bit=4)")
     if preset:

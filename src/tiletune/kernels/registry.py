@@ -38,7 +38,8 @@ class Op:
     until named (an op not yet measured faster than PyTorch's own). keeps_output: selective activation
     checkpointing keeps its outputs as it keeps a matmul's. profile_pattern: a regex naming its device
     kernels, for `tiletune bench --profile`. lowering: arch -> {kernel name: PrimFunc builder}, for
-    `tiletune kernels lower` (None: no TileLang kernels).
+    `tiletune kernels lower` (None: no TileLang kernels). default: the implementation `kernels: all` picks when
+    it is not the first of PREFERRED (a new kernel is selected by name until a GPU run has checked it).
     """
 
     name: str
@@ -47,6 +48,7 @@ class Op:
     keeps_output: bool = False
     profile_pattern: str | None = None
     lowering: Callable[[str], dict[str, Callable]] | None = None
+    default: str | None = None
 
     @property
     def role_rank(self) -> int:
@@ -160,8 +162,10 @@ def impls(op: str) -> dict[str, Impl]:
 
 
 def default_impl(op: str) -> str:
-    """The implementation `kernels: all` picks for `op`: the first of PREFERRED it has, else the reference."""
-    return next((name for name in PREFERRED if name in impls(op)), REFERENCE)
+    """The implementation `kernels: all` picks for `op`: its record's default, else the first of PREFERRED it has,
+    else the reference."""
+    record = ops().get(op)  # a second form (define_form) has no record: it follows PREFERRED
+    return (record and record.default) or next((name for name in PREFERRED if name in impls(op)), REFERENCE)
 
 
 def get(op: str, name: str) -> Impl:
