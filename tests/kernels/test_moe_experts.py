@@ -321,6 +321,115 @@ def test_tilelang_lora_path_wires_the_grouped_gemm_for_the_base_weights(monkeypa
     assert moe.tilelang_lora_unsupported(*inputs) is not None  # 16 x 12 experts: not multiples of the tiles
 
 
+def awkward_routes(seed=0):
+    """40 tokens, top-2 over 8 experts: experts 1 and 5 get no rows, 2 one, 3 two, the rest 5, 20, 22 and 30."""
+    counts = {0: 20, 2: 1, 3: 2, 4: 30, 6: 5, 7: 22}
+    flat = torch.tensor([e for e, c in counts.items() for _ in range(c)])
+    index = torch.stack([flat[:40], flat[40:]], dim=1)  # no token routed twice to one expert
+    gen = torch.Generator().manual_seed(seed)
+    return index[torch.randperm(40, generator=gen)], torch.softmax(torch.rand(40, 2, generator=gen), dim=-1)
+
+
+def awkward_lora_inputs(dtype, hidden, inter, ranks, seed=0):
+    index, weights = awkward_routes(seed)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.3):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    return (rand(40, hidden, scale=1.0), index, weights.to(dtype), rand(8, 2 * inter, hidden), rand(8, hidden, inter),
+            rand(8, ranks[0], hidden), rand(8, 2 * inter, ranks[0]), rand(8, ranks[1], inter), rand(8, hidden, ranks[1]),
+            2.0, 0.5)
+
+
+def _strides_ok(t):
+    """grouped_mm's operand check (16-byte strides, either inner dimension contiguous) and CUTLASS's (aligned start)."""
+    align = 16 // t.element_size()
+    row = t.stride(-1) == 1 and t.stride(-2) % align == 0 and t.stride(-2) >= max(1, t.shape[-1])
+    col = t.stride(-2) == 1 and t.stride(-1) % align == 0 and t.stride(-1) >= max(1, t.shape[-2])
+    return (row or col) and t.data_ptr() % 16 == 0 and (t.dim() == 2 or t.stride(0) % align == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden,inter", [(16, 24), (18, 10)])
+@pytest.mark.parametrize("ranks", [(1, 16), (16, 1), (3, 0)])
+def test_grouped_rank_products_equal_the_expert_loop_on_awkward_groups(monkeypatch, dtype, hidden, inter, ranks):
+    """The rank-r parts through torch's grouped GEMM (on the CPU aten runs it per group: float32 and bf16) against the
+    per-expert loop, forward and backward, with experts of no rows, one row and uneven counts, ranks 1, 3 and 16 (and
+    0: no adapter), sizes off 16 bytes. Each grouped_mm call gets the operands CUDA's kernel needs: int32 offsets
+    ending at the rows, 16-byte strides; M-grouped rows row-major; K-grouped xᵀ column-major and y row-major (the one
+    pair taking groups without rows); the rank padded to 16 bytes where the other sizes are."""
+    calls = []
+    original = torch._grouped_mm
+
+    def spy(mat_a, mat_b, offs=None, **kwargs):
+        calls.append((mat_a.dim(), mat_b.dim()))
+        assert offs.dtype == torch.int32 and offs.shape == (8,)
+        assert _strides_ok(mat_a) and _strides_ok(mat_b)
+        if mat_b.dim() == 3:
+            assert mat_a.stride(-1) == 1 and int(offs[-1]) == mat_a.shape[0]
+        else:
+            assert mat_a.stride(-2) == 1 and mat_b.stride(-1) == 1 and int(offs[-1]) == mat_b.shape[0]
+        align = 16 // mat_a.element_size()
+        sizes = (mat_a.shape[1], *mat_b.shape[1:]) if mat_b.dim() == 3 else (mat_a.shape[0], mat_b.shape[1])
+        if hidden % align == 0 and inter % align == 0:  # (K, N) of each group's GEMM; M of the K-grouped form
+            assert all(size % align == 0 for size in sizes), sizes
+        return original(mat_a, mat_b, offs=offs, **kwargs)
+
+    inputs = awkward_lora_inputs(dtype, hidden, inter, ranks)
+    want = moe._lora_experts_forward(moe._loop_gemm, *inputs)
+    dy = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    want_grads = moe._lora_experts_backward(moe._loop_gemm, dy, inputs[0], *want[1:], *inputs[2:])
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    monkeypatch.setattr(moe, "_LoopRank", None)  # no per-expert loop (and no host read) for the rank-r parts
+    got = moe._lora_experts_forward(moe._loop_gemm, *inputs, grouped=True)
+    got_grads = moe._lora_experts_backward(moe._loop_gemm, dy, inputs[0], *got[1:], *inputs[2:], grouped=True)
+    active = sum(r > 0 for r in ranks)
+    assert sorted(calls).count((2, 3)) == 4 * active and sorted(calls).count((2, 2)) == 2 * active
+    for name, mine, theirs in zip(["y", "xa", "aa", "dhidden", "dweights", "dA_gu", "dB_gu", "dA_down", "dB_down"],
+                                  [got[0], got[3], got[4], *got_grads], [want[0], want[3], want[4], *want_grads]):
+        assert mine.shape == theirs.shape and mine.dtype == theirs.dtype and mine.is_contiguous(), name
+        # float32: the GEMMs' summation order differs (BLAS blocking), up to a few ulps of the largest entry
+        scale = float(theirs.abs().max()) if theirs.numel() else 0.0
+        tolerance = {"rtol": 1e-5, "atol": 1e-6 * (1 + scale)} if dtype == torch.float32 else {}
+        torch.testing.assert_close(mine, theirs, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_grouped_rank_products_run_where_torch_has_one_kernel_for_them(monkeypatch):
+    """bf16 on CUDA sm_90 / sm_100 (no host sync); the loop for other dtypes, GPUs, ROCm, the CPU and 1024+ experts."""
+    from types import SimpleNamespace
+
+    def rows(dtype, device="cuda"):
+        return SimpleNamespace(dtype=dtype, device=torch.device(device, 0) if device == "cuda" else torch.device(device))
+
+    monkeypatch.setattr(torch.version, "hip", None)
+    for capability, runs in (((9, 0), True), ((10, 0), True), ((8, 0), False), ((12, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert moe.grouped_mm_runs(rows(torch.bfloat16), 128) is runs
+    for dtype in (torch.float16, torch.float32, torch.float64):
+        assert not moe.grouped_mm_runs(rows(dtype), 128)
+    assert not moe.grouped_mm_runs(rows(torch.bfloat16), 1024)
+    assert not moe.grouped_mm_runs(torch.zeros(2, 2, dtype=torch.bfloat16), 8)  # the CPU
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert not moe.grouped_mm_runs(rows(torch.bfloat16), 128)
+
+
+def test_tilelang_lora_path_takes_the_grouped_rank_products_where_they_run(monkeypatch):
+    """With grouped_mm_runs true (as on an H200 in bf16), the TileLang path's forward and backward run the rank-r parts
+    grouped (the base GEMMs emulated, float32 on the CPU) and equal the reference."""
+    monkeypatch.setattr(moe, "grouped_gemm", _emulated_grouped_gemm)
+    monkeypatch.setattr(moe, "grouped_mm_runs", lambda rows, experts: True)
+    inputs = [x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in lora_inputs(tokens=300)]
+    want = moe.reference_lora_forward(*inputs)
+    dy = torch.randn_like(inputs[0])
+    want_grads = moe.reference_lora_backward(dy, inputs[0], *want[1:], *inputs[2:])
+    monkeypatch.setattr(moe, "_LoopRank", None)
+    got = moe.tilelang_lora_forward(*inputs)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(moe.tilelang_lora_backward(dy, inputs[0], *got[1:], *inputs[2:]), want_grads):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
 def lora_model(model_type, adapters=("default",)):
     """A tiny float64 MoE model (transformers' eager experts) with LoRA on q_proj and both expert weights, B non-zero."""
     from peft import LoraConfig, get_peft_model
@@ -414,6 +523,81 @@ def test_tilelang_lora_form_matches_float64(name, tokens, experts, k, hidden, in
           lambda x, w, gu, d, a1, b1, a2, b2: moe.moe_experts_lora(x, index, w, gu, d, a1, b1, a2, b2, 2.0, 2.0,
                                                                    "tilelang", True),
           ["y", "dhidden", "dweights", "dA_gu", "dB_gu", "dA_down", "dB_down"])
+
+
+class _LoraRankParts(torch.autograd.Function):
+    """The LoRA form's forward and backward with the base GEMMs by the expert loop and the rank-r parts grouped or not
+    (its scalings 2.0), for the GPU check of the grouped rank-r parts alone."""
+
+    @staticmethod
+    def forward(ctx, grouped, index, x, w, gate_up, down, a1, b1, a2, b2):
+        out = moe._lora_experts_forward(moe._loop_gemm, x, index, w, gate_up, down, a1, b1, a2, b2, 2.0, 2.0,
+                                        grouped=grouped)
+        ctx.grouped = grouped
+        ctx.save_for_backward(x, *out[1:], w, gate_up, down, a1, b1, a2, b2)
+        return out[0]
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, *kept, w, gate_up, down, a1, b1, a2, b2 = ctx.saved_tensors
+        dx, dw, da1, db1, da2, db2 = moe._lora_experts_backward(moe._loop_gemm, dy.contiguous(), x, *kept, w, gate_up,
+                                                                down, a1, b1, a2, b2, 2.0, 2.0, grouped=ctx.grouped)
+        return None, None, dx, dw, None, None, da1, db1, da2, db2
+
+
+def _qwen3_moe_lora_case(tokens, dtype=torch.bfloat16, experts=128, k=8, hidden=2048, inter=768, rank=8):
+    index, weights = routes(tokens, experts, k, device="cuda")
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype, requires_grad=True)
+    w = weights.to(dtype).requires_grad_()
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden**0.5).to(dtype)
+    down = (torch.randn(experts, hidden, inter, device="cuda") / inter**0.5).to(dtype)
+    factors = [(torch.randn(*shape, device="cuda") / shape[-1] ** 0.5).to(dtype).requires_grad_()
+               for shape in ((experts, rank, hidden), (experts, 2 * inter, rank), (experts, rank, inter), (experts, hidden, rank))]
+    return index, [x, w, gate_up, down, *factors]
+
+
+def _skip_unless_grouped_mm_runs():
+    probe = torch.zeros(1, device="cuda", dtype=torch.bfloat16)
+    if not moe.grouped_mm_runs(probe, 128):
+        pytest.skip(f"torch's grouped_mm has one kernel for bf16 on CUDA sm_90/sm_100 only, not on "
+                    f"{torch.cuda.get_device_name()} (torch {torch.__version__}): the per-expert loop runs here")
+
+
+@pytest.mark.gpu
+def test_grouped_rank_products_match_float64_at_qwen3_30b_a3b_shapes():
+    """The rank-r parts through torch's grouped GEMM (bf16, one kernel per product) against float64, the per-expert
+    loop in bf16 the bar: Qwen3-30B-A3B's experts (128, top-8, hidden 2048, intermediate 768), rank 8 on both
+    weights, 4,096 tokens (an expert with no rows included); y and the gradients of the hidden states, the routing
+    weights and the four factors. The base GEMMs are the loop's in all three runs."""
+    from _gpu_check import check
+
+    _skip_unless_grouped_mm_runs()
+    index, inputs = _qwen3_moe_lora_case(4096)
+    check("moe_lora", "qwen3-30b-a3b grouped rank-r", torch.bfloat16, inputs,
+          lambda x, w, gu, d, a1, b1, a2, b2: _LoraRankParts.apply(False, index, x, w, gu, d, a1, b1, a2, b2),
+          lambda x, w, gu, d, a1, b1, a2, b2: _LoraRankParts.apply(True, index, x, w, gu, d, a1, b1, a2, b2),
+          ["y", "dhidden", "dweights", "dA_gu", "dB_gu", "dA_down", "dB_down"])
+
+
+@pytest.mark.gpu
+def test_grouped_rank_products_read_nothing_on_the_host():
+    """The grouped rank-r parts, forward and backward of both projections, under CUDA's sync debug mode "error": no
+    host sync (the loop's one read of the offsets per forward and per backward is gone)."""
+    _skip_unless_grouped_mm_runs()
+    index, (x, _, _, _, a1, b1, a2, b2) = _qwen3_moe_lora_case(512)
+    routing = route(index, 128)
+    rows = x.detach()[routing.token]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rank = moe._GroupedRank(routing.offsets)
+        xa, up = rank.forward(rows, a1.detach(), b1.detach())
+        aa, _ = rank.forward(up[:, :768].contiguous(), a2.detach(), b2.detach())
+        rank.backward(torch.randn_like(rows), up[:, :768].contiguous(), aa, a2.detach(), b2.detach(), 2.0)
+        rank.backward(torch.randn_like(up), rows, xa, a1.detach(), b1.detach(), 2.0)
+        torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.gpu

@@ -11,8 +11,9 @@ LoRA on the expert weights (peft's `target_parameters`, tiletune's `lora_target_
 folds ``W + s·B·A`` into a merged copy of the whole expert stack on every forward (a parametrization), which the
 stock experts then read. The op's LoRA form (`moe_experts_lora`) never forms that copy: per expert group,
 ``[g, u] = x·W_eᵀ + s·(x·A_eᵀ)·B_eᵀ`` and ``o = a·D_eᵀ + s·(a·A'_eᵀ)·B'_eᵀ``, the base parts through the same
-grouped GEMMs, the rank-r parts through small per-expert GEMMs (PyTorch), with the gradients of A and B as well;
-beyond the plain op it keeps only the [rows, r] products x·Aᵀ and a·A'ᵀ for the backward.
+grouped GEMMs, the rank-r parts (and the gradients of A and B) through torch's grouped GEMM over the expert groups
+where it runs in one kernel without a host sync (bf16 on sm_90/sm_100; the TileLang impl), else one small PyTorch
+GEMM per expert; beyond the plain op it keeps only the [rows, r] products x·Aᵀ and a·A'ᵀ for the backward.
 
 How it runs: the k·tokens routes are sorted by expert (`Routing`: one sort, no host sync), the rows gathered
 once, and each expert's block of rows meets its weights in a grouped GEMM: one kernel launch for all experts,
@@ -137,9 +138,9 @@ def _experts_backward(gemm: Callable, dy: Tensor, h: Tensor, o: Tensor, order: T
 # ---- reference: one PyTorch GEMM per expert --------------------------------------------------------------
 
 
-def _loop_gemm(kind: str, rows: Tensor, weights: Tensor, routing: Routing, bounds: list[int] | None = None) -> Tensor:
+def _loop_gemm(kind: str, rows: Tensor, weights: Tensor, routing: Routing | None, bounds: list[int] | None = None) -> Tensor:
     """Each expert's rows times its weights (ᵀ for ``nt``), in float32 (float64 for float64), rounded once;
-    `bounds`: the routing's offsets on the host, if already read."""
+    `bounds`: the routing's offsets on the host, if already read (then `routing` is not read)."""
     acc = torch.promote_types(rows.dtype, torch.float32)
     out_features = weights.shape[1] if kind == "nt" else weights.shape[2]
     out = rows.new_zeros(rows.shape[0], out_features)
@@ -161,7 +162,23 @@ def reference_backward(dy, h, o, order, tiles, offsets, top_k_weights, gate_up, 
     return _experts_backward(_loop_gemm, dy, h, o, order, tiles, offsets, top_k_weights, gate_up, down)
 
 
-# ---- LoRA on the expert weights: the base through `gemm`, the rank-r parts per expert ------------------------
+# ---- LoRA on the expert weights: the base through `gemm`, the rank-r parts grouped or per expert ------------
+#
+# The rank-r parts of one projection (A [experts, r, in], B [experts, out, r], scaling s): forward x·A_eᵀ (kept for
+# the backward) and (x·A_eᵀ)·B_eᵀ; backward, from dOut: g = s·dOut·B_e, the input's part g·A_e, dA_e = g_eᵀ·x_e and
+# dB_e = (s·dOut_e)ᵀ·(x·A_eᵀ)_e. Each product is rounded in the rows' dtype (as peft's LoRA Linear under autocast);
+# two ways to run them, the same arithmetic:
+#
+# - `_GroupedRank`: torch's grouped GEMM (`torch.nn.functional.grouped_mm`, else `torch._grouped_mm`, as
+#   transformers 5's grouped_mm experts call it), the groups given by the routing's int32 offsets on the device:
+#   the row products in its M-grouped form (rows [R, k] · weights [E, k, n]), dA and dB in its K-grouped form
+#   (xᵀ [n, R] · y [R, k] -> [E, n, k]). Run where `grouped_mm_runs`: bf16 on CUDA sm_90 / sm_100, where torch has
+#   one CUTLASS kernel per call and reads no offsets on the host. Its operands are laid out as that kernel needs
+#   them (`_rows`, `_weights`; the rank padded with zeros to 16 bytes, which changes no product).
+# - `_LoopRank`: one PyTorch GEMM per expert after one host read of the offsets, in float32 (float64 for float64),
+#   rounded once. Everywhere else: the reference impl, the CPU, float32/float16/float64, other GPUs. torch's own
+#   grouped_mm runs this same loop there (aten's fallback reads the offsets on the host too) and takes no float64;
+#   a padded batched GEMM would need the largest group's row count on the host as well (or E times the rows).
 
 
 def _loop_wgrad(x: Tensor, y: Tensor, bounds: list[int], like: Tensor) -> Tensor:
@@ -175,20 +192,140 @@ def _loop_wgrad(x: Tensor, y: Tensor, bounds: list[int], like: Tensor) -> Tensor
     return out.to(like.dtype)
 
 
+class _LoopRank:
+    """The rank-r parts per expert: one host read of the offsets, then E small GEMMs per product."""
+
+    def __init__(self, offsets: Tensor):
+        self.bounds = offsets.tolist()  # the one host sync
+
+    def forward(self, x: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+        """(x·A_eᵀ, (x·A_eᵀ)·B_eᵀ) per expert group, each rounded in x's dtype."""
+        xa = _loop_gemm("nt", x, a.to(x.dtype), None, self.bounds)
+        return xa, _loop_gemm("nt", xa, b.to(x.dtype), None, self.bounds)
+
+    def backward(self, d: Tensor, x: Tensor, xa: Tensor, a: Tensor, b: Tensor, s: float) -> tuple[Tensor, Tensor, Tensor]:
+        """(g·A_e, dA, dB) from dOut `d` with g = s·d·B_e; dA, dB in the factors' dtypes."""
+        g = _loop_gemm("nn", d, b.to(d.dtype), None, self.bounds) * s
+        d_in = _loop_gemm("nn", g, a.to(d.dtype), None, self.bounds)
+        return d_in, _loop_wgrad(g, x, self.bounds, a), _loop_wgrad(d * s, xa, self.bounds, b)
+
+
+def grouped_mm_runs(rows: Tensor, experts: int) -> bool:
+    """Whether torch's grouped GEMM runs on `rows`' dtype and device as one kernel reading the offsets on the device:
+    bf16 on CUDA sm_90 / sm_100 (its CUTLASS path, up to 1023 groups). Elsewhere aten loops over the groups after
+    copying the offsets to the host (float32, float16, other GPUs, the CPU), refuses float64, and on ROCm takes
+    another kernel: the per-expert loop there."""
+    if getattr(torch.nn.functional, "grouped_mm", None) is None and getattr(torch, "_grouped_mm", None) is None:
+        return False
+    if rows.dtype != torch.bfloat16 or rows.device.type != "cuda" or torch.version.hip or experts >= 1024:
+        return False
+    return torch.cuda.get_device_capability(rows.device)[0] in (9, 10)
+
+
+def _grouped_mm(mat_a: Tensor, mat_b: Tensor, offs: Tensor) -> Tensor:
+    """torch.nn.functional.grouped_mm where torch has it, else torch._grouped_mm (transformers 5's order)."""
+    fn = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    return fn(mat_a, mat_b, offs=offs)
+
+
+def _align(t: Tensor) -> int:
+    """Elements in 16 bytes: what grouped_mm's strides (and CUTLASS's TMA) must be a multiple of."""
+    return 16 // t.element_size()
+
+
+def _rows(t: Tensor) -> Tensor:
+    """`t` row-major with 16-byte aligned start, row stride (and batch stride for 3-D), or copied into such a buffer
+    (rows padded past the values, never read): the layout grouped_mm's CUTLASS kernel reads for an M-grouped left
+    operand (a column-major one would need every group's row count a multiple of 8) and a K-grouped right one."""
+    n = _align(t)
+    if (t.stride(-1) == 1 and t.stride(-2) % n == 0 and t.stride(-2) >= max(1, t.shape[-1]) and t.data_ptr() % 16 == 0
+            and (t.dim() == 2 or t.stride(0) % n == 0)):
+        return t
+    k = t.shape[-1]
+    return t.new_empty(*t.shape[:-1], -(-k // n) * n)[..., :k].copy_(t)
+
+
+def _weights(t: Tensor) -> Tensor:
+    """A 3-D right operand [E, k, n] as it is if column-major with aligned strides (a transposed [E, n, k] weight),
+    else row-major (`_rows`)."""
+    n = _align(t)
+    if (t.stride(-2) == 1 and t.stride(-1) % n == 0 and t.stride(-1) >= max(1, t.shape[-2]) and t.stride(0) % n == 0
+            and t.data_ptr() % 16 == 0):
+        return t
+    return _rows(t)
+
+
+def _pad_rank(a: Tensor, b: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """A [E, r, in] and B [E, out, r] in `dtype`, the rank padded with zeros to a multiple of 16 bytes: every rank-r
+    GEMM then has aligned sizes, and the zero rows and columns add nothing to any product."""
+    a, b = a.to(dtype), b.to(dtype)
+    r = a.shape[1]
+    pad = -(-r // _align(a)) * _align(a) - r
+    if pad:
+        a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
+    return a, b
+
+
+class _GroupedRank:
+    """The rank-r parts through torch's grouped GEMM over the expert groups: no host sync, one launch per product."""
+
+    def __init__(self, offsets: Tensor):
+        self.ends = offsets[1:]  # grouped_mm's offs: int32, where each group ends
+        self.nonempty = offsets[1:] > offsets[:-1]
+
+    def _mm(self, x: Tensor, w: Tensor) -> Tensor:
+        """x [rows, k] times the group's w [E, k, n] (M-grouped)."""
+        return _grouped_mm(_rows(x), _weights(w), self.ends)
+
+    def _wgrad(self, x: Tensor, y: Tensor) -> Tensor:
+        """[E, n, k]: each group's x_eᵀ·y_e (K-grouped: xᵀ column-major, y row-major, the one layout pair whose
+        kernel takes groups of no rows); an expert without rows gets zeros whatever the kernel leaves there."""
+        out = _grouped_mm(_rows(x).t(), _rows(y), self.ends)
+        return torch.where(self.nonempty[:, None, None], out, 0)
+
+    def forward(self, x: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+        rank = a.shape[1]
+        if rank == 0 or x.shape[0] == 0:
+            return x.new_zeros(x.shape[0], rank), x.new_zeros(x.shape[0], b.shape[1])
+        a, b = _pad_rank(a, b, x.dtype)
+        xa = self._mm(x, a.transpose(-2, -1))  # [rows, padded rank], zero past the rank
+        return xa[:, :rank].contiguous(), self._mm(xa, b.transpose(-2, -1))
+
+    def backward(self, d: Tensor, x: Tensor, xa: Tensor, a: Tensor, b: Tensor, s: float) -> tuple[Tensor, Tensor, Tensor]:
+        rank = a.shape[1]
+        if rank == 0 or d.shape[0] == 0:
+            return d.new_zeros(d.shape[0], a.shape[2]), torch.zeros_like(a), torch.zeros_like(b)
+        ap, bp = _pad_rank(a, b, d.dtype)
+        g = self._mm(d, bp) * s  # [rows, padded rank]
+        d_in = self._mm(g, ap)
+        d_a = self._wgrad(g, x)[:, :rank]
+        xa = xa.to(d.dtype)
+        if ap.shape[1] > rank:
+            xa = F.pad(xa, (0, ap.shape[1] - rank))
+        d_b = self._wgrad(d * s, xa)[..., :rank]
+        return d_in, d_a.to(a.dtype).contiguous(), d_b.to(b.dtype).contiguous()
+
+
+def _rank_gemms(offsets: Tensor, grouped: bool) -> "_LoopRank | _GroupedRank":
+    return _GroupedRank(offsets) if grouped else _LoopRank(offsets)
+
+
 def _lora_experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
                           down: Tensor, gate_up_a: Tensor, gate_up_b: Tensor, down_a: Tensor, down_b: Tensor,
-                          gate_up_scaling: float, down_scaling: float, block_m: int = BLOCK_M):  # fmt: skip
+                          gate_up_scaling: float, down_scaling: float, block_m: int = BLOCK_M,
+                          grouped: bool = False):  # fmt: skip
     """(y, the gate_up rows, the down rows, x·Aᵀ, a·A'ᵀ, the routing's order, tiles and offsets) with LoRA on both
     projections: A [experts, r, in], B [experts, out, r] (rank 0: no adapter there). The base GEMMs by `gemm`, the
-    rank-r ones per expert group in the rows' dtype (as peft's LoRA Linear under autocast), each rounded, then added."""
+    rank-r ones over the expert groups (`grouped`: torch's grouped GEMM, else per expert) in the rows' dtype (as
+    peft's LoRA Linear under autocast), each rounded, then added."""
     routing = route(top_k_index, gate_up.shape[0], block_m, BLOCK_M)
-    bounds = routing.offsets.tolist()  # one host sync for the small GEMMs
+    rank = _rank_gemms(routing.offsets, grouped)
     rows = hidden[routing.token]
-    xa = _loop_gemm("nt", rows, gate_up_a.to(rows.dtype), routing, bounds)
-    h = gemm("nt", rows, gate_up, routing) + _loop_gemm("nt", xa, gate_up_b.to(rows.dtype), routing, bounds) * gate_up_scaling
+    xa, up = rank.forward(rows, gate_up_a, gate_up_b)
+    h = gemm("nt", rows, gate_up, routing) + up * gate_up_scaling
     a = _silu_gate(h)
-    aa = _loop_gemm("nt", a, down_a.to(a.dtype), routing, bounds)
-    o = gemm("nt", a, down, routing) + _loop_gemm("nt", aa, down_b.to(a.dtype), routing, bounds) * down_scaling
+    aa, lora_o = rank.forward(a, down_a, down_b)
+    o = gemm("nt", a, down, routing) + lora_o * down_scaling
     weights = top_k_weights.reshape(-1)[routing.order].to(o.dtype)
     y = torch.zeros_like(hidden).index_add_(0, routing.token, (o * weights[:, None]).to(hidden.dtype))
     return y, h, o, xa, aa, routing.order, routing.tiles, routing.offsets
@@ -197,27 +334,24 @@ def _lora_experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, t
 def _lora_experts_backward(gemm: Callable, dy: Tensor, hidden: Tensor, h: Tensor, o: Tensor, xa: Tensor, aa: Tensor,
                            order: Tensor, tiles: Tensor, offsets: Tensor, top_k_weights: Tensor, gate_up: Tensor,
                            down: Tensor, gate_up_a: Tensor, gate_up_b: Tensor, down_a: Tensor, down_b: Tensor,
-                           gate_up_scaling: float, down_scaling: float):  # fmt: skip
+                           gate_up_scaling: float, down_scaling: float, grouped: bool = False):  # fmt: skip
     """(d hidden, d top_k_weights, d gate_up A, d gate_up B, d down A, d down B): with g = s·dOut·B,
     dIn = dOut·W + g·A, dA = gᵀ·In, dB = s·dOutᵀ·(In·Aᵀ) per expert; the activation recomputed from h."""
     routing = Routing(order // top_k_weights.shape[-1], order, tiles, offsets)
-    bounds = offsets.tolist()
+    rank = _rank_gemms(offsets, grouped)
     weights = top_k_weights.reshape(-1)[routing.order]
     dy_rows = dy[routing.token]
     dweights = torch.empty_like(weights)
     acc = torch.promote_types(o.dtype, torch.float32)
     dweights[routing.order] = (dy_rows.to(acc) * o.to(acc)).sum(-1).to(weights.dtype)
     do = (dy_rows * weights[:, None].to(dy.dtype)).to(o.dtype)
-    g2 = _loop_gemm("nn", do, down_b.to(do.dtype), routing, bounds) * down_scaling
-    da = gemm("nn", do, down, routing) + _loop_gemm("nn", g2, down_a.to(do.dtype), routing, bounds)
     a = _silu_gate(h)
-    d_down_a = _loop_wgrad(g2, a, bounds, down_a)
-    d_down_b = _loop_wgrad(do * down_scaling, aa, bounds, down_b)
+    lora_da, d_down_a, d_down_b = rank.backward(do, a, aa, down_a, down_b, down_scaling)
+    da = gemm("nn", do, down, routing) + lora_da
     dh = _silu_gate_backward(da, h)
-    g1 = _loop_gemm("nn", dh, gate_up_b.to(dh.dtype), routing, bounds) * gate_up_scaling
-    d_rows = gemm("nn", dh, gate_up, routing) + _loop_gemm("nn", g1, gate_up_a.to(dh.dtype), routing, bounds)
-    d_gate_up_a = _loop_wgrad(g1, hidden[routing.token], bounds, gate_up_a)
-    d_gate_up_b = _loop_wgrad(dh * gate_up_scaling, xa, bounds, gate_up_b)
+    lora_d_rows, d_gate_up_a, d_gate_up_b = rank.backward(dh, hidden[routing.token], xa, gate_up_a, gate_up_b,
+                                                          gate_up_scaling)
+    d_rows = gemm("nn", dh, gate_up, routing) + lora_d_rows
     dhidden = torch.zeros(dy.shape, dtype=dy.dtype, device=dy.device).index_add_(0, routing.token, d_rows.to(dy.dtype))
     return dhidden, dweights.view_as(top_k_weights), d_gate_up_a, d_gate_up_b, d_down_a, d_down_b
 
@@ -481,19 +615,24 @@ def tilelang_unsupported(hidden, top_k_index, top_k_weights, gate_up, down) -> s
 
 
 def tilelang_lora_forward(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b, down_a, down_b,
-                          gate_up_scaling, down_scaling, variant: str | None = None):  # fmt: skip
-    """The LoRA form's forward: the base GEMMs in TileLang (as tilelang_forward), the rank-r ones per expert (PyTorch)."""
+                          gate_up_scaling, down_scaling, variant: str | None = None, grouped: bool | None = None):  # fmt: skip
+    """The LoRA form's forward: the base GEMMs in TileLang (as tilelang_forward), the rank-r ones through torch's
+    grouped GEMM where it runs in one kernel (`grouped` None: `grouped_mm_runs`), else per expert."""
     config = op_config(hidden, gate_up, variant)
+    grouped = grouped_mm_runs(hidden, gate_up.shape[0]) if grouped is None else grouped
     return _lora_experts_forward(grouped_gemm(config), hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a,
-                                 gate_up_b, down_a, down_b, gate_up_scaling, down_scaling, config.block_m)
+                                 gate_up_b, down_a, down_b, gate_up_scaling, down_scaling, config.block_m, grouped)
 
 
 def tilelang_lora_backward(dy, hidden, h, o, xa, aa, order, tiles, offsets, top_k_weights, gate_up, down, gate_up_a,
-                           gate_up_b, down_a, down_b, gate_up_scaling, down_scaling, variant: str | None = None):  # fmt: skip
-    """The LoRA form's backward: the input-gradient GEMMs in TileLang, the rank-r ones and dA, dB per expert."""
+                           gate_up_b, down_a, down_b, gate_up_scaling, down_scaling, variant: str | None = None,
+                           grouped: bool | None = None):  # fmt: skip
+    """The LoRA form's backward: the input-gradient GEMMs in TileLang, the rank-r ones and dA, dB as the forward's."""
     config = op_config(dy, gate_up, variant)
+    grouped = grouped_mm_runs(o, gate_up.shape[0]) if grouped is None else grouped
     return _lora_experts_backward(grouped_gemm(config), dy, hidden, h, o, xa, aa, order, tiles, offsets, top_k_weights,
-                                  gate_up, down, gate_up_a, gate_up_b, down_a, down_b, gate_up_scaling, down_scaling)
+                                  gate_up, down, gate_up_a, gate_up_b, down_a, down_b, gate_up_scaling, down_scaling,
+                                  grouped)
 
 
 def tilelang_lora_unsupported(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b, down_a, down_b,
@@ -697,5 +836,5 @@ add(Impl("moe_experts", "tilelang", tilelang_forward, tilelang_backward, _tilela
 add(Impl(LORA, "reference", reference_lora_forward, reference_lora_backward,
          description="PyTorch: one GEMM per expert for the base and for each rank-r product", accumulation="float32"))
 add(Impl(LORA, "tilelang", tilelang_lora_forward, tilelang_lora_backward, _tilelang.machine_unavailable_reason,
-         tilelang_lora_unsupported, "TileLang grouped GEMMs for the base weights, the rank-r products per expert by "
-         "PyTorch (forward, input gradient, adapter gradients)", accumulation="float32"))
+         tilelang_lora_unsupported, "TileLang grouped GEMMs for the base weights, the rank-r products and adapter "
+         "gradients through torch's grouped_mm (bf16 on sm_90/sm_100; else one GEMM per expert)", accumulation="float32"))
