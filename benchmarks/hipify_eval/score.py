@@ -82,6 +82,8 @@ CLASSES: dict[str, ChangeClass] = {
     "runtime-header": ChangeClass((), True, "CUDA runtime / cuBLAS / fp16 headers -> HIP's"),
     "blas-workaround": ChangeClass((), False, "a call added to work around a rocBLAS bug"),
     "missing-overload": ChangeClass((), False, "an at::Half overload HIP lacks (__ldg, __shfl_*) added"),
+    "blas-signature": ChangeClass((), True, "a cuBLAS call rewritten for rocBLAS's other arguments (hipBLAS keeps cuBLAS's)"),
+    "half-raw-init": ChangeClass(("half-raw-bits",), False, "a __half_raw / __half2_raw braced from bit patterns (HIP reads values)"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).

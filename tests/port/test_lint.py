@@ -51,6 +51,9 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("#include \"cuda_fp8.h\"", "fp8-type"),
     ("#if FOO\n#elif __CUDA_ARCH__ == 900\n#endif", "cuda-arch-guard"),
     ("#ifdef __CUDA_ARCH__\n__syncthreads();\n#endif", "cuda-arch-guard"),
+    ("bool pick(int n, int& warp_size) { warp_size = (n < 32) ? n : 32; return true; }", "host-warp-size"),
+    ("constexpr __half2_raw neg_inf = {0xFC00, 0xFC00};", "half-raw-bits"),
+    ("half2 sum = __halves2half2(lo, hi);\natomicAdd(out + i, sum);", "missing-intrinsic"),
     ("auto tile = cg::tiled_partition<32>(cg::this_thread_block());", "warp-tile-32"),
     ("template <typename T> __device__ T f(const Frag<T, 4>& frag) { return frag.get<0>(); }", "dependent-template-name"),
     ("template <class Tile> __device__ void f(Tile* tile) { tile->load<8>(0); }", "dependent-template-name"),
@@ -130,6 +133,9 @@ def test_rule_variants_stay_silent(code, rule):
     "#if defined(USE_ROCM)\nint lane = threadIdx.x % warpSize;\n#else\nint lane = threadIdx.x & 31;\n#endif",
     "#if __CUDA_ARCH__ < 700\n__syncthreads();\n#endif",  # true on AMD, nothing compiled out
     "__device__ int lanes() { return C10_WARP_SIZE; }",  # the device pass knows its wavefront
+    "__device__ int pick(int n) { int warp_size = n < 32 ? n : 32; return warp_size; }",  # device code: warp-size rules
+    "__half_raw zero = {0x0000};",  # zero is zero as a value and as bits
+    "float2 v = make_float2(0.f, 1.f);\natomicAdd(&acc, v.x);",  # atomicAdd on a float: HIP has it
     "__global__ void k(float* m, float v) { atomicMax(m, v); }",  # a call of HIP's own, not a definition
     "#ifndef USE_ROCM\n__device__ int dot(int a, int b) { return __dp4a(a, b, 0); }\n#endif",
     "__device__ float inv(float v) { return rsqrtf(v); }\nfloat host_inv(float v) { return 1.f / std::sqrt(v); }",

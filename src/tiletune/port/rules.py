@@ -195,6 +195,10 @@ _MASK32_BINDING = re.compile(rf"^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+\(?{_MASK32
 _INT_LITERAL_32 = re.compile(r"(?:0[xX][0-9a-fA-F]{1,8}|\d+)[uU]?")  # no `ll` suffix: an int or unsigned
 
 
+_DECLARATION_WORDS = {"const", "unsigned", "signed", "int", "long", "uint32_t", "uint64_t", "int32_t", "int64_t",
+                      "auto", "volatile", "lane_mask_t"}
+
+
 def check_lane_masks(text: str) -> Iterable[Hit]:
     """Flag where a 32-bit mask is written: an all-ones mask or any other integer literal without an
     `ll` suffix (`0x55555555`) as the mask argument of a `*_sync` warp function, an all-ones constant or
@@ -208,7 +212,7 @@ def check_lane_masks(text: str) -> Iterable[Hit]:
             yield Hit(*_position(text, match.start()))
         elif _INT_LITERAL_32.fullmatch(mask):
             yield Hit(*_position(text, match.start()), f"`{mask}` is a 32-bit integer")
-        elif mask[0].isalpha() or mask[0] == "_":
+        elif (mask[0].isalpha() or mask[0] == "_") and mask not in _DECLARATION_WORDS:  # not the overload's own header
             masks_used.add(mask)
             name = re.escape(mask)
             if mask in bindings:
@@ -668,15 +672,44 @@ def check_host_math(text: str) -> Iterable[Hit]:
 
 # ---- C10_WARP_SIZE on the host ------------------------------------------------------------------
 
+_HOST_WARP_SIZE = re.compile(rf"\bC10_WARP_SIZE\b|\b{_WARP_SIZE_NAME}\s*=(?!=)[^;]*?\b32[uU]?\b(?!\.)")
+
+
 def check_host_warp_size(text: str) -> Iterable[Hit]:
-    """Flag each line of a function not compiled for the device that uses `C10_WARP_SIZE`."""
+    """Flag each line of a function not compiled for the device that uses `C10_WARP_SIZE` or sets a warp-size
+    variable from a literal 32 (`warp_size = n < 32 ? n : 32;`)."""
     for function in functions(text):
         if function.device:
             continue
         lines = {_position(text, use.start())[0]: use.start()
-                 for use in re.finditer(r"\bC10_WARP_SIZE\b", text[: function.body_end]) if use.start() >= function.body_start}
+                 for use in _HOST_WARP_SIZE.finditer(text, function.body_start, function.body_end)}
         for offset in lines.values():
             yield Hit(*_position(text, offset), f"in host function `{function.name}`")
+
+
+# ---- CUDA intrinsics and overloads HIP does not have --------------------------------------------
+
+_MISSING_INTRINSIC = re.compile(r"\b(?:__dp4a|__dp2a_(?:lo|hi)|__nanosleep|__reduce_\w+_sync|"
+                                r"__v(?:add|sub|abs|absdiff|avg|hadd|max|min|neg|sad|cmp(?:eq|ne|lt|le|gt|ge)|"
+                                r"set(?:eq|ne|lt|le|gt|ge))(?:s|u|ss|us)?[24])\s*\(")
+_HALF_TYPE = r"(?:__)?half2?"
+
+
+def check_missing_intrinsics(text: str) -> Iterable[Hit]:
+    """Flag calls of CUDA intrinsics HIP lacks, and `atomicAdd` on half or half2 (HIP has no such overload):
+    its value a variable declared `half` / `half2` in the file or a `__halves2half2(...)`, or its address cast
+    to a half pointer."""
+    for call in _MISSING_INTRINSIC.finditer(text):
+        yield Hit(*_position(text, call.start()))
+    halves = set(re.findall(rf"\b{_HALF_TYPE}\s+(\w+)\s*[=;,)]", text))
+    for call in re.finditer(r"\batomicAdd\s*\(", text):
+        arguments = _split_top_level(_balanced_args(text, call.end() - 1))
+        if len(arguments) != 2:
+            continue
+        address, value = arguments
+        if (value in halves or value.startswith("__halves2half2") or re.match(rf"\(\s*{_HALF_TYPE}\s*\*\s*\)", address)
+                or re.search(rf"reinterpret_cast\s*<\s*{_HALF_TYPE}\s*\*\s*>", address)):
+            yield Hit(*_position(text, call.start()), "HIP has no atomicAdd for __half / __half2")
 
 
 # ---- non-void functions that fall off their end -----------------------------------------------
@@ -1017,15 +1050,26 @@ RULES: list[Rule] = [
     Rule(
         "missing-intrinsic", "error", "CUDA intrinsic HIP does not have",
         "HIP lacks CUDA's SIMD-within-a-word and dot-product intrinsics (`__dp4a`, `__dp2a_lo`, `__vsubss4`, "
-        "`__vabsdiffs4`, ...), `__nanosleep` and the `__reduce_*_sync` warp reductions: the port does not compile.",
+        "`__vabsdiffs4`, ...), `__nanosleep`, the `__reduce_*_sync` warp reductions and `atomicAdd` on `__half` / "
+        "`__half2` (only `unsafeAtomicAdd(__half2*, __half2)`, gfx90a and later): the port does not compile.",
         "Write a small polyfill under `USE_ROCM`: `__builtin_amdgcn_sdot4` (gfx9xx: gfx906, gfx90a, gfx942) or "
         "`__builtin_amdgcn_sudot4` (gfx11) for `__dp4a`, `__builtin_elementwise_sub_sat` on a char4 for "
-        "`__vsubss4`, a shuffle reduction for `__reduce_add_sync`.",
+        "`__vsubss4`, a shuffle reduction for `__reduce_add_sync`, an atomicCAS loop on the 32-bit word for a half "
+        "atomicAdd.",
         before="acc = __dp4a(a, b, acc);",
         after="acc = __builtin_amdgcn_sdot4(a, b, acc, false);  // gfx9xx; __dp4a on CUDA",
-        pattern=re.compile(r"\b(?:__dp4a|__dp2a_(?:lo|hi)|__nanosleep|__reduce_\w+_sync|"
-                           r"__v(?:add|sub|abs|absdiff|avg|hadd|max|min|neg|sad|cmp(?:eq|ne|lt|le|gt|ge)|"
-                           r"set(?:eq|ne|lt|le|gt|ge))(?:s|u|ss|us)?[24])\s*\("),
+        check=check_missing_intrinsics,
+    ),
+    Rule(
+        "half-raw-bits", "error", "`__half_raw` / `__half2_raw` braced from bit patterns",
+        "CUDA's `__half_raw` is a struct holding the 16 bits (`unsigned short x`), so `__half_raw inf = {0x7C00}` "
+        "is +inf. HIP's is a union whose first member is the `_Float16` value, so the same braces give the "
+        "number 31744.0 (and `__half2_raw` a vector of such numbers): compiled without a warning, wrong at run time.",
+        "Name the bits: `__half_raw inf; inf.x = 0x7C00;` (HIP's union has `x` as well), or write the value "
+        "(`__ushort_as_half(0x7C00)`, `__half(INFINITY)`).",
+        before="constexpr __half_raw inf = {0x7C00};",
+        after="__half_raw inf;\ninf.x = 0x7C00;",
+        pattern=re.compile(r"\b__half2?_raw\s+\w+\s*=\s*\{[^}]*?\b(?:0[xX]0*[1-9a-fA-F][0-9a-fA-F]*|[1-9]\d*)[uU]?\b"),
     ),
     Rule(
         "libcudacxx", "warning", "libcu++ (`<cuda/std/...>`, `cuda::std::`)",
