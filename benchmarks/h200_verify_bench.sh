@@ -49,11 +49,14 @@
 #   families: the GPU tests of rms_norm (offset form included) and the gated MLP ops, then `tiletune verify` of every
 #           kernel on 2 decoder layers of each preset in FAMILY_PRESETS (default: qwen3-8b mistral-7b gemma3-12b
 #           phi3-mini)
-#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo OUT_DIR [bench args...]
+#   pending: the GPU tests of code written since the last GPU session and never run on a GPU (linear_logprobs'
+#           TileLang kernels, LoRA on MoE experts and its grouped rank-r GEMMs, the parallel warm-up, partial and
+#           pairs rope, varlen attention), each file's tail in OUT/gpu_tests_pending.txt
+#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo|pending OUT_DIR [bench args...]
 # (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
 set -u
-PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo OUT_DIR [bench args]}
-OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo OUT_DIR [bench args]}
+PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo|pending OUT_DIR [bench args]}
+OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo|pending OUT_DIR [bench args]}
 shift 2
 CONFIG=examples/bench/llama3_8b_lora.yaml
 GOLDEN=/tmp/llama3-8b-2layers.golden.safetensors  # too large to bring back; its report is kept
@@ -128,6 +131,17 @@ dpo)
     python3 -m tiletune bench examples/bench/llama3_8b_dpo.yaml --model-preset llama3-8b --steps 5 --warmup 2 --repeats 1 \
         --variants "baseline,llamafactory,liger,liger_fused,all,baseline:pref_loss=orpo,all:pref_loss=orpo,baseline:stage=kto,all:stage=kto" \
         --out "$OUT/bench-dpo" 2>&1 | tail -12 ;;
+pending)
+    mkdir -p "$OUT"
+    gpu_tests() {
+        echo "== $*" | tee -a "$OUT/gpu_tests_pending.txt"
+        python3 -m pytest -q -m gpu "$@" 2>&1 | tail -6 | tee -a "$OUT/gpu_tests_pending.txt"
+    }
+    gpu_tests tests/kernels/test_linear_logprobs.py
+    gpu_tests tests/kernels/test_moe_experts.py -k "lora or grouped"
+    gpu_tests tests/patch/test_patch.py -k warmup
+    gpu_tests tests/kernels/test_rope.py
+    gpu_tests tests/kernels/test_attention.py ;;
 families)
     python3 -m pytest -q -m gpu tests/kernels/test_rms_norm.py tests/kernels/test_swiglu.py 2>&1 \
         | tee "$OUT/gpu_tests_families.txt" | tail -2
