@@ -502,6 +502,19 @@ def test_adapter_states_the_lora_form_does_not_compute_run_peft_and_say_so_per_c
     report.revert()
 
 
+def _lora_case(tokens, dtype=torch.bfloat16, experts=128, k=8, hidden=2048, inter=768, rank=8):
+    """Routed bf16 inputs of the LoRA form on the GPU (Qwen3-30B-A3B's shape by default): the hidden states, the
+    routing weights, both expert weights and the four factors of rank `rank`."""
+    index, weights = routes(tokens, experts, k, device="cuda")
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype, requires_grad=True)
+    w = weights.to(dtype).requires_grad_()
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden**0.5).to(dtype)
+    down = (torch.randn(experts, hidden, inter, device="cuda") / inter**0.5).to(dtype)
+    factors = [(torch.randn(*shape, device="cuda") / shape[-1] ** 0.5).to(dtype).requires_grad_()
+               for shape in ((experts, rank, hidden), (experts, 2 * inter, rank), (experts, rank, inter), (experts, hidden, rank))]
+    return index, [x, w, gate_up, down, *factors]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,tokens,experts,k,hidden,inter", [
     ("qwen3-30b-a3b", 1024, 128, 8, 2048, 768), ("mixtral-8x7b", 77, 8, 2, 4096, 14336)])
@@ -510,15 +523,8 @@ def test_tilelang_lora_form_matches_float64(name, tokens, experts, k, hidden, in
     of the hidden states, the routing weights and the four factors."""
     from _gpu_check import check
 
-    dtype = torch.bfloat16
-    index, weights = routes(tokens, experts, k, device="cuda")
-    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype, requires_grad=True)
-    w = weights.to(dtype).requires_grad_()
-    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden**0.5).to(dtype)
-    down = (torch.randn(experts, hidden, inter, device="cuda") / inter**0.5).to(dtype)
-    factors = [(torch.randn(*shape, device="cuda") / shape[-1] ** 0.5).to(dtype).requires_grad_()
-               for shape in ((experts, 8, hidden), (experts, 2 * inter, 8), (experts, 8, inter), (experts, hidden, 8))]
-    check("moe_lora", name, dtype, [x, w, gate_up, down, *factors],
+    index, inputs = _lora_case(tokens, experts=experts, k=k, hidden=hidden, inter=inter)
+    check("moe_lora", name, torch.bfloat16, inputs,
           lambda x, w, gu, d, a1, b1, a2, b2: moe.moe_experts_lora(x, index, w, gu, d, a1, b1, a2, b2, 2.0, 2.0),
           lambda x, w, gu, d, a1, b1, a2, b2: moe.moe_experts_lora(x, index, w, gu, d, a1, b1, a2, b2, 2.0, 2.0,
                                                                    "tilelang", True),
@@ -545,15 +551,6 @@ class _LoraRankParts(torch.autograd.Function):
         return None, None, dx, dw, None, None, da1, db1, da2, db2
 
 
-def _qwen3_moe_lora_case(tokens, dtype=torch.bfloat16, experts=128, k=8, hidden=2048, inter=768, rank=8):
-    index, weights = routes(tokens, experts, k, device="cuda")
-    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype, requires_grad=True)
-    w = weights.to(dtype).requires_grad_()
-    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden**0.5).to(dtype)
-    down = (torch.randn(experts, hidden, inter, device="cuda") / inter**0.5).to(dtype)
-    factors = [(torch.randn(*shape, device="cuda") / shape[-1] ** 0.5).to(dtype).requires_grad_()
-               for shape in ((experts, rank, hidden), (experts, 2 * inter, rank), (experts, rank, inter), (experts, hidden, rank))]
-    return index, [x, w, gate_up, down, *factors]
 
 
 def _skip_unless_grouped_mm_runs():
@@ -572,7 +569,7 @@ def test_grouped_rank_products_match_float64_at_qwen3_30b_a3b_shapes():
     from _gpu_check import check
 
     _skip_unless_grouped_mm_runs()
-    index, inputs = _qwen3_moe_lora_case(4096)
+    index, inputs = _lora_case(4096)
     check("moe_lora", "qwen3-30b-a3b grouped rank-r", torch.bfloat16, inputs,
           lambda x, w, gu, d, a1, b1, a2, b2: _LoraRankParts.apply(False, index, x, w, gu, d, a1, b1, a2, b2),
           lambda x, w, gu, d, a1, b1, a2, b2: _LoraRankParts.apply(True, index, x, w, gu, d, a1, b1, a2, b2),
@@ -584,7 +581,7 @@ def test_grouped_rank_products_read_nothing_on_the_host():
     """The grouped rank-r parts, forward and backward of both projections, under CUDA's sync debug mode "error": no
     host sync (the loop's one read of the offsets per forward and per backward is gone)."""
     _skip_unless_grouped_mm_runs()
-    index, (x, _, _, _, a1, b1, a2, b2) = _qwen3_moe_lora_case(512)
+    index, (x, _, _, _, a1, b1, a2, b2) = _lora_case(512)
     routing = route(index, 128)
     rows = x.detach()[routing.token]
     torch.cuda.synchronize()
