@@ -84,7 +84,7 @@ CLASSES: dict[str, ChangeClass] = {
     "missing-overload": ChangeClass((), False, "an at::Half overload HIP lacks (__ldg, __shfl_*) added"),
     "blas-signature": ChangeClass((), True, "a cuBLAS call rewritten for rocBLAS's other arguments (hipBLAS keeps cuBLAS's)"),
     "half-raw-init": ChangeClass(("half-raw-bits",), False, "a __half_raw / __half2_raw braced from bit patterns (HIP reads values)"),
-    "half2-brace-assign": ChangeClass((), False, "`h2 = {}` on a __half2 (ambiguous between HIP's assignment operators)"),
+    "half2-brace-assign": ChangeClass(("half-brace-assign",), False, "`h2 = {}` on a __half2 (ambiguous between HIP's assignment operators)"),
     "compiler-guard": ChangeClass((), False, "an `#ifdef __NVCC__` that takes the host-only branch under hipcc"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is

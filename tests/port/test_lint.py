@@ -30,6 +30,8 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("static constexpr int kWarpSize = 32;", "warp-size-define"),
     ("#define WARP_THREADS 32", "warp-size-define"),
     ("constexpr int kThreadsPerWarp = 32;", "warp-size-define"),
+    ("#ifdef __HIP_PLATFORM_AMD__\nconstexpr int hw_warp_size = 64;\n#else\nconstexpr int hw_warp_size = 32;\n#endif",
+     "warp-size-define"),  # 64 is CDNA's; RDNA runs 32
     ("template <int WarpSize = 32> __device__ void f();", "warp-size-define"),
     ("#define ROW_THREADS 32\nv += __shfl_xor_sync(m, v, offset, ROW_THREADS);", "warp-size-define"),
     ("constexpr int kRowLanes = 32;\nconst int lane = threadIdx.x % kRowLanes;", "warp-size-define"),
@@ -54,6 +56,7 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("bool pick(int n, int& warp_size) { warp_size = (n < 32) ? n : 32; return true; }", "host-warp-size"),
     ("constexpr __half2_raw neg_inf = {0xFC00, 0xFC00};", "half-raw-bits"),
     ("half2 sum = __halves2half2(lo, hi);\natomicAdd(out + i, sum);", "missing-intrinsic"),
+    ("__half2 acc;\nfor (int i = 0; i < n; ++i) {\n  acc = {};\n}", "half-brace-assign"),
     ("auto tile = cg::tiled_partition<32>(cg::this_thread_block());", "warp-tile-32"),
     ("template <typename T> __device__ T f(const Frag<T, 4>& frag) { return frag.get<0>(); }", "dependent-template-name"),
     ("template <class Tile> __device__ void f(Tile* tile) { tile->load<8>(0); }", "dependent-template-name"),
@@ -136,6 +139,10 @@ def test_rule_variants_stay_silent(code, rule):
     "__device__ int pick(int n) { int warp_size = n < 32 ? n : 32; return warp_size; }",  # device code: warp-size rules
     "__half_raw zero = {0x0000};",  # zero is zero as a value and as bits
     "float2 v = make_float2(0.f, 1.f);\natomicAdd(&acc, v.x);",  # atomicAdd on a float: HIP has it
+    "__half2 acc = {};\nfloat f;\nf = {};",  # value-initialised where declared; a float takes `= {}`
+    # constructors return nothing, whatever stands before their name
+    "template <typename T>\nclass Runner {\npublic:\n    Runner(int n) : n_(n) { setup(); }\n    int n_;\n};",
+    "#define HD_INLINE __forceinline__ __device__ __host__\nstruct Vec {\n  HD_INLINE Vec() {}\n  HD_INLINE Vec(int n) : n(n) {}\n  int n;\n};",
     "__global__ void k(float* m, float v) { atomicMax(m, v); }",  # a call of HIP's own, not a definition
     "#ifndef USE_ROCM\n__device__ int dot(int a, int b) { return __dp4a(a, b, 0); }\n#endif",
     "__device__ float inv(float v) { return rsqrtf(v); }\nfloat host_inv(float v) { return 1.f / std::sqrt(v); }",

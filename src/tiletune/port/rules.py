@@ -540,7 +540,7 @@ def check_lane_loops(text: str) -> Iterable[Hit]:
 # ---- warp size 32: written as a warp-size constant, or under another name where a warp width goes --
 
 _WARP_SIZE_NAME = r"\w*(?i:warp_?(?:size|threads|lanes|width)|warpsz|threads_?per_?warp|lanes?_?per_?warp)\w*"
-_WARP_SIZE_DEFINE = re.compile(rf"^\s*#\s*define\s+{_WARP_SIZE_NAME}\s+\(?32\)?\s*$|\b{_WARP_SIZE_NAME}\s*=\s*32\b",
+_WARP_SIZE_DEFINE = re.compile(rf"^\s*#\s*define\s+{_WARP_SIZE_NAME}\s+\(?(32|64)\)?\s*$|\b{_WARP_SIZE_NAME}\s*=\s*(32|64)\b",
                                re.MULTILINE)
 
 
@@ -555,10 +555,13 @@ def _warp_width_use(name: str, text: str) -> int | None:
 
 
 def check_warp_size_definitions(text: str) -> Iterable[Hit]:
-    """Flag a warp-size constant set to 32 (`#define WARP_SIZE 32`, `kWarpSize = 32`), and a constant of
-    32 under another name (`#define ROW_THREADS 32`) that the file uses as a warp width."""
+    """Flag a warp-size constant set to 32 (`#define WARP_SIZE 32`, `kWarpSize = 32`) or, in code hipcc compiles
+    (an AMD branch), to 64, which is CDNA's wavefront but not RDNA's; and a constant of 32 under another name
+    (`#define ROW_THREADS 32`) that the file uses as a warp width."""
     for match in _WARP_SIZE_DEFINE.finditer(text):
-        yield Hit(*_position(text, match.start() + len(match.group(0)) - len(match.group(0).lstrip())))
+        detail = ("64 is CDNA's wavefront size; RDNA GPUs (gfx11, RX 7900 XTX) run 32-lane waves: use warpSize or "
+                  "__AMDGCN_WAVEFRONT_SIZE" if "64" in (match.group(1), match.group(2)) else "")
+        yield Hit(*_position(text, match.start() + len(match.group(0)) - len(match.group(0).lstrip())), detail)
     constants = source_constants(text)
     for name, expr in constants.items():
         if re.fullmatch(_WARP_SIZE_NAME, name) or evaluate_int(expr, constants) != 32:
@@ -712,6 +715,18 @@ def check_missing_intrinsics(text: str) -> Iterable[Hit]:
             yield Hit(*_position(text, call.start()), "HIP has no atomicAdd for __half / __half2")
 
 
+# ---- `= {}` on a half: ambiguous under hipcc -----------------------------------------------------
+
+def check_half_brace_assign(text: str) -> Iterable[Hit]:
+    """Flag `h = {};` where `h` is declared `half` / `half2` (`__half`, `__half2`) in the file; not the declaration
+    `__half2 h = {};` (value-initialisation, no assignment)."""
+    halves = set(re.findall(rf"\b{_HALF_TYPE}\s+(\w+)\s*[=;,)\[]", text))
+    for assign in re.finditer(r"\b(\w+)\s*=\s*\{\s*\}", text):
+        declared_here = re.search(rf"\b{_HALF_TYPE}\s*$", text[text.rfind("\n", 0, assign.start()) + 1 : assign.start()])
+        if assign.group(1) in halves and not declared_here:
+            yield Hit(*_position(text, assign.start()), f"`{assign.group(1)}` is a half type")
+
+
 # ---- non-void functions that fall off their end -----------------------------------------------
 
 _NOT_A_RETURN_TYPE = {"static", "inline", "constexpr", "extern", "virtual", "explicit", "friend", "__host__", "__device__",
@@ -723,9 +738,15 @@ def check_missing_return(text: str) -> Iterable[Hit]:
     `throw`, `abort`, `__builtin_unreachable` or `__trap`), at its closing brace: falling off the end of such a
     function is undefined behaviour that clang (hipcc) optimises as unreachable, while nvcc returns whatever the
     register held."""
+    classes = set(re.findall(r"\b(?:class|struct)\s+(\w+)", text))  # a function named after one is its constructor
+    macros = set(source_constants(text))  # qualifier macros (`#define HOST_DEVICE __host__ __device__`)
     for function in functions(text):
-        before = re.sub(r"template\s*<(?:[^<>]|<[^<>]*>)*>|__launch_bounds__\s*\([^()]*\)", " ", function.before_name)
-        words = [word for word in re.findall(r"\w+", before) if word not in _NOT_A_RETURN_TYPE]
+        if function.name in classes:
+            continue
+        before = re.sub(r"template\s*<(?:[^<>]|<[^<>]*>)*>|__launch_bounds__\s*\([^()]*\)|\b(?:public|private|protected)\s*:",
+                        " ", function.before_name)
+        words = [word for word in re.findall(r"\w+", before)
+                 if word not in _NOT_A_RETURN_TYPE and word not in macros and not re.fullmatch(r"[A-Z0-9]+_[A-Z0-9_]+", word)]
         returns_nothing = words and words[-1] in ("void", "auto") and not re.search(r"[*&]\s*$", before)
         if not words or returns_nothing or "operator" in words or function.name == "main":
             continue
@@ -1070,6 +1091,16 @@ RULES: list[Rule] = [
         before="constexpr __half_raw inf = {0x7C00};",
         after="__half_raw inf;\ninf.x = 0x7C00;",
         pattern=re.compile(r"\b__half2?_raw\s+\w+\s*=\s*\{[^}]*?\b(?:0[xX]0*[1-9a-fA-F][0-9a-fA-F]*|[1-9]\d*)[uU]?\b"),
+    ),
+    Rule(
+        "half-brace-assign", "error", "`= {}` assigned to a `__half` / `__half2`",
+        "HIP's `__half` and `__half2` have copy and move assignment and an assignment from `__half_raw` / "
+        "`__half2_raw`; an empty brace list matches all of them, so hipcc stops with 'use of overloaded operator "
+        "'=' is ambiguous' (nvcc accepts it). AutoGPTQ's port zeroed its accumulators another way.",
+        "Assign a value: `h2 = __float2half2_rn(0.f);` (or `h = __float2half(0.f);`), which both compilers take.",
+        before="__half2 acc;\nacc = {};",
+        after="__half2 acc;\nacc = __float2half2_rn(0.f);",
+        check=check_half_brace_assign,
     ),
     Rule(
         "libcudacxx", "warning", "libcu++ (`<cuda/std/...>`, `cuda::std::`)",

@@ -18,3 +18,10 @@ __global__ void row_max_kernel(const __half* x, __half* out, int cols) {
   for (int c = threadIdx.x; c < cols; c += blockDim.x) best = __hmax(best, x[blockIdx.x * cols + c]);
   if (threadIdx.x == 0) out[blockIdx.x] = __hadd(best, zero_half());
 }
+
+__global__ void row_sum_pairs_kernel(const __half2* x, __half2* out, int cols) {
+  __half2 acc;
+  acc = {};  // expect: half-brace-assign
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) acc = __hadd2(acc, x[blockIdx.x * cols + c]);
+  out[blockIdx.x * blockDim.x + threadIdx.x] = acc;
+}
