@@ -15,6 +15,7 @@ see whether 32 is applied to a thread index, find what declares an object, bound
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -632,7 +633,8 @@ def _signature(header: str) -> tuple[str, str] | None:
     return None
 
 
-def functions(text: str) -> list[Function]:
+@functools.lru_cache(maxsize=4)  # three rules read one file's functions
+def functions(text: str) -> tuple[Function, ...]:
     """The functions `text` defines, members included (lambdas and local classes stay part of their function's
     body); a qualifier macro counts as `__device__` when its definition holds it (`#define HD __host__ __device__`)."""
     macros = [name for name, expr in source_constants(text).items() if _DEVICE_WORD.search(expr)]
@@ -651,7 +653,7 @@ def functions(text: str) -> list[Function]:
                 open_function = None
         if char in ";{}" or (char == "\n" and text[head_start:index].lstrip().startswith("#")):
             head_start = index + 1
-    return found
+    return tuple(found)
 
 
 # ---- CUDA math functions HIP declares for the device only --------------------------------------
