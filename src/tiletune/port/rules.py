@@ -406,6 +406,23 @@ def check_libcudacxx(text: str) -> Iterable[Hit]:
         yield Hit(*_position(text, match.start() + len(match.group(0)) - len(match.group(0).lstrip())))
 
 
+# ---- bfloat16: one finding where the file takes CUDA's bf16 -------------------------------------
+
+_BF16_INCLUDE = re.compile(r"^[ \t]*#\s*include\s*[<\"]cuda_bf16\.h[>\"]", re.MULTILINE)
+_BF16_USE = re.compile(r"\b__nv_bfloat162?\b|\bnv_bfloat162?\b")
+
+
+def check_bf16(text: str) -> Iterable[Hit]:
+    """Flag each `#include <cuda_bf16.h>`, or without one the first use of a CUDA bf16 type: one check of the
+    file's bf16 intrinsics covers every use (counted in the detail)."""
+    uses = len(_BF16_USE.findall(text))
+    detail = f"{uses} use{'s' if uses != 1 else ''} of CUDA's bf16 types in this file" if uses else ""
+    includes = list(_BF16_INCLUDE.finditer(text))
+    first_use = _BF16_USE.search(text)
+    for match in includes or ([first_use] if first_use else []):
+        yield Hit(*_position(text, match.start() + len(match.group(0)) - len(match.group(0).lstrip())), detail)
+
+
 # ---- launch bounds: kernels launched with more threads than the compiler assumes without them ----
 
 LAUNCH_BOUNDS_DEFAULT = 256  # early hip-clang's default maximum work-group size
@@ -928,7 +945,7 @@ RULES: list[Rule] = [
         "numerics against a float reference (`tiletune verify`).",
         before="#include <cuda_bf16.h>\n__nv_bfloat16 x;",
         after="#include <hip/hip_bf16.h>\n__hip_bfloat16 x;",
-        pattern=re.compile(r"\b__nv_bfloat162?\b|\bnv_bfloat162?\b|#\s*include\s*[<\"]cuda_bf16\.h[>\"]"),
+        check=check_bf16,
     ),
     Rule(
         "fp8-type", "error", "CUDA fp8 type or header",

@@ -17,15 +17,15 @@ __device__ __forceinline__ float warp_reduce_sum(float value) {
 
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads, 2)  // expect: launch-bounds-2nd-arg
-rmsnorm_kernel(const __nv_bfloat16* __restrict__ x,  // expect: bf16-type
-               const __nv_bfloat16* __restrict__ weight,  // expect: bf16-type
-               __nv_bfloat16* __restrict__ y, int hidden, float eps) {  // expect: bf16-type
+rmsnorm_kernel(const __nv_bfloat16* __restrict__ x,
+               const __nv_bfloat16* __restrict__ weight,
+               __nv_bfloat16* __restrict__ y, int hidden, float eps) {
   __shared__ float warp_sums[kThreads / WARP_SIZE];
   const int row = blockIdx.x;
   const int lane = threadIdx.x & 31;  // expect: warp-size-literal
   const int warp = threadIdx.x >> 5;  // expect: warp-size-literal
-  const __nv_bfloat16* x_row = x + static_cast<size_t>(row) * hidden;  // expect: bf16-type
-  __nv_bfloat16* y_row = y + static_cast<size_t>(row) * hidden;  // expect: bf16-type
+  const __nv_bfloat16* x_row = x + static_cast<size_t>(row) * hidden;
+  __nv_bfloat16* y_row = y + static_cast<size_t>(row) * hidden;
 
   float sum_sq = 0.f;
   for (int i = threadIdx.x; i < hidden; i += kThreads) {
@@ -49,7 +49,7 @@ rmsnorm_kernel(const __nv_bfloat16* __restrict__ x,  // expect: bf16-type
   }
 }
 
-void rmsnorm_bf16(const __nv_bfloat16* x, const __nv_bfloat16* weight, __nv_bfloat16* y,  // expect: bf16-type
+void rmsnorm_bf16(const __nv_bfloat16* x, const __nv_bfloat16* weight, __nv_bfloat16* y,
                   int rows, int hidden, float eps, cudaStream_t stream) {
   rmsnorm_kernel<256><<<rows, 256, 0, stream>>>(x, weight, y, hidden, eps);
   CUDA_CHECK(cudaGetLastError());
