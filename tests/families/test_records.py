@@ -6,6 +6,7 @@ import fnmatch
 import pytest
 import torch
 import transformers
+from _grads import loss_and_grads
 
 from tiletune.families import family_of, known
 from tiletune.patch import apply_kernels
@@ -114,10 +115,7 @@ def test_a_training_step_with_every_kernel_equals_stock(model_type):
     runs = []
     for spec in ("", EVERY_KERNEL):
         apply_kernels(model, spec)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-        model.zero_grad(set_to_none=True)
+        runs.append(loss_and_grads(model, ids))
     (stock_loss, stock_grads), (loss, grads) = runs
     torch.testing.assert_close(loss, stock_loss, rtol=1e-5, atol=1e-6)
     assert set(grads) == set(stock_grads)
@@ -152,10 +150,7 @@ def test_opt_in_ops_refuse_what_they_cannot_compute_and_say_why(model_type):
     runs = []
     for spec in ("", "all,attention,moe_experts"):
         report = apply_kernels(model, spec)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-        model.zero_grad(set_to_none=True)
+        runs.append(loss_and_grads(model, ids))
     refused = OPT_IN_REFUSED[model_type]
     for op in ("attention", "moe_experts"):
         entries = [e for e in report.entries if e.op == op]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _grads import loss_and_grads
 from test_trainer import run_config  # noqa: F401, F811 (the fixture, by name in each test)
 from transformers import AutoModelForCausalLM
 
@@ -54,10 +55,7 @@ def test_kernels_bind_the_quantized_layers_and_train_as_the_stock_path(run_confi
     runs = []
     for spec in ("", "all"):
         report = apply_kernels(model, spec)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-        model.zero_grad(set_to_none=True)
+        runs.append(loss_and_grads(model, ids))
     ops = report.to_dict()["ops"]
     assert ops["quant_lora_linear"]["patched"] == 14 and ops["quant_linear"]["patched"] == 0
     assert ops["linear"]["patched"] == 0 and ops["lora_linear"]["patched"] == 0
