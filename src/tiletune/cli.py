@@ -7,6 +7,7 @@ A `UserError` anywhere becomes one line on stderr and exit code 2; `--debug` sho
 
 from __future__ import annotations
 
+import logging
 import shlex
 import sys
 
@@ -14,6 +15,11 @@ import click
 
 from tiletune.errors import UserError
 from tiletune.train.presets import PRESETS
+
+# peft imports bitsandbytes whenever it is installed; on a CPU (or offline) machine bitsandbytes then looks for
+# an optional hub kernel (through `kernels`) that tiletune never runs and logs the miss on stderr, ahead of
+# tiletune's own one-line errors. Quiet unless --debug.
+IMPORT_TIME_NOISE = ("bitsandbytes.backends.cpu.ops", "kernels._internals.hf_hub")
 
 
 class _Group(click.Group):
@@ -37,6 +43,9 @@ def main(ctx: click.Context, debug: bool) -> None:
     """Fine-tune LLMs with LLaMA-Factory configs and verified TileLang kernels."""
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
+    if not debug:
+        for name in IMPORT_TIME_NOISE:
+            logging.getLogger(name).setLevel(logging.ERROR)
 
 
 # ---- train (issue: tiletune train) ------------------------------------------------------------
