@@ -73,3 +73,23 @@ def test_random_rows_have_the_stages_columns_and_lengths():
     kto = random_rows("kto", 4, 32, 50, seed=1)
     assert kto["label"] == [True, False, True, False] and len(kto["KL_completion_ids"]) == 4
     assert random_rows("dpo", 3, 33, 50, seed=1) == dpo  # seeded: every variant sees the same rows
+
+
+@pytest.mark.parametrize("template, dated", [("llama3", True), ("qwen3", False)])
+def test_a_tool_prompt_with_todays_date_is_part_of_the_cache_key(monkeypatch, demo_tokenizer, template, dated):
+    """Llama 3's tool prompt writes today's date: tomorrow's run must not reuse today's tokenization."""
+    import datetime as real
+
+    from datasets import Dataset
+
+    from tiletune.data import processing, tools
+    from tiletune.data.loader import cache_fingerprint
+
+    cfg = build_config({"model_name_or_path": "m", "dataset": "d", "stage": "sft", "do_train": True})
+    dataset = Dataset.from_dict({"x": [1]})
+
+    def key_on(day: int) -> str:
+        monkeypatch.setattr(tools, "datetime", type("Clock", (), {"now": staticmethod(lambda: real.datetime(2026, 12, day))}))
+        return cache_fingerprint(dataset, processing._SupervisedEncoder(cfg, demo_tokenizer, TEMPLATES[template]))
+
+    assert (key_on(4) != key_on(5)) == dated and key_on(5) == key_on(5)

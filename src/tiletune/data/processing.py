@@ -32,8 +32,14 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from tiletune.config import TuneConfig
-from tiletune.data.loader import cache_fingerprint, load_raw, normalise, resolve_datasets
+from tiletune.data.loader import (
+    cache_fingerprint,
+    load_raw,
+    normalise,
+    resolve_datasets,
+)
 from tiletune.data.templates import ASSISTANT, Template
+from tiletune.data.tools import tool_prompt_date
 from tiletune.errors import UserError
 
 IGNORE_INDEX = -100
@@ -254,6 +260,9 @@ def _is_supervised(example) -> bool:
 class _SupervisedEncoder:
     def __init__(self, cfg: TuneConfig, tokenizer, template: Template):
         self.cfg, self.tokenizer, self.template = cfg, tokenizer, template
+        # Part of the encoder's state, so of the datasets-cache key: a tool prompt that writes today's date is
+        # tokenized again the next day instead of reusing yesterday's date from the cache.
+        self.tool_prompt_date = tool_prompt_date(template.tool_format)
 
     def __call__(self, example):
         pairs = self.template.encode_pairs(

@@ -64,9 +64,14 @@ def _default_tools(tools: list[dict[str, Any]]) -> str:
     return DEFAULT_TOOL_PROMPT.format(tool_text=tool_text, tool_names=names)
 
 
+def tool_prompt_date(tool_format: str) -> str | None:
+    """Today's date as the family's tool prompt writes it, or None where the prompt has no date (Llama 3's has)."""
+    return datetime.now().strftime("%d %b %Y") if tool_format == "llama3" else None
+
+
 def _llama3_tools(tools: list[dict[str, Any]]) -> str:
     tool_text = "".join(json.dumps(_wrapped(t), indent=4, ensure_ascii=False) + "\n\n" for t in tools)
-    return LLAMA3_TOOL_PROMPT.format(date=datetime.now().strftime("%d %b %Y"), tool_text=tool_text)
+    return LLAMA3_TOOL_PROMPT.format(date=tool_prompt_date("llama3"), tool_text=tool_text)
 
 
 def _qwen_tools(tools: list[dict[str, Any]]) -> str:
