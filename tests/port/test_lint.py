@@ -50,6 +50,11 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("asm(\"wgmma.fence.sync.aligned;\");", "ptx-mma"),
     ("__shared__ float big[128][160];", "lds-limit"),
     ("__launch_bounds__(MAX_THREADS, MIN_BLOCKS(2))", "launch-bounds-2nd-arg"),
+    ("__launch_bounds__(64, 4) __global__ void k();", "launch-bounds-2nd-arg"),  # 1024 threads per CU, not 256
+    (("__global__ void k(float* x) { x[0] = __shfl_xor_sync(m, x[0], 16); }\n"
+      "void f(float* x) { k<<<4, 32>>>(x); }"), "block-32-threads"),
+    (("template <int B, int WARP_SIZE = 32> __global__ void k(float* x);\n"
+      "void f(float* x) { k<2, 32><<<1, 64>>>(x); k<4><<<1, 64>>>(x); }"), "warp-size-define"),
     ("#include \"cuda_fp8.h\"", "fp8-type"),
     ("#if FOO\n#elif __CUDA_ARCH__ == 900\n#endif", "cuda-arch-guard"),
     ("#ifdef __CUDA_ARCH__\n__syncthreads();\n#endif", "cuda-arch-guard"),
@@ -102,6 +107,10 @@ def test_rule_variants_fire(code, rule):
       "void f(float* x) { k<<<4, 512>>>(x); }"), "launch-bounds"),
     ("__global__ void k(float* x);\nconstexpr int kCols = 1024;\nvoid f(float* x) { k<<<4, kCols / 8>>>(x); }",
      "launch-bounds"),
+    ("__global__ void fill(float* x) { x[threadIdx.x] = 0; }\nvoid f(float* x) { fill<<<4, 32>>>(x); }", "block-32-threads"),
+    (("template <int B, int WARP_SIZE = 32> __global__ void k(float* x);\n"  # a default every use overrides
+      "void f(float* x) { k<2, 32><<<1, 64>>>(x); k<4, 16><<<1, 64>>>(x); }"), "warp-size-define"),
+    ("__launch_bounds__(256, 2) __global__ void k(); __launch_bounds__(TH, 1) __global__ void j();", "launch-bounds-2nd-arg"),
     ("using T = cuda::std::remove_cv_t<U>;\nusing V = cuda::std::decay_t<U>;\n#include <cuda/std/utility>", None),
 ])
 def test_rule_variants_stay_silent(code, rule):
@@ -164,6 +173,15 @@ def test_portable_code_stays_quiet(code):
     ("if (tid < 32) {\n  s[tid] += s[tid + 32];\n}\n__syncthreads();", False),  # a tree step, then a barrier
     ("if ((blockSize >= 64) && (tid < 32)) s[tid] += s[tid + 32];\n\ncg::sync(cta);", False),
     ("if (tid < 32) {\n  v = s[tid] + s[tid + 32];\n  v += __shfl_down_sync(m, v, 16);\n}\n__syncthreads();", True),
+    # in a function that does nothing warp-wide, 32 only lays out data: a 64-lane wavefront computes alike
+    ("__global__ void fill(float* t) {\n  const int row = threadIdx.x / 32, col = threadIdx.x % 32;\n  t[row * 33 + col] = 0;\n}",
+     False),
+    ("__global__ void k(float* t) {\n  const int lane = threadIdx.x % 32;\n  t[lane] = __shfl_xor_sync(m, t[lane], 1);\n}", True),
+    ("__global__ void k(float* t) {\n  const int lane = threadIdx.x % 32;\n  t[lane] = __shfl_xor_sync(m, t[lane], 1, 32);\n}",
+     False),  # a shuffle of a named width of 32 keeps to its 32 lanes
+    (("#define REDUCE(v) (v + __shfl_xor_sync(m, v, 1))\n__device__ float sum(float v) { return REDUCE(v); }\n"
+      "__global__ void k(float* t) {\n  const int lane = threadIdx.x % 32;\n  t[lane] = sum(t[lane]);\n}"), True),  # via helpers
+    ("__global__ void k(int* t) {\n  Exchange(s).BlockedToWarpStriped(v, v);\n  const int row = threadIdx.x / 32;\n}", True),
 ])
 def test_warp_size_literal_follows_the_value(code, fires):
     assert any(f.rule == "warp-size-literal" for f in lint_text(code, "snippet.cu")) == fires

@@ -285,10 +285,14 @@ def check_lane_arithmetic(text: str) -> Iterable[Hit]:
     applied to a thread count (`if (blockSize > 32)`: more than one warp). A lane-0
     test (`threadIdx.x % 32 == 0`) is flagged only when the statement it guards shuffles, votes or
     indexes a per-warp array: picking one thread per 32 is otherwise harmless. A step of a tree
-    reduction with a block barrier after it is left alone."""
+    reduction with a block barrier after it is left alone, and so is a function that does nothing warp-wide
+    (`lane_blind_functions`): there 32 only lays out data."""
     lines = text.splitlines()
+    line_starts = [0]
+    for line in lines:
+        line_starts.append(line_starts[-1] + len(line) + 1)
     for number, line in enumerate(lines, start=1):
-        if _barrier_step(lines, number - 1):
+        if _barrier_step(lines, number - 1) or in_lane_blind_function(text, line_starts[number - 1]):
             continue
         for match in _THREAD_COUNT_LITERAL.finditer(line):
             operand = _left_operand(line, match.start())
@@ -301,6 +305,26 @@ def check_lane_arithmetic(text: str) -> Iterable[Hit]:
                 guarded = "\n".join([line[match.end():], *lines[number : number + 3]])
                 if not _WARP_WIDE_USE.search(guarded):
                     continue
+            yield Hit(number, match.start() + 1)
+
+
+_BLOCK_OF_32 = re.compile(
+    r"(?:(\w+)\s*(?:<(?:[^<>]|<[^<>]*>)*>)?\s*)?<<<[^,;>]+,\s*(?:32[uU]?\s*[,>]|dim3\s*\(\s*32[uU]?\s*(?:,\s*1\s*)*\))"
+    r"|\bdim3\s+\w+\s*[({]\s*32[uU]?\s*(?:,\s*1\s*)*[)}]"
+    r"|\b\w*(?i:launch)\w*\s*<\s*32[uU]?\s*,"  # launch tables: f_launch<32, kNItems>
+    r"|\b(?i:block\w*|\w*threads\w*)\s*=\s*(?:std::)?max\s*\(\s*(?:32[uU]?\s*,"  # one warp at least
+    r"|[^,;()]+,\s*(?:static_cast\s*<[^<>]*>\s*\(\s*)?32[uU]?\s*\)?\s*\))"
+)
+
+
+def check_32_thread_blocks(text: str) -> Iterable[Hit]:
+    """Flag a block of 32 threads (a launch, a `dim3`, a launch table's first argument, `max(n, 32)`), except
+    the launch of a kernel this file defines that does nothing warp-wide (`lane_blind_functions`): its 32
+    threads work alike in half a wavefront."""
+    lane_blind = {function.name for function in lane_blind_functions(text)}
+    for number, line in enumerate(text.splitlines(), start=1):
+        match = _BLOCK_OF_32.search(line)
+        if match is not None and match.group(1) not in lane_blind:
             yield Hit(number, match.start() + 1)
 
 
@@ -519,6 +543,28 @@ def check_launch_bounds(text: str) -> Iterable[Hit]:
             yield Hit(*_position(text, offset), f"`{name}` is launched with up to {most} threads")
 
 
+_LAUNCH_BOUNDS_CALL = re.compile(r"__launch_bounds__\s*\(")
+
+
+def check_launch_bounds_min_blocks(text: str) -> Iterable[Hit]:
+    """Flag `__launch_bounds__(threads, min_blocks)` where HIP's reading of the second argument (minimum waves
+    per execution unit, four EUs to a CU) asks for more occupancy than CUDA's (blocks per SM) did: min_blocks
+    above 1 with blocks of fewer than 256 threads, or values the file does not fix. Then the compiler squeezes
+    registers (and may spill) for an occupancy the author never asked for; otherwise the hint is only looser."""
+    constants = source_constants(text)
+    for call in _LAUNCH_BOUNDS_CALL.finditer(text):
+        arguments = _split_top_level(_balanced_args(text, call.end() - 1))
+        if len(arguments) < 2:
+            continue
+        threads, min_blocks = (evaluate_int(argument, constants) for argument in arguments[:2])
+        if min_blocks == 1 or (threads is not None and threads >= 256 and min_blocks is not None):
+            continue
+        waves = f"{min_blocks} waves per EU" if min_blocks is not None else "that many waves per EU"
+        yield Hit(*_position(text, call.start()), f"HIP asks for {waves}" +
+                  (f", {min_blocks * 4 * 64} threads per CU, against CUDA's {min_blocks * threads} per SM"
+                   if threads is not None and min_blocks is not None else ""))
+
+
 # ---- shuffle loops over 32 lanes ----------------------------------------------------------------
 
 _SHUFFLE = re.compile(r"__shfl|__reduce_\w+_sync|shfl_(?:xor|down|up)")
@@ -527,14 +573,15 @@ _FIXED_TILE = re.compile(r"\bthread_block_tile\s*<[^<>]+>\s+(\w+)|\b(\w+)\s*=\s*
 
 
 def _explicit_width_shuffles(text: str, constants: dict[str, str]) -> str:
-    """`text` without the shuffle calls that name a width of at most 32 lanes (`__shfl_xor_sync(m, v, o, 32)`,
-    `__shfl_down(v, o, 16)`): each works on its own group of that many lanes, on a 64-lane wavefront too."""
+    """`text` with the names of the shuffle calls that give a width of at most 32 lanes
+    (`__shfl_xor_sync(m, v, o, 32)`, `__shfl_down(v, o, 16)`) blanked out, offsets kept: each such call works
+    on its own group of that many lanes, on a 64-lane wavefront too."""
     for call in reversed(list(re.finditer(r"\b__shfl(_up|_down|_xor)?(_sync)?\s*\(", text))):
         arguments = _split_top_level(_balanced_args(text, call.end() - 1))
         width_at = 2 + bool(call.group(2))  # (mask,) var, lane or offset, width
         width = evaluate_int(arguments[width_at], constants) if len(arguments) > width_at else None
         if width is not None and width <= 32:
-            text = text[: call.start()] + text[call.start() :].replace(call.group(0), "shuffle_of_width(", 1)
+            text = text[: call.start()] + "_" * (len(call.group(0)) - 1) + text[call.end() - 1 :]
     return text
 
 
@@ -572,11 +619,43 @@ def _warp_width_use(name: str, text: str) -> int | None:
     return None
 
 
+def _template_arguments(text: str, open_angle: int) -> list[str] | None:
+    """The top-level arguments of the template argument list opening at `open_angle`, or None if unclosed."""
+    depth = 0
+    for index in range(open_angle, min(len(text), open_angle + 2000)):
+        depth += {"<": 1, "(": 1, ">": -1, ")": -1}.get(text[index], 0)
+        if depth == 0:
+            return _split_top_level(text[open_angle + 1 : index])
+    return None
+
+
+_DECLARED_NAME = re.compile(r"\b(?:struct|class)\s+(\w+)|(\w+)\s*\(")
+
+
+def _default_never_used(text: str, offset: int) -> bool:
+    """Whether `offset` is in a template parameter's default (`template <int W, int WARP_SIZE = 32>`) that no use
+    of the template in this file falls back on: each `name<...>` it finds passes that parameter explicitly."""
+    head = next((h for h in _TEMPLATE_HEAD.finditer(text, max(0, offset - 2000)) if h.start(1) <= offset < h.end(1)), None)
+    if head is None:
+        return False
+    position = offset - head.start(1)
+    index = len(_split_top_level(head.group(1)[:position])) - 1
+    after = text[head.end() : head.end() + 400]
+    declared = next((name for match in _DECLARED_NAME.finditer(after) if (name := match.group(1) or match.group(2)) not in _ATTRIBUTES), None)
+    if declared is None:
+        return False
+    uses = [_template_arguments(text, use.end() - 1) for use in re.finditer(rf"\b{re.escape(declared)}\s*<", text)]
+    return bool(uses) and all(arguments is not None and len(arguments) > index for arguments in uses)
+
+
 def check_warp_size_definitions(text: str) -> Iterable[Hit]:
     """Flag a warp-size constant set to 32 (`#define WARP_SIZE 32`, `kWarpSize = 32`) or, in code hipcc compiles
     (an AMD branch), to 64, which is CDNA's wavefront but not RDNA's; and a constant of 32 under another name
-    (`#define ROW_THREADS 32`) that the file uses as a warp width."""
+    (`#define ROW_THREADS 32`) that the file uses as a warp width. A template parameter's default that every
+    use of the template overrides is left alone."""
     for match in _WARP_SIZE_DEFINE.finditer(text):
+        if _default_never_used(text, match.start()):
+            continue
         detail = ("64 is CDNA's wavefront size; RDNA GPUs (gfx11, RX 7900 XTX) run 32-lane waves: use warpSize or "
                   "__AMDGCN_WAVEFRONT_SIZE" if "64" in (match.group(1), match.group(2)) else "")
         yield Hit(*_position(text, match.start() + len(match.group(0)) - len(match.group(0).lstrip())), detail)
@@ -671,6 +750,43 @@ def functions(text: str) -> tuple[Function, ...]:
         if char in ";{}" or (char == "\n" and text[head_start:index].lstrip().startswith("#")):
             head_start = index + 1
     return tuple(found)
+
+
+# Lanes exchange values or vote, or the code asks the hardware's warp width: which threads share a warp shows.
+_WARP_LEVEL_OP = re.compile(
+    r"__shfl|__ballot|__activemask|__any\b|__all\b|__match_\w+|__syncwarp|\bwarpSize\b|%laneid|"
+    r"\b\w+_sync\s*\(|"  # every warp-collective CUDA call: __any_sync, __reduce_add_sync, wmma::mma_sync, ...
+    r"\b(?:mma|wgmma|ldmatrix|stmatrix|shfl|vote|redux)\.|"  # the same in inline PTX
+    r"\.\s*(?:shfl\w*|ballot|any|all|match_\w+)\s*\(|tiled_partition|thread_block_tile|"  # cooperative groups
+    r"\bWarp(?:Reduce|Scan|Load|Store|Exchange)\b|WarpStriped|WARP_(?:TRANSPOSE|STRIPED)|"  # CUB, layouts by warp
+    # helpers from other headers, by name: WARP_SHFL(...), warpReduceSum(...), BlockReduce(...)
+    r"\b\w*(?i:shfl|shuffle)\w*\s*\(|\b\w*(?i:warp|block)_?(?i:reduce|scan|allreduce|vote|broadcast)\w*\s*[<(]"
+)
+_MACRO = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)(.*(?:\\\n.*)*)", re.MULTILINE)
+
+
+@functools.lru_cache(maxsize=4)
+def lane_blind_functions(text: str) -> tuple[Function, ...]:
+    """The functions whose results cannot depend on how many lanes a warp has: no shuffle (but those of an
+    explicit width of at most 32 lanes), vote, warp collective or `warpSize` in their body, and no call of a
+    function or macro that has one. In them, 32 used
+    on a thread index (`threadIdx.x / 32`, `% 32`) only lays out data, which a 64-lane wavefront computes alike."""
+    defined = functions(text)
+    lane_dependent = _explicit_width_shuffles(text, source_constants(text))
+    warp_level = {macro.group(1) for macro in _MACRO.finditer(lane_dependent) if _WARP_LEVEL_OP.search(macro.group(2))}
+    warp_level |= {f.name for f in defined if _WARP_LEVEL_OP.search(lane_dependent, f.body_start, f.body_end)}
+    while True:  # callers of warp-level functions are warp-level
+        calls = re.compile(rf"\b(?:{'|'.join(map(re.escape, sorted(warp_level)))})\s*(?:<[^;{{}}]*?>)?\s*\(") if warp_level else None
+        callers = {f.name for f in defined if f.name not in warp_level and calls and calls.search(text, f.body_start, f.body_end)}
+        if not callers:
+            break
+        warp_level |= callers
+    return tuple(f for f in defined if f.name not in warp_level)
+
+
+def in_lane_blind_function(text: str, offset: int) -> bool:
+    """Whether `offset` lies in the body of a function of `lane_blind_functions`."""
+    return any(f.body_start <= offset < f.body_end for f in lane_blind_functions(text))
 
 
 # ---- CUDA math functions HIP declares for the device only --------------------------------------
@@ -827,11 +943,7 @@ RULES: list[Rule] = [
         "block as a group of 32 threads.",
         before="row_kernel<<<rows, 32>>>(x);  // or a launch table: scan_launch<32, 4, T>(params, stream);",
         after="row_kernel<<<rows, warp_size>>>(x);  // warp_size from hipDeviceProp_t::warpSize",
-        pattern=re.compile(r"<<<[^,;>]+,\s*(?:32[uU]?\s*[,>]|dim3\s*\(\s*32[uU]?\s*(?:,\s*1\s*)*\))"
-                           r"|\bdim3\s+\w+\s*[({]\s*32[uU]?\s*(?:,\s*1\s*)*[)}]"
-                           r"|\b\w*(?i:launch)\w*\s*<\s*32[uU]?\s*,"  # launch tables: f_launch<32, kNItems>
-                           r"|\b(?i:block\w*|\w*threads\w*)\s*=\s*(?:std::)?max\s*\(\s*(?:32[uU]?\s*,"  # one warp at least
-                           r"|[^,;()]+,\s*(?:static_cast\s*<[^<>]*>\s*\(\s*)?32[uU]?\s*\)?\s*\))"),
+        check=check_32_thread_blocks,
     ),
     Rule(
         "warp-tile-32", "warning", "cooperative-groups tile of 32 used as a warp",
@@ -912,14 +1024,16 @@ RULES: list[Rule] = [
         check=check_shared_memory,
     ),
     Rule(
-        "launch-bounds-2nd-arg", "warning", "`__launch_bounds__` with a second argument",
+        "launch-bounds-2nd-arg", "warning", "`__launch_bounds__` whose second argument asks more of HIP",
         "CUDA's second argument is the minimum number of blocks per SM; HIP reads it as the minimum "
-        "number of waves per execution unit, so the register budget the compiler picks changes.",
+        "number of waves per execution unit (four per CU). With blocks under 256 threads that demands more "
+        "resident threads than the author asked for, and the compiler squeezes registers to get them "
+        "(spills); with 256 threads or more, or a second argument of 1, HIP's reading is only looser.",
         "Drop the second argument, or translate it: min waves per EU = min blocks x ceil(threads / "
         "warpSize) / EUs per CU (4 on CDNA); tune with `__attribute__((amdgpu_waves_per_eu(...)))`.",
-        before="__global__ void __launch_bounds__(256, 2) k();",
-        after="__global__ void __launch_bounds__(256) k();",
-        pattern=re.compile(r"__launch_bounds__\s*\((?:[^(),]|\([^()]*\))+,(?:[^()]|\([^()]*\))+\)"),
+        before="__global__ void __launch_bounds__(64, 4) k();",
+        after="__global__ void __launch_bounds__(64) k();",
+        check=check_launch_bounds_min_blocks,
     ),
     Rule(
         "launch-bounds", "warning", "kernel launched with more than 256 threads has no `__launch_bounds__`",
