@@ -51,6 +51,11 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("__shared__ float big[128][160];", "lds-limit"),
     ("__launch_bounds__(MAX_THREADS, MIN_BLOCKS(2))", "launch-bounds-2nd-arg"),
     ("__launch_bounds__(64, 4) __global__ void k();", "launch-bounds-2nd-arg"),  # 1024 threads per CU, not 256
+    (("template <typename T, typename V = T>\n__global__ void k(V* x) { x[0] = __shfl_xor_sync(m, x[0], 1); }\n"
+      "void f(float* x) {\n  const dim3 threads(32, 4, 1);\n  k<float><<<1, threads>>>(x);\n}"), "block-32-threads"),
+    (("__global__ void k(float* x) { x[0] = WARP_SHFL(x[0], 1); }\n"  # rows of 32 threads, warps of 32 rows
+      "void f(float* x, int n) {\n  int rows = min(n, int(MAX_BLOCK_SIZE / 32));\n  k<<<1, dim3(32, rows)>>>(x);\n}"),
+     "warp-size-literal"),
     (("__global__ void k(float* x) { x[0] = __shfl_xor_sync(m, x[0], 16); }\n"
       "void f(float* x) { k<<<4, 32>>>(x); }"), "block-32-threads"),
     (("template <int B, int WARP_SIZE = 32> __global__ void k(float* x);\n"
@@ -108,6 +113,8 @@ def test_rule_variants_fire(code, rule):
     ("__global__ void k(float* x);\nconstexpr int kCols = 1024;\nvoid f(float* x) { k<<<4, kCols / 8>>>(x); }",
      "launch-bounds"),
     ("__global__ void fill(float* x) { x[threadIdx.x] = 0; }\nvoid f(float* x) { fill<<<4, 32>>>(x); }", "block-32-threads"),
+    ("__global__ void fill(float* x) { x[threadIdx.x] = 0; }\nvoid f(float* x) { fill<<<4, dim3(32, 4)>>>(x); }",
+     "block-32-threads"),
     (("template <int B, int WARP_SIZE = 32> __global__ void k(float* x);\n"  # a default every use overrides
       "void f(float* x) { k<2, 32><<<1, 64>>>(x); k<4, 16><<<1, 64>>>(x); }"), "warp-size-define"),
     ("__launch_bounds__(256, 2) __global__ void k(); __launch_bounds__(TH, 1) __global__ void j();", "launch-bounds-2nd-arg"),

@@ -299,7 +299,10 @@ def check_lane_arithmetic(text: str) -> Iterable[Hit]:
             if _THREAD_COUNT_NAMES.search(operand) and not _LANE_NAMES.search(operand):
                 yield Hit(number, match.start() + 1, f"`{operand.strip()}` is a thread count: 32 here is one NVIDIA warp")
         for match in _WARP_LITERAL.finditer(line):
-            if not _LANE_NAMES.search(_left_operand(line, match.start())):
+            operand = _left_operand(line, match.start())
+            warp_count = (_THREAD_COUNT_NAMES.search(operand) and match.group(0).lstrip()[0] in "/>"
+                          and in_warp_level_launcher(text, line_starts[number - 1]))
+            if not (_LANE_NAMES.search(operand) or warp_count):
                 continue
             if _LANE_ZERO_TEST.match(line, match.end()):
                 guarded = "\n".join([line[match.end():], *lines[number : number + 3]])
@@ -317,15 +320,43 @@ _BLOCK_OF_32 = re.compile(
 )
 
 
+_ROWS_OF_32 = r"[({]\s*32[uU]?\s*,\s*(?!1\s*[,)}])"  # a block's dimensions: 32 threads by more than one
+_KERNEL_LAUNCH = re.compile(r"\b(\w+)\s*(?:<(?:[^<>;{}]|<[^<>;{}]*>)*>)?\s*<<<(.*?)>>>", re.DOTALL)
+
+
 def check_32_thread_blocks(text: str) -> Iterable[Hit]:
     """Flag a block of 32 threads (a launch, a `dim3`, a launch table's first argument, `max(n, 32)`), except
     the launch of a kernel this file defines that does nothing warp-wide (`lane_blind_functions`): its 32
-    threads work alike in half a wavefront."""
+    threads work alike in half a wavefront; and blocks of rows of 32 threads for a kernel that works across a
+    warp (`_rows_of_32`)."""
     lane_blind = {function.name for function in lane_blind_functions(text)}
     for number, line in enumerate(text.splitlines(), start=1):
         match = _BLOCK_OF_32.search(line)
         if match is not None and match.group(1) not in lane_blind:
             yield Hit(number, match.start() + 1)
+    yield from _rows_of_32(text, lane_blind)
+
+
+def _rows_of_32(text: str, lane_blind: set[str]) -> Iterable[Hit]:
+    """Launches of a kernel of the file that works across a warp with blocks of rows of 32 threads: `dim3(32, 4)`
+    in the launch, or a `dim3 threads(32, 4)` of the launching function."""
+    defined = functions(text)
+    warp_level = {f.name for f in defined if f.device} - lane_blind
+    for launch in _KERNEL_LAUNCH.finditer(text):
+        arguments = _split_top_level(launch.group(2))
+        if launch.group(1) not in warp_level or len(arguments) < 2:
+            continue
+        block = arguments[1].strip()
+        if re.match(rf"dim3\s*{_ROWS_OF_32}", block):
+            where = launch.start(2) + launch.group(2).find(block)
+        else:
+            launcher = max((f.body_start for f in defined if f.body_start <= launch.start() < f.body_end), default=0)
+            named = re.compile(rf"\bdim3\s+{re.escape(block)}\s*{_ROWS_OF_32}").search(text, launcher, launch.start())
+            if named is None:
+                continue
+            where = named.start()
+        yield Hit(*_position(text, where), f"rows of 32 threads for `{launch.group(1)}`, which works across a warp: "
+                                           "a 64-lane wavefront holds two rows")
 
 
 # ---- per-warp arrays: sized by a warp count, read by a lane id ---------------------------------
@@ -723,7 +754,8 @@ def _signature(header: str) -> tuple[str, str] | None:
         if head.group(1) in _ATTRIBUTES or head.group(1) in _CONTROL:
             continue
         after = header[head.end() - 1 + len(_balanced_args(header, head.end() - 1)) + 2 :]
-        if _AFTER_PARAMETERS.match(after) and "=" not in header[: head.start()].replace("operator", ""):
+        before = _TEMPLATE_HEAD.sub("", header[: head.start()])  # `template <typename V = T>` is no assignment
+        if _AFTER_PARAMETERS.match(after) and "=" not in before.replace("operator", ""):
             return head.group(1), _CLASS_QUALIFIER.sub("", header[: head.start()])
         return None
     return None
@@ -787,6 +819,13 @@ def lane_blind_functions(text: str) -> tuple[Function, ...]:
 def in_lane_blind_function(text: str, offset: int) -> bool:
     """Whether `offset` lies in the body of a function of `lane_blind_functions`."""
     return any(f.body_start <= offset < f.body_end for f in lane_blind_functions(text))
+
+
+def in_warp_level_launcher(text: str, offset: int) -> bool:
+    """Whether `offset` lies in a host function that launches (or calls) a warp-level kernel of the file: its
+    block shape decides which threads share a warp."""
+    lane_blind = lane_blind_functions(text)
+    return any(f.body_start <= offset < f.body_end and not f.device and f not in lane_blind for f in functions(text))
 
 
 # ---- CUDA math functions HIP declares for the device only --------------------------------------
