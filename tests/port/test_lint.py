@@ -160,6 +160,9 @@ def test_rule_variants_stay_silent(code, rule):
     "template <typename T>\nclass Runner {\npublic:\n    Runner(int n) : n_(n) { setup(); }\n    int n_;\n};",
     "#define HD_INLINE __forceinline__ __device__ __host__\nstruct Vec {\n  HD_INLINE Vec() {}\n  HD_INLINE Vec(int n) : n(n) {}\n  int n;\n};",
     "__global__ void k(float* m, float v) { atomicMax(m, v); }",  # a call of HIP's own, not a definition
+    # a mask parameter only the CUDA branch uses
+    ("template <typename T>\n__device__ T xor_shfl(T v, int m, unsigned int mask = 0xffffffff) {\n#if CUDA_VERSION >= 9000\n"
+     "  return __shfl_xor_sync(mask, v, m);\n#else\n  return __shfl_xor(v, m);\n#endif\n}"),
     "#ifndef USE_ROCM\n__device__ int dot(int a, int b) { return __dp4a(a, b, 0); }\n#endif",
     "__device__ float inv(float v) { return rsqrtf(v); }\nfloat host_inv(float v) { return 1.f / std::sqrt(v); }",
     "template <typename T> __device__ T first(const T* v) { return v[0]; }\n__global__ void k(float* x) { x[0] = 1; }",

@@ -200,6 +200,15 @@ _DECLARATION_WORDS = {"const", "unsigned", "signed", "int", "long", "uint32_t", 
                       "auto", "volatile", "lane_mask_t"}
 
 
+def _unused_parameter(text: str, name: str, offset: int) -> bool:
+    """Whether `offset` is in the parameter list of a function of `text` whose body (as AMD compiles it) never
+    names `name`: a mask parameter only a CUDA branch used (`unsigned mask = 0xffffffff` for `#if CUDA_VERSION`)."""
+    for function in functions(text):
+        if offset < function.body_start and not re.search(r"[;{}]", text[offset : function.body_start - 1]):
+            return not re.search(rf"\b{re.escape(name)}\b", text[function.body_start : function.body_end])
+    return False
+
+
 def check_lane_masks(text: str) -> Iterable[Hit]:
     """Flag where a 32-bit mask is written: an all-ones mask or any other integer literal without an
     `ll` suffix (`0x55555555`) as the mask argument of a `*_sync` warp function, an all-ones constant or
@@ -223,7 +232,7 @@ def check_lane_masks(text: str) -> Iterable[Hit]:
                 yield Hit(*_position(text, match.start()), f"`{mask}` is defined in another file: HIP's "
                           "`*_sync` functions need it 64 bits wide", severity="warning")
     for name, offset in bindings.items():
-        if name in masks_used or "mask" in name.lower():
+        if name in masks_used or ("mask" in name.lower() and not _unused_parameter(text, name, offset)):
             yield Hit(*_position(text, offset), f"`{name}` holds a 32-bit mask")
     for name in masks_used:  # a mask parameter or variable declared 32 bits wide
         for declaration in re.finditer(rf"\b(?:unsigned(?:\s+int)?|uint32_t|int)\s+(?:const\s+)?{name}\b(?!\s*=)", text):
@@ -642,10 +651,12 @@ _WARP_SIZE_DEFINE = re.compile(rf"^\s*#\s*define\s+{_WARP_SIZE_NAME}\s+\(?(32|64
 
 def _warp_width_use(name: str, text: str) -> int | None:
     """Offset of the first place `name` is used as a warp width: the width argument of a shuffle
-    (`__shfl_xor_sync(m, v, 1, NAME)`) or `% NAME` / `/ NAME` on a thread, lane or warp index."""
+    (`__shfl_xor_sync(m, v, 1, NAME)`) or `% NAME` / `/ NAME` on a thread, lane or warp index in a function that
+    works across a warp."""
     for use in re.finditer(rf"__shfl\w*\s*\((?:[^()]|\([^()]*\))*,\s*({name})\s*\)|[%/]\s*({name})\b", text):
         line_start = text.rfind("\n", 0, use.start()) + 1
-        if use.group(1) or _LANE_NAMES.search(_left_operand(text[line_start : use.start()], use.start() - line_start)):
+        if use.group(1) or (_LANE_NAMES.search(_left_operand(text[line_start : use.start()], use.start() - line_start))
+                            and not in_lane_blind_function(text, use.start())):
             return use.start()
     return None
 
