@@ -85,7 +85,7 @@ CLASSES: dict[str, ChangeClass] = {
     "blas-signature": ChangeClass((), True, "a cuBLAS call rewritten for rocBLAS's other arguments (hipBLAS keeps cuBLAS's)"),
     "half-raw-init": ChangeClass(("half-raw-bits",), False, "a __half_raw / __half2_raw braced from bit patterns (HIP reads values)"),
     "half2-brace-assign": ChangeClass(("half-brace-assign",), False, "`h2 = {}` on a __half2 (ambiguous between HIP's assignment operators)"),
-    "compiler-guard": ChangeClass((), False, "an `#ifdef __NVCC__` that takes the host-only branch under hipcc"),
+    "compiler-guard": ChangeClass(("nvcc-guard",), False, "an `#ifdef __NVCC__` that takes the host-only branch under hipcc"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).

@@ -2,8 +2,8 @@
 
 hipcc defines USE_ROCM (torch extensions) and the __HIP_PLATFORM_* macros, and leaves __CUDA_ARCH__ and
 CUDA's version macros undefined (0 in a comparison). Code under `#ifndef USE_ROCM` is the CUDA side of a port already made;
-code under `#ifdef __CUDA_ARCH__` or `#if __CUDA_ARCH__ >= 800` is compiled out on AMD (the `cuda-arch-guard`
-rule says so at the `#if`, and the port decides whether to enable it there). The lint skips both. Conditions
+code under `#ifdef __CUDA_ARCH__`, `#if __CUDA_ARCH__ >= 800` or `#ifdef __NVCC__` is compiled out on AMD (the
+`cuda-arch-guard` and `nvcc-guard` rules say so at the `#if`, and the port decides whether to enable it there). The lint skips both. Conditions
 on anything else are unknown, and their branches count as compiled.
 """
 
@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 DEFINED_ON_AMD = {"USE_ROCM", "__HIP_PLATFORM_AMD__", "__HIP_PLATFORM_HCC__", "__HIPCC__", "__HIP__"}
+# Never defined by hipcc, nor renamed by any translator (torch's hipify renames __CUDACC__, not these).
+UNDEFINED_ON_AMD = {"__CUDA_ARCH__", "__NVCC__"}
 _DIRECTIVE = re.compile(r"^\s*#\s*(if|ifdef|ifndef|elif|else|endif)\b(.*)$")
 # CUDA's version macros are undefined under hipcc (0 in a comparison); torch's hipify renames CUDA_VERSION to
 # TORCH_HIP_VERSION (major * 100 + minor, ~600), which compares the same against CUDA's versions (>= 9000).
@@ -37,7 +39,7 @@ def on_amd(condition: str) -> bool | None:
     if condition.startswith("(") and condition.endswith(")"):
         return on_amd(condition[1:-1])
     if match := re.fullmatch(r"defined\s*\(?\s*(\w+)\s*\)?", condition):
-        return True if match.group(1) in DEFINED_ON_AMD else False if match.group(1) == "__CUDA_ARCH__" else None
+        return True if match.group(1) in DEFINED_ON_AMD else False if match.group(1) in UNDEFINED_ON_AMD else None
     if match := _VERSION_TEST.match(condition):
         return _COMPARE[match.group(2)](0, int(match.group(3)))
     return True if condition in DEFINED_ON_AMD else None

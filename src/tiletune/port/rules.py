@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from tiletune.port.preprocessor import directives, on_amd
+from tiletune.port.preprocessor import DEFINED_ON_AMD, directives, on_amd
 
 LDS_LIMIT_BYTES = 64 * 1024
 
@@ -718,14 +718,18 @@ def check_warp_size_definitions(text: str) -> Iterable[Hit]:
 _ARCH_TEST = re.compile(r"__CUDA_ARCH__\s*(?:[<>]=?|==|!=)|defined\s*\(?\s*__CUDA_ARCH__\b")
 
 
-def check_arch_guards(text: str) -> Iterable[Hit]:
-    """Flag an `#if` / `#elif` that tests `__CUDA_ARCH__` (a comparison, or `#ifdef`) where hipcc compiles a
-    branch of its group out because of it: its own (`>= 800` and `defined(__CUDA_ARCH__)` are false on AMD)
-    or, when it is true there (`< 700`), the `#elif` / `#else` after it. A true test with nothing after it
-    only keeps its code, which is then compiled on AMD."""
+_AMD_MACRO = re.compile(rf"\b(?:{'|'.join(sorted(DEFINED_ON_AMD))})\b")
+
+
+def _guards_compiling_out(text: str, test: re.Pattern) -> Iterable[Hit]:
+    """Each `#if` / `#elif` whose condition matches `test` where hipcc compiles a branch of its group out because
+    of it: its own (a false test) or, when it is true on AMD, the `#elif` / `#else` after it. A true test with
+    nothing after it only keeps its code, which is then compiled on AMD. A condition that also names an AMD macro
+    (`defined(__NVCC__) || defined(__HIPCC__)`) is a port already made."""
     found = directives(text)
     for directive in found:
-        if directive.kind == "else" or directive.kind == "endif" or directive.enclosed_dead or not _ARCH_TEST.search(directive.condition):
+        if (directive.kind in ("else", "endif") or directive.enclosed_dead or not test.search(directive.condition)
+                or _AMD_MACRO.search(directive.condition)):
             continue
         value = on_amd(directive.condition)
         later = [d for d in found if d.group == directive.group and d.first > directive.first and d.kind != "endif"]
@@ -735,6 +739,21 @@ def check_arch_guards(text: str) -> Iterable[Hit]:
                       "the branch it opens is compiled out on AMD" if value is False
                       else f"the branch on line {later[0].first + 1} is compiled out on AMD" if value is True and later
                       else "")
+
+
+def check_arch_guards(text: str) -> Iterable[Hit]:
+    """Flag an `#if` / `#elif` that tests `__CUDA_ARCH__` (a comparison, or `#ifdef`) where hipcc compiles a
+    branch of its group out because of it (`>= 800` and `defined(__CUDA_ARCH__)` are false on AMD, `< 700` true)."""
+    return _guards_compiling_out(text, _ARCH_TEST)
+
+
+def check_nvcc_guards(text: str) -> Iterable[Hit]:
+    """Flag an `#if` / `#elif` testing `__NVCC__` (nvcc's own macro: hipcc never defines it) where hipcc compiles
+    a branch of its group out because of it."""
+    return _guards_compiling_out(text, _NVCC_TEST)
+
+
+_NVCC_TEST = re.compile(r"\b__NVCC__\b")
 
 
 # ---- functions: where each is defined, what it returns, whether it runs on the device ---------------
@@ -1304,6 +1323,18 @@ RULES: list[Rule] = [
         before="#if __CUDA_ARCH__ >= 800",
         after="#if defined(__gfx90a__) || defined(__gfx942__)  // the AMD path, then the __CUDA_ARCH__ tests",
         check=check_arch_guards,
+    ),
+    Rule(
+        "nvcc-guard", "warning", "`__NVCC__` test",
+        "`__NVCC__` is nvcc's own macro: hipcc never defines it and no translator renames it (torch's hipify "
+        "renames `__CUDACC__`, not `__NVCC__`). Code under `#ifdef __NVCC__` is compiled out on AMD, and an `#else` "
+        "meant for host compilers is taken instead: `__host__ __device__` qualifiers chosen there vanish, and "
+        "device code calling those helpers stops compiling.",
+        "Test `defined(__NVCC__) || defined(__HIPCC__)` where the branch is about CUDA-style compilers, or "
+        "`__CUDACC__` / `__HIPCC__`.",
+        before="#ifdef __NVCC__\n#define HD __host__ __device__\n#else\n#define HD\n#endif",
+        after="#if defined(__NVCC__) || defined(__HIPCC__)\n#define HD __host__ __device__\n#else\n#define HD\n#endif",
+        check=check_nvcc_guards,
     ),
 ]
 

@@ -1,6 +1,14 @@
 // Row normalisation with a host-side reference and an inclusive scan helper: a host specialisation that
-// uses CUDA's host versions of device math, and a scan step that forgets to return its carry.
+// uses CUDA's host versions of device math, a scan step that forgets to return its carry, and host/device
+// qualifiers chosen by nvcc's own macro.
 #include "common.cuh"
+
+#ifdef __NVCC__  // expect: nvcc-guard
+#define SCAN_HD __host__ __device__
+#else
+#define SCAN_HD
+#endif
+SCAN_HD inline int ceil_div(int a, int b) { return (a + b - 1) / b; }  // host-only under hipcc
 
 template <typename T> T inv_norm(T v) { return T(1) / std::sqrt(v); }
 template <> float inv_norm(float v) { return rsqrtf(v); }  // expect: device-only-math
