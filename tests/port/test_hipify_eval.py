@@ -26,7 +26,8 @@ def test_ground_truth_names_a_pinned_source_and_known_classes(path):
     port = json.loads(path.read_text())
     assert port["name"] == path.stem
     assert len(port["cuda"]["commit"]) == len(port["hip"]["commit"]) == 40
-    assert port["license"] in {"Apache-2.0", "BSD-3-Clause", "MIT"}
+    # the files hold labels and line numbers, never the source: StyleGAN3's NVIDIA license (mmcv's filtered_lrelu) too
+    assert port["license"] in {"Apache-2.0", "BSD-3-Clause", "MIT", "LicenseRef-NVIDIA-Source-Code"}
     for change in port["changes"]:
         first, last = change["lines"]
         assert 1 <= first <= last and change["class"] in {*score.CLASSES, *score.EXCLUDED, score.OBSOLETE}

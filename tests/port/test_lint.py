@@ -51,6 +51,10 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("__shared__ float big[128][160];", "lds-limit"),
     ("__launch_bounds__(MAX_THREADS, MIN_BLOCKS(2))", "launch-bounds-2nd-arg"),
     ("__launch_bounds__(64, 4) __global__ void k();", "launch-bounds-2nd-arg"),  # 1024 threads per CU, not 256
+    ("#if __GNUC__ < 6\n#define BUILD_OP 0\n#endif", "compiler-guard"),  # hipcc's clang says GCC 4
+    ("__device__ int f(int s, int t) {\n  int groupMask = 15 << ((t & 31) & ~3);\n  return __shfl_xor_sync(groupMask, s, 1);\n}",
+     "mask-32bit"),  # a mask computed into an int
+    ("uint warp_done = thread_warp.ballot(done);", "ballot-32bit-result"),  # a cooperative group's ballot
     (("template <typename T, typename V = T>\n__global__ void k(V* x) { x[0] = __shfl_xor_sync(m, x[0], 1); }\n"
       "void f(float* x) {\n  const dim3 threads(32, 4, 1);\n  k<float><<<1, threads>>>(x);\n}"), "block-32-threads"),
     (("__global__ void k(float* x) { x[0] = WARP_SHFL(x[0], 1); }\n"  # rows of 32 threads, warps of 32 rows
@@ -61,7 +65,7 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     (("template <int B, int WARP_SIZE = 32> __global__ void k(float* x);\n"
       "void f(float* x) { k<2, 32><<<1, 64>>>(x); k<4><<<1, 64>>>(x); }"), "warp-size-define"),
     ("#include \"cuda_fp8.h\"", "fp8-type"),
-    ("#if FOO\n#elif __CUDA_ARCH__ == 900\n#endif", "cuda-arch-guard"),
+    ("#if FOO\n#elif __CUDA_ARCH__ == 900\nfast_path();\n#endif", "cuda-arch-guard"),
     ("#ifdef __CUDA_ARCH__\n__syncthreads();\n#endif", "cuda-arch-guard"),
     ("bool pick(int n, int& warp_size) { warp_size = (n < 32) ? n : 32; return true; }", "host-warp-size"),
     ("constexpr __half2_raw neg_inf = {0xFC00, 0xFC00};", "half-raw-bits"),
@@ -118,6 +122,12 @@ def test_rule_variants_fire(code, rule):
     (("template <int B, int WARP_SIZE = 32> __global__ void k(float* x);\n"  # a default every use overrides
       "void f(float* x) { k<2, 32><<<1, 64>>>(x); k<4, 16><<<1, 64>>>(x); }"), "warp-size-define"),
     ("__launch_bounds__(256, 2) __global__ void k(); __launch_bounds__(TH, 1) __global__ void j();", "launch-bounds-2nd-arg"),
+    # AMD loses only the old-GPU trap and compiles the real conversion
+    ("__device__ float2 f(bf162 v) {\n#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800\n  assert(false);\n#else\n"
+     "  return __bfloat1622float2(v);\n#endif\n}", "cuda-arch-guard"),
+    ("#if defined(__NVCC__) || defined(__HIPCC__)\n#define HD __host__ __device__\n#endif", "compiler-guard"),
+    ("void f(void* p, char* q) { char* r = (char*)p + 4; q = r + 1; }", "void-pointer-arith"),  # cast first
+    ("template <typename T> __global__ void k(const float* x, float* y) { y[0] = __ldg(&x[0]); }", "ldg-torch-half"),
     ("using T = cuda::std::remove_cv_t<U>;\nusing V = cuda::std::decay_t<U>;\n#include <cuda/std/utility>", None),
 ])
 def test_rule_variants_stay_silent(code, rule):

@@ -10,7 +10,7 @@ decides where the text goes, so the input tree stays untouched.
 
 The torch engine applies torch's table the way `torch.utils.hipify` does, plus `TORCH_TABLE_GAPS`:
 what that table misses and hipify-perl / hipify-clang translate (CUB, PyTorch's own CUDA headers,
-the kernel cast `hipFuncSetAttribute` needs).
+the kernel cast `hipFuncSetAttribute` needs), and the HIP runtime include a host-only file needs.
 """
 
 from __future__ import annotations
@@ -109,6 +109,15 @@ TORCH_TABLE_GAPS: list[Rewrite] = [
 ]
 
 
+def _runtime_include(text: str) -> str:
+    """`text` with `#include <hip/hip_runtime.h>` first when it calls the HIP runtime and includes nothing at all:
+    nvcc includes cuda_runtime.h implicitly, hipcc nothing, and torch's hipify adds the include only to files
+    with kernel syntax (a host-only .cu calling `hipGetDevice` stops compiling)."""
+    if re.search(r"\bhip[A-Z]\w*\s*\(", text) and not re.search(r"^\s*#\s*include\b", text, re.MULTILINE):
+        return "#include <hip/hip_runtime.h>\n" + text
+    return text
+
+
 def _torch_engine() -> Engine:
     import torch
     from torch.utils.hipify import hipify_python
@@ -120,7 +129,7 @@ def _torch_engine() -> Engine:
         )
         for rewrite in TORCH_TABLE_GAPS:
             text = rewrite.pattern.sub(rewrite.replacement, text)
-        return hipify_python.hip_header_magic(text)
+        return _runtime_include(hipify_python.hip_header_magic(text))
 
     return Engine("torch", f"torch.utils.hipify's mapping table from torch {torch.__version__}", translate)
 

@@ -61,12 +61,13 @@ def _pattern_hits(rule: Rule, lines: list[str]) -> list[Hit]:
 
 def lint_text(text: str, path: str, rules: list[Rule] = RULES) -> list[Finding]:
     """Findings of `rules` on CUDA source `text`; `path` is only used to label them."""
-    code = blank_branches_dead_on_amd(strip_comments(text))
+    whole = strip_comments(text)
+    code = blank_branches_dead_on_amd(whole)
     code_lines = code.splitlines()
     source_lines = text.splitlines()
     findings = []
     for rule in rules:
-        hits = rule.check(code) if rule.check else _pattern_hits(rule, code_lines)
+        hits = rule.check(whole if rule.reads_dead_code else code) if rule.check else _pattern_hits(rule, code_lines)
         for hit in hits:
             findings.append(
                 Finding(

@@ -1,9 +1,9 @@
 """The preprocessor as hipcc sees it: which `#if` branches AMD compiles, without running a preprocessor.
 
-hipcc defines USE_ROCM (torch extensions) and the __HIP_PLATFORM_* macros, and leaves __CUDA_ARCH__ and
-CUDA's version macros undefined (0 in a comparison). Code under `#ifndef USE_ROCM` is the CUDA side of a port already made;
+hipcc defines USE_ROCM (torch extensions) and the __HIP_PLATFORM_* macros, leaves __CUDA_ARCH__ and
+CUDA's version macros undefined (0 in a comparison), and says __GNUC__ 4 (clang's GCC compatibility). Code under `#ifndef USE_ROCM` is the CUDA side of a port already made;
 code under `#ifdef __CUDA_ARCH__`, `#if __CUDA_ARCH__ >= 800` or `#ifdef __NVCC__` is compiled out on AMD (the
-`cuda-arch-guard` and `nvcc-guard` rules say so at the `#if`, and the port decides whether to enable it there). The lint skips both. Conditions
+`cuda-arch-guard` and `compiler-guard` rules say so at the `#if`, and the port decides whether to enable it there). The lint skips both. Conditions
 on anything else are unknown, and their branches count as compiled.
 """
 
@@ -19,7 +19,9 @@ UNDEFINED_ON_AMD = {"__CUDA_ARCH__", "__NVCC__"}
 _DIRECTIVE = re.compile(r"^\s*#\s*(if|ifdef|ifndef|elif|else|endif)\b(.*)$")
 # CUDA's version macros are undefined under hipcc (0 in a comparison); torch's hipify renames CUDA_VERSION to
 # TORCH_HIP_VERSION (major * 100 + minor, ~600), which compares the same against CUDA's versions (>= 9000).
-_VERSION_TEST = re.compile(r"^(__CUDA_ARCH__|CUDA_VERSION|CUDART_VERSION|__CUDACC_VER_MAJOR__)\s*(>=|<=|==|!=|>|<)\s*(\d+)[uUlL]*$")
+_VERSION_TEST = re.compile(r"^(__CUDA_ARCH__|CUDA_VERSION|CUDART_VERSION|__CUDACC_VER_MAJOR__|__GNUC__)\s*(>=|<=|==|!=|>|<)\s*(\d+)[uUlL]*$")
+# hipcc's clang says it is GCC 4.2 (__GNUC__ 4, checked with hipcc 5.2: `#if __GNUC__ < 6` is taken); the others are 0.
+_VERSION_ON_AMD = {"__GNUC__": 4}
 _COMPARE = {">=": int.__ge__, "<=": int.__le__, "==": int.__eq__, "!=": int.__ne__, ">": int.__gt__, "<": int.__lt__}
 
 
@@ -41,7 +43,7 @@ def on_amd(condition: str) -> bool | None:
     if match := re.fullmatch(r"defined\s*\(?\s*(\w+)\s*\)?", condition):
         return True if match.group(1) in DEFINED_ON_AMD else False if match.group(1) in UNDEFINED_ON_AMD else None
     if match := _VERSION_TEST.match(condition):
-        return _COMPARE[match.group(2)](0, int(match.group(3)))
+        return _COMPARE[match.group(2)](_VERSION_ON_AMD.get(match.group(1), 0), int(match.group(3)))
     return True if condition in DEFINED_ON_AMD else None
 
 

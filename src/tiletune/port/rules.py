@@ -48,6 +48,7 @@ class Rule:
     after: str  # the ported line
     pattern: re.Pattern | None = None
     check: Callable[[str], Iterable[Hit]] | None = None
+    reads_dead_code: bool = False  # the check gets the branches hipcc compiles out too (else they are blanked)
 
 
 # ---- shared-memory sizes: a small evaluator for the constant expressions kernels use ----------
@@ -200,6 +201,11 @@ _DECLARATION_WORDS = {"const", "unsigned", "signed", "int", "long", "uint32_t", 
                       "auto", "volatile", "lane_mask_t"}
 
 
+def _narrow_declaration(name: str) -> re.Pattern:
+    """`name` declared with a 32-bit integer type: `int m = ...`, `unsigned mask`, `const uint& mask`."""
+    return re.compile(rf"\b(?:unsigned(?:\s+int)?|uint32_t|int32_t|uint|int)\s*(?:const\s*)?&?\s*{name}\b(?!\s*[(\[])")
+
+
 def _unused_parameter(text: str, name: str, offset: int) -> bool:
     """Whether `offset` is in the parameter list of a function of `text` whose body (as AMD compiles it) never
     names `name`: a mask parameter only a CUDA branch used (`unsigned mask = 0xffffffff` for `#if CUDA_VERSION`)."""
@@ -225,18 +231,21 @@ def check_lane_masks(text: str) -> Iterable[Hit]:
         elif (mask[0].isalpha() or mask[0] == "_") and mask not in _DECLARATION_WORDS:  # not the overload's own header
             masks_used.add(mask)
             name = re.escape(mask)
-            if mask in bindings:
-                yield Hit(*_position(text, match.start()), f"`{mask}` (line {_position(text, bindings[mask])[0]}) "
-                          "is a 32-bit mask")
+            narrow = _narrow_declaration(name).search(text)
+            if mask in bindings or narrow:
+                line = _position(text, bindings[mask] if mask in bindings else narrow.start())[0]
+                yield Hit(*_position(text, match.start()), f"`{mask}` (line {line}) is a 32-bit mask")
             elif not re.search(rf"#\s*define\s+{name}\b|\b{name}\s*=(?!=)|\b\w+[\s*&]+{name}\s*[,;)=\[]", text):
                 yield Hit(*_position(text, match.start()), f"`{mask}` is defined in another file: HIP's "
                           "`*_sync` functions need it 64 bits wide", severity="warning")
     for name, offset in bindings.items():
         if name in masks_used or ("mask" in name.lower() and not _unused_parameter(text, name, offset)):
             yield Hit(*_position(text, offset), f"`{name}` holds a 32-bit mask")
-    for name in masks_used:  # a mask parameter or variable declared 32 bits wide
-        for declaration in re.finditer(rf"\b(?:unsigned(?:\s+int)?|uint32_t|int)\s+(?:const\s+)?{name}\b(?!\s*=)", text):
-            yield Hit(*_position(text, declaration.start()), f"`{name}` is declared 32 bits wide")
+    for name in masks_used:  # a mask parameter or variable declared 32 bits wide (an all-ones one said so above)
+        for declaration in _narrow_declaration(re.escape(name)).finditer(text):
+            # an all-ones one is said above; one holding a ballot, by ballot-32bit-result
+            if not re.match(rf"\s*=\s*(?:\(?{_MASK32}|__(?:ballot|activemask))", text[declaration.end() :]):
+                yield Hit(*_position(text, declaration.start()), f"`{name}` is declared 32 bits wide")
 
 
 # ---- lane arithmetic: 32 applied to a thread index, and where a lane-0 test matters ---------------
@@ -721,11 +730,24 @@ _ARCH_TEST = re.compile(r"__CUDA_ARCH__\s*(?:[<>]=?|==|!=)|defined\s*\(?\s*__CUD
 _AMD_MACRO = re.compile(rf"\b(?:{'|'.join(sorted(DEFINED_ON_AMD))})\b")
 
 
-def _guards_compiling_out(text: str, test: re.Pattern) -> Iterable[Hit]:
+# A branch that only traps: `assert(false);`, `__trap();`, llama.cpp's `NO_DEVICE_CODE;` (nothing lost without it).
+_STUB = re.compile(r"(?:\s*(?:assert\s*\(\s*(?:false|0)\s*\)|__trap\s*\(\s*\)|__builtin_(?:trap|unreachable)\s*\(\s*\)"
+                   r"|NO_DEVICE_CODE)\s*;?)*\s*")
+
+
+def _branch_body(text: str, opening, following) -> str:
+    """The lines between directive `opening` and the next directive of its group."""
+    return "\n".join(text.split("\n")[opening.last + 1 : following.first])
+
+
+def _guards_compiling_out(text: str, test: re.Pattern, true_alone: bool = False) -> Iterable[Hit]:
     """Each `#if` / `#elif` whose condition matches `test` where hipcc compiles a branch of its group out because
     of it: its own (a false test) or, when it is true on AMD, the `#elif` / `#else` after it. A true test with
-    nothing after it only keeps its code, which is then compiled on AMD. A condition that also names an AMD macro
-    (`defined(__NVCC__) || defined(__HIPCC__)`) is a port already made."""
+    nothing after it only keeps its code, which is then compiled on AMD: flagged only with `true_alone` (a branch
+    meant for another compiler, taken). A condition that also names an AMD macro
+    (`defined(__NVCC__) || defined(__HIPCC__)`) is a port already made; a group where AMD loses only a trap
+    (`#if __CUDA_ARCH__ < 800` / `assert(false);` / `#else` the real code) costs nothing. `text` keeps the
+    branches hipcc compiles out (`Rule.reads_dead_code`)."""
     found = directives(text)
     for directive in found:
         if (directive.kind in ("else", "endif") or directive.enclosed_dead or not test.search(directive.condition)
@@ -733,12 +755,17 @@ def _guards_compiling_out(text: str, test: re.Pattern) -> Iterable[Hit]:
             continue
         value = on_amd(directive.condition)
         later = [d for d in found if d.group == directive.group and d.first > directive.first and d.kind != "endif"]
-        if value is not True or later:
+        closing = [d for d in found if d.group == directive.group and d.first > directive.first]
+        dropped = ([_branch_body(text, directive, closing[0])] if value is False and closing else
+                   [_branch_body(text, d, n) for d, n in zip(later, closing[1:])] if value is True else [])
+        if dropped and all(_STUB.fullmatch(body) for body in dropped):
+            continue  # AMD loses only a trap (`assert(false)` for old GPUs) and compiles the real code
+        if value is not True or later or true_alone:
             line = text.split("\n")[directive.first]
             yield Hit(directive.first + 1, len(line) - len(line.lstrip()) + 1,
                       "the branch it opens is compiled out on AMD" if value is False
                       else f"the branch on line {later[0].first + 1} is compiled out on AMD" if value is True and later
-                      else "")
+                      else "the branch it opens is taken on AMD" if value is True else "")
 
 
 def check_arch_guards(text: str) -> Iterable[Hit]:
@@ -747,13 +774,41 @@ def check_arch_guards(text: str) -> Iterable[Hit]:
     return _guards_compiling_out(text, _ARCH_TEST)
 
 
-def check_nvcc_guards(text: str) -> Iterable[Hit]:
-    """Flag an `#if` / `#elif` testing `__NVCC__` (nvcc's own macro: hipcc never defines it) where hipcc compiles
-    a branch of its group out because of it."""
-    return _guards_compiling_out(text, _NVCC_TEST)
+def check_compiler_guards(text: str) -> Iterable[Hit]:
+    """Flag an `#if` / `#elif` testing `__NVCC__` (nvcc's own macro: hipcc never defines it) or the GCC version
+    (hipcc's clang says 4) where hipcc compiles a branch of its group out because of it."""
+    nvcc = list(_guards_compiling_out(text, _NVCC_TEST))
+    # an old-GCC escape (`#if __GNUC__ < 6`) is the trap when hipcc takes it, even with nothing after it
+    gcc = [hit for hit in _guards_compiling_out(text, _GCC_VERSION_TEST, true_alone=True) if hit.line not in {h.line for h in nvcc}]
+    return sorted(nvcc + gcc, key=lambda hit: hit.line)
 
 
 _NVCC_TEST = re.compile(r"\b__NVCC__\b")
+_GCC_VERSION_TEST = re.compile(r"\b__GNUC__\s*(?:[<>]=?|==|!=)")
+
+
+# ---- host-side C++ that clang rejects, and runtime APIs HIP answers differently --------------------
+
+def check_void_pointer_arithmetic(text: str) -> Iterable[Hit]:
+    """Flag `p + n`, `p - n`, `p += n` in a function where `p` is declared `void*` (a parameter or a local),
+    unless cast first (`(char*)p + n`)."""
+    for function in functions(text):
+        header_start = max(text.rfind(";", 0, function.body_start - 1), text.rfind("}", 0, function.body_start - 1)) + 1
+        scope = text[header_start : function.body_end]
+        for name in set(re.findall(r"\bvoid\s*\*\s*(?:const\s+)?(\w+)\s*[=;,)]", scope)):
+            if re.search(rf"\b(?!void\b)\w+\s*\*\s*(?:const\s+)?{name}\s*[=;,)]", scope):
+                continue  # the name also holds a typed pointer in a scope of its own
+            for use in re.compile(rf"\b{name}\s*(?:[+-](?![-+>=])|[+-]=)").finditer(text, function.body_start, function.body_end):
+                before = text[function.body_start : use.start()].rstrip()
+                if not before.endswith((")", ".", ">", "*", "&")):
+                    yield Hit(*_position(text, use.start()), f"`{name}` is a `void*` in `{function.name}`")
+
+
+def check_capture_info_arity(text: str) -> Iterable[Hit]:
+    """Flag `cudaStreamGetCaptureInfo(...)` with more than three arguments (CUDA 12's form)."""
+    for call in re.finditer(r"\bcudaStreamGetCaptureInfo\s*\(", text):
+        if len(_split_top_level(_balanced_args(text, call.end() - 1))) > 3:
+            yield Hit(*_position(text, call.start()))
 
 
 # ---- functions: where each is defined, what it returns, whether it runs on the device ---------------
@@ -919,6 +974,21 @@ def check_missing_intrinsics(text: str) -> Iterable[Hit]:
             yield Hit(*_position(text, call.start()), "HIP has no atomicAdd for __half / __half2")
 
 
+# ---- __ldg on torch's Half: no overload under hipcc ------------------------------------------------
+
+_TORCH_HALF = r"(?:scalar_t|(?:at|c10)::Half)"  # scalar_t: the type AT_DISPATCH_*HALF* (and its kin) binds
+
+
+def check_ldg_torch_half(text: str) -> Iterable[Hit]:
+    """Flag `__ldg(p)` where `p` points to `scalar_t` or `at::Half` (declared so in the file): torch declares
+    `__ldg(const c10::Half*)` only for nvcc and clang-CUDA, and HIP's own overloads take builtin types and
+    `__half`, so a kernel dispatched for Half does not compile under hipcc."""
+    for call in re.finditer(r"\b__ldg\s*\(", text):
+        pointer = re.match(r"[\s&(]*(\w+)", _balanced_args(text, call.end() - 1))
+        if pointer and re.search(rf"\b{_TORCH_HALF}\s*(?:const\s*)?\*\s*(?:const\s*)?(?:__restrict__\s*)?{pointer.group(1)}\b", text):
+            yield Hit(*_position(text, call.start()), f"`{pointer.group(1)}` points to a type torch dispatches as at::Half")
+
+
 # ---- `= {}` on a half: ambiguous under hipcc -----------------------------------------------------
 
 def check_half_brace_assign(text: str) -> Iterable[Hit]:
@@ -1036,12 +1106,13 @@ RULES: list[Rule] = [
     ),
     Rule(
         "ballot-32bit-result", "error", "ballot or active mask stored in 32 bits",
-        "`__ballot_sync` and `__activemask` return 64-bit masks on AMD; storing them in `unsigned`, "
+        "`__ballot_sync`, `__activemask` and a cooperative group's `ballot` return 64-bit masks on AMD; storing them in `unsigned`, "
         "`int` or `uint32_t` drops lanes 32-63, so counts and leader election are wrong.",
         "Store masks in `unsigned long long` / `uint64_t` (or `auto`) and count them with `__popcll` / `__ffsll`.",
         before="unsigned votes = __ballot_sync(mask, pred);",
         after="unsigned long long votes = __ballot_sync(mask, pred);",
-        pattern=re.compile(r"\b(?<!long )(?:unsigned\s+int|unsigned|uint32_t|int32_t|int|uint)\s+\w+\s*=\s*__(?:ballot(?:_sync)?|activemask)\s*\("),
+        pattern=re.compile(r"\b(?<!long )(?:unsigned\s+int|unsigned|uint32_t|int32_t|int|uint)\s+\w+\s*=\s*"
+                           r"(?:__(?:ballot(?:_sync)?|activemask)|\w+\s*\.\s*ballot)\s*\("),  # a CG group's ballot too
     ),
     Rule(
         "popc-32bit", "warning", "32-bit bit count of a lane mask",
@@ -1284,6 +1355,21 @@ RULES: list[Rule] = [
         check=check_missing_intrinsics,
     ),
     Rule(
+        "ldg-torch-half", "error", "`__ldg` on torch's Half",
+        "torch declares `__ldg(const c10::Half*)` only for nvcc and clang-CUDA (c10's Half.h: `__CUDA_ARCH__ >= 350` "
+        "or `__clang__ && __CUDA__`, still so in torch 2.13), and HIP's own `__ldg` overloads take builtin types and "
+        "`__half`: a kernel that loads `scalar_t` through `__ldg` and is dispatched for Half has no matching call "
+        "under hipcc.",
+        "Load through a macro that is `__ldg(p)` on CUDA and a plain `*(p)` under `USE_ROCM` (AMD's loads go through "
+        "the same cache either way).",
+        before="template <typename scalar_t>\n__global__ void k(const scalar_t* __restrict__ x, scalar_t* y) {\n"
+               "  y[threadIdx.x] = __ldg(&x[threadIdx.x]);\n}",
+        after="#ifdef USE_ROCM\n#define LDG(p) (*(p))\n#else\n#define LDG(p) __ldg(p)\n#endif\n"
+              "template <typename scalar_t>\n__global__ void k(const scalar_t* __restrict__ x, scalar_t* y) {\n"
+              "  y[threadIdx.x] = LDG(&x[threadIdx.x]);\n}",
+        check=check_ldg_torch_half,
+    ),
+    Rule(
         "half-raw-bits", "error", "`__half_raw` / `__half2_raw` braced from bit patterns",
         "CUDA's `__half_raw` is a struct holding the 16 bits (`unsigned short x`), so `__half_raw inf = {0x7C00}` "
         "is +inf. HIP's is a union whose first member is the `_Float16` value, so the same braces give the "
@@ -1323,18 +1409,51 @@ RULES: list[Rule] = [
         before="#if __CUDA_ARCH__ >= 800",
         after="#if defined(__gfx90a__) || defined(__gfx942__)  // the AMD path, then the __CUDA_ARCH__ tests",
         check=check_arch_guards,
+        reads_dead_code=True,
     ),
     Rule(
-        "nvcc-guard", "warning", "`__NVCC__` test",
+        "compiler-guard", "warning", "`__NVCC__` or GCC-version test",
         "`__NVCC__` is nvcc's own macro: hipcc never defines it and no translator renames it (torch's hipify "
-        "renames `__CUDACC__`, not `__NVCC__`). Code under `#ifdef __NVCC__` is compiled out on AMD, and an `#else` "
-        "meant for host compilers is taken instead: `__host__ __device__` qualifiers chosen there vanish, and "
-        "device code calling those helpers stops compiling.",
-        "Test `defined(__NVCC__) || defined(__HIPCC__)` where the branch is about CUDA-style compilers, or "
-        "`__CUDACC__` / `__HIPCC__`.",
+        "renames `__CUDACC__`, not `__NVCC__`). And hipcc's clang reports `__GNUC__` 4, so `#if __GNUC__ < 6` (an "
+        "old-host-compiler escape) is taken. Code under such tests is compiled out on AMD, or an `#else` meant for "
+        "other compilers is taken: `__host__ __device__` qualifiers chosen there vanish (device code calling the "
+        "helpers stops compiling), or a whole op is built empty.",
+        "Test `defined(__NVCC__) || defined(__HIPCC__)` where the branch is about CUDA-style compilers, and keep "
+        "host-compiler version checks out of `__HIPCC__` builds.",
         before="#ifdef __NVCC__\n#define HD __host__ __device__\n#else\n#define HD\n#endif",
         after="#if defined(__NVCC__) || defined(__HIPCC__)\n#define HD __host__ __device__\n#else\n#define HD\n#endif",
-        check=check_nvcc_guards,
+        check=check_compiler_guards,
+        reads_dead_code=True,
+    ),
+    Rule(
+        "void-pointer-arith", "error", "arithmetic on a `void*`",
+        "g++ (nvcc's host compiler) accepts `p + n` on a `void*` as a GNU extension; clang, which hipcc is, "
+        "rejects it in C++ (\"arithmetic on a pointer to void\", checked with hipcc 5.2).",
+        "Declare the pointer `char*` (or cast: `static_cast<char*>(p) + n`).",
+        before="void swap(torch::Tensor& t, char* dst, int64_t offset) {\n  void* src = t.data_ptr();\n  copy(dst, src + offset);\n}",
+        after="void swap(torch::Tensor& t, char* dst, int64_t offset) {\n  char* src = static_cast<char*>(t.data_ptr());\n"
+              "  copy(dst, src + offset);\n}",
+        check=check_void_pointer_arithmetic,
+    ),
+    Rule(
+        "smem-optin-zero", "error", "the opt-in shared-memory limit, which HIP reports as 0",
+        "`cudaDevAttrMaxSharedMemoryPerBlockOptin` (`sharedMemPerBlockOptin`) maps to "
+        "`hipDeviceAttributeSharedMemPerBlockOptin`, which ROCm 6.0 to 6.2 set to 0 (clr's hip_device.cpp): "
+        "code that sizes shared memory by it gets nothing, and launches or whole ops are refused.",
+        "Read `hipDeviceAttributeMaxSharedMemoryPerBlock` under `USE_ROCM` (AMD has no opt-in beyond it: 64 KiB).",
+        before="cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);",
+        after="#ifdef USE_ROCM\ncudaDeviceGetAttribute(&smem, hipDeviceAttributeMaxSharedMemoryPerBlock, dev);\n#else\n"
+              "cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);\n#endif",
+        pattern=re.compile(r"\bcudaDevAttrMaxSharedMemoryPerBlockOptin\b|\bsharedMemPerBlockOptin\b"),
+    ),
+    Rule(
+        "capture-info-v2", "error", "`cudaStreamGetCaptureInfo` with CUDA 12's six arguments",
+        "hipify maps `cudaStreamGetCaptureInfo` to `hipStreamGetCaptureInfo`, which takes three arguments (stream, "
+        "status, id); CUDA 12's six-argument form is `hipStreamGetCaptureInfo_v2` in HIP: the call does not compile.",
+        "Call `hipStreamGetCaptureInfo_v2` under `USE_ROCM` (or `cudaStreamGetCaptureInfo_v2` on both).",
+        before="cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph, nullptr, nullptr);",
+        after="cudaStreamGetCaptureInfo_v2(stream, &status, nullptr, &graph, nullptr, nullptr);",
+        check=check_capture_info_arity,
     ),
 ]
 

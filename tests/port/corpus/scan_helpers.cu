@@ -3,7 +3,7 @@
 // qualifiers chosen by nvcc's own macro.
 #include "common.cuh"
 
-#ifdef __NVCC__  // expect: nvcc-guard
+#ifdef __NVCC__  // expect: compiler-guard
 #define SCAN_HD __host__ __device__
 #else
 #define SCAN_HD

@@ -24,7 +24,7 @@ __global__ void masked_softmax_kernel(const float* __restrict__ scores, float* _
     return;
   }
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    row_max = fmaxf(row_max, __shfl_down_sync(active, row_max, offset));
+    row_max = fmaxf(row_max, __shfl_down_sync(active, row_max, offset));  // expect: mask-32bit
   }
   row_max = __shfl_sync(0xffffffff, row_max, 0);  // expect: mask-32bit
 
