@@ -108,3 +108,14 @@ def test_clang_engine_passes_cuda_path_and_reads_its_output(bare_path, tmp_path,
 def test_unavailable_or_unknown_engine_is_a_user_error(bare_path, engine, message):
     with pytest.raises(UserError, match=message):
         select_engine(engine)
+
+
+def test_torch_engine_gives_a_host_only_file_the_runtime_include(tmp_path):
+    """nvcc includes cuda_runtime.h by itself, hipcc nothing, and torch's hipify only where kernels are."""
+    host = tmp_path / "utils.cu"
+    host.write_text("int device() {\n  int d;\n  cudaGetDevice(&d);\n  return d;\n}\n")
+    included = tmp_path / "ext.cu"
+    included.write_text("#include <torch/extension.h>\nint device() { int d; cudaGetDevice(&d); return d; }\n")
+    engine = select_engine("torch")
+    assert engine.translate(host).startswith("#include <hip/hip_runtime.h>\nint device() {")
+    assert "hip_runtime.h" not in engine.translate(included)  # torch's headers bring the runtime

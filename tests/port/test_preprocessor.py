@@ -18,6 +18,8 @@ from tiletune.port.preprocessor import blank_branches_dead_on_amd, on_amd
     ("(FOO) && (__CUDA_ARCH__ >= 750)", False),
     ("FOO > 2", None),
     ("CUDA_VERSION >= 9000", False),  # the old-CUDA branch (unmasked shuffles) is the one hipcc compiles
+    ("defined(__NVCC__)", False),  # nvcc's own macro
+    ("__GNUC__ < 6", True),  # hipcc's clang says GCC 4 (checked with hipcc 5.2)
 ])
 def test_conditions_as_hipcc_sees_them(condition, value):
     assert on_amd(condition) is value
