@@ -59,12 +59,12 @@ def test_torch_engine_maps_pytorch_headers_graph_params_and_the_kernel_cast(tmp_
     source = tmp_path / "ext.cu"
     source.write_text(
         "#include <ATen/cuda/CUDAContext.h>\n#include <ATen/cuda/Exceptions.h>\n"
-        "#include <c10/cuda/CUDAGuard.h>\n#include \"c10/cuda/CUDAStream.h\"\n"
+        "#include <c10/cuda/CUDAGuard.h>\n#include \"c10/cuda/CUDAStream.h\"\n#include <vector_functions.h>\n"
         "void f() { cudaKernelNodeParams params; cudaFuncSetAttribute(k<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, n);\n"
         "  cudaFuncSetAttribute((const void*)k<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, n); }\n")
     hip = select_engine("torch").translate(source)
     assert "<ATen/hip/HIPContext.h>" in hip and "<ATen/hip/Exceptions.h>" in hip
-    assert "<c10/hip/HIPGuard.h>" in hip and '"c10/hip/HIPStream.h"' in hip
+    assert "<c10/hip/HIPGuard.h>" in hip and '"c10/hip/HIPStream.h"' in hip and "<hip/hip_vector_types.h>" in hip
     assert "hipKernelNodeParams params;" in hip
     assert hip.count("hipFuncSetAttribute((const void*)k<64>, hipFuncAttributeMaxDynamicSharedMemorySize") == 2
 
