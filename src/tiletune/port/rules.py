@@ -15,6 +15,7 @@ see whether 32 is applied to a thread index, find what declares an object, bound
 from __future__ import annotations
 
 import ast
+import bisect
 import functools
 import re
 from collections.abc import Callable, Iterable
@@ -368,7 +369,7 @@ def _rows_of_32(text: str, lane_blind: set[str]) -> Iterable[Hit]:
         if re.match(rf"dim3\s*{_ROWS_OF_32}", block):
             where = launch.start(2) + launch.group(2).find(block)
         else:
-            launcher = max((f.body_start for f in defined if f.body_start <= launch.start() < f.body_end), default=0)
+            launcher = getattr(enclosing_function(text, launch.start()), "body_start", 0)
             named = re.compile(rf"\bdim3\s+{re.escape(block)}\s*{_ROWS_OF_32}").search(text, launcher, launch.start())
             if named is None:
                 continue
@@ -901,16 +902,30 @@ def lane_blind_functions(text: str) -> tuple[Function, ...]:
     return tuple(f for f in defined if f.name not in warp_level)
 
 
+@functools.lru_cache(maxsize=4)
+def _body_starts(text: str) -> list[int]:
+    return [f.body_start for f in functions(text)]
+
+
+def enclosing_function(text: str, offset: int) -> Function | None:
+    """The function of `functions` whose body holds `offset` (bodies do not nest: one search in their starts)."""
+    index = bisect.bisect_right(_body_starts(text), offset) - 1
+    if index >= 0 and offset < (function := functions(text)[index]).body_end:
+        return function
+    return None
+
+
 def in_lane_blind_function(text: str, offset: int) -> bool:
     """Whether `offset` lies in the body of a function of `lane_blind_functions`."""
-    return any(f.body_start <= offset < f.body_end for f in lane_blind_functions(text))
+    function = enclosing_function(text, offset)
+    return function is not None and function in lane_blind_functions(text)
 
 
 def in_warp_level_launcher(text: str, offset: int) -> bool:
     """Whether `offset` lies in a host function that launches (or calls) a warp-level kernel of the file: its
     block shape decides which threads share a warp."""
-    lane_blind = lane_blind_functions(text)
-    return any(f.body_start <= offset < f.body_end and not f.device and f not in lane_blind for f in functions(text))
+    function = enclosing_function(text, offset)
+    return function is not None and not function.device and function not in lane_blind_functions(text)
 
 
 # ---- CUDA math functions HIP declares for the device only --------------------------------------
