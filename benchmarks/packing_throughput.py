@@ -1,10 +1,12 @@
-"""Non-padding tokens per second of training steps: stock padded batches against `neat_packing`.
+"""Non-padding tokens per second of training steps: stock padded batches against `neat_packing`, stock and with kernels.
 
 LLaMA-Factory's alpaca_en_demo (1000 examples), llama3 template, cutoff_len 2048, batch 4: the same
 examples batched as `tiletune train` batches them, unpacked (padded to the longest in the batch) and with
 `neat_packing: true` (packed into sequences of at most cutoff_len, each batch one row without padding).
-The model is a random-init preset set up as the config says (LoRA, gradient checkpointing, bf16), built
-once and trained in both modes; batches are drawn in one seeded order, warm-up steps dropped, every step
+A third mode, `neat_packing` with tiletune's kernels (`--kernels`, default the fastest set plus attention,
+whose varlen kernel runs the packed sequences where stock SDPA gets a block-diagonal mask), patches the same model
+last. The model is a random-init preset set up as the config says (LoRA, gradient checkpointing, bf16), built
+once and trained in every mode; batches are drawn in one seeded order, warm-up steps dropped, every step
 timed with the device synchronised. The tokenizer is the demo model's (examples/tiny-llama: a 632-token
 BPE with the Llama-3 special tokens; no download), so sequences are longer than Llama-3's tokenizer makes them.
 
@@ -22,15 +24,18 @@ from pathlib import Path
 
 import torch
 
-from tiletune.bench.worker import build_model
+from tiletune.bench.worker import build_model, variant_kernels
 from tiletune.config import load_config
 from tiletune.data.collator import data_collator
 from tiletune.data.processing import build_splits
 from tiletune.data.templates import get_template
 from tiletune.env import run_stamp
+from tiletune.patch import apply_kernels, parse_kernel_spec
+from tiletune.patch.warmup import compile_ahead
 from tiletune.train.model import autocast, compute_dtype, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
+FASTEST_PACKED = "rms_norm+rope+swiglu+linear_cross_entropy+lora_linear+attention"  # the fastest set + varlen attention
 GIB = 2**30
 
 
@@ -92,6 +97,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, help="timed steps per mode (default: the rest of the epoch)")
     parser.add_argument("--attn", default="sdpa", help="attn_implementation, e.g. flash_attention_2 (varlen)")
+    parser.add_argument("--kernels", default=FASTEST_PACKED,
+                        help="kernels of the third mode, neat_packing patched, as a bench variant names them (all, or "
+                             "ops joined by +; '' skips the mode)")
     parser.add_argument("--out", help="folder for packing_throughput.json")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -99,6 +107,8 @@ def main() -> None:
               "template=llama3", f"cutoff_len={args.cutoff_len}", f"per_device_train_batch_size={args.batch}",
               *([] if device.type == "cuda" else ["bf16=false"])]  # fmt: skip
     modes = {"unpacked": [], "neat_packing": ["neat_packing=true"]}
+    if args.kernels:
+        modes["neat_packing+kernels"] = modes["neat_packing"]
     cfgs = {mode: load_config(args.config, common + extra) for mode, extra in modes.items()}
     torch.manual_seed(0)
     model, _ = build_model(cfgs["unpacked"], args.preset, "baseline", device)
@@ -107,20 +117,25 @@ def main() -> None:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     rows = {}
     for mode, cfg in cfgs.items():
+        if mode.endswith("+kernels"):  # last: the same model and optimizer state, patched
+            spec = parse_kernel_spec(variant_kernels(args.kernels))
+            compile_ahead(model, spec, compute_dtype(cfg))
+            apply_kernels(model, spec)
         loader, stats = batches(cfg, seed=0)
         rows[mode] = {**stats, "batches": len(loader),
                       **run_mode(model, optimizer, loader, device, compute_dtype(cfg), args.warmup, args.steps)}  # fmt: skip
-    speedup = rows["neat_packing"]["tokens_per_s"] / rows["unpacked"]["tokens_per_s"]
+    speedups = {mode: row["tokens_per_s"] / rows["unpacked"]["tokens_per_s"] for mode, row in rows.items() if mode != "unpacked"}
     print(f"| {args.preset}, {args.attn}, batch {args.batch}, cutoff_len {args.cutoff_len} | examples | rows | batches | "
           "timed steps | padding | non-padding tokens/s | peak GiB |\n|---|---|---|---|---|---|---|---|")
     for mode, row in rows.items():
         print(f"| {mode} | {row['train_examples']} | {row.get('train_sequences', row['train_examples'])} | "
               f"{row['batches']} | {row['steps']} | {row['padding']:.1%} | {row['tokens_per_s']:,.0f} | {row['peak_gib']:.1f} |")
-    print(f"neat_packing / unpacked: {speedup:.2f}x")
+    for mode, speedup in speedups.items():
+        print(f"{mode} / unpacked: {speedup:.2f}x")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         result = {"preset": args.preset, "attn": args.attn, "batch": args.batch, "cutoff_len": args.cutoff_len,
-                  "modes": rows, "speedup": speedup, "environment": run_stamp()}  # fmt: skip
+                  "kernels": args.kernels, "modes": rows, "speedup": speedups, "environment": run_stamp()}  # fmt: skip
         Path(args.out, "packing_throughput.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
