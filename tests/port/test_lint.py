@@ -68,6 +68,9 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("#if FOO\n#elif __CUDA_ARCH__ == 900\nfast_path();\n#endif", "cuda-arch-guard"),
     ("#ifdef __CUDA_ARCH__\n__syncthreads();\n#endif", "cuda-arch-guard"),
     ("bool pick(int n, int& warp_size) { warp_size = (n < 32) ? n : 32; return true; }", "host-warp-size"),
+    # a warp-size macro of another header sizing a launch: the host pass cannot know the device's wavefront
+    ("void launch(float* x, cudaStream_t s) {\n  dim3 block(WARP_SIZE, 4);\n  k<<<1, block, 0, s>>>(x);\n}",
+     "host-warp-size"),
     ("constexpr __half2_raw neg_inf = {0xFC00, 0xFC00};", "half-raw-bits"),
     ("half2 sum = __halves2half2(lo, hi);\natomicAdd(out + i, sum);", "missing-intrinsic"),
     ("__half2 acc;\nfor (int i = 0; i < n; ++i) {\n  acc = {};\n}", "half-brace-assign"),
@@ -162,6 +165,7 @@ def test_rule_variants_stay_silent(code, rule):
     "#if defined(USE_ROCM)\nint lane = threadIdx.x % warpSize;\n#else\nint lane = threadIdx.x & 31;\n#endif",
     "#if __CUDA_ARCH__ < 700\n__syncthreads();\n#endif",  # true on AMD, nothing compiled out
     "__device__ int lanes() { return C10_WARP_SIZE; }",  # the device pass knows its wavefront
+    "__device__ int lanes() { return WARP_SIZE; }",  # so does a macro of another header, in device code
     "__device__ int pick(int n) { int warp_size = n < 32 ? n : 32; return warp_size; }",  # device code: warp-size rules
     "__half_raw zero = {0x0000};",  # zero is zero as a value and as bits
     "float2 v = make_float2(0.f, 1.f);\natomicAdd(&acc, v.x);",  # atomicAdd on a float: HIP has it

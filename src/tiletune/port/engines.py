@@ -106,6 +106,9 @@ TORCH_TABLE_GAPS: list[Rewrite] = [
             "CUDA's CUDART_* constants; HIP has them as HIP_* in hip/hip_math_constants.h (hipify-clang's header table)"),
     Rewrite(re.compile(r"\bCUDART_(\w+)"), r"HIP_\1",
             "hip/hip_math_constants.h names CUDA's constants with a HIP_ prefix (CUDART_PI_F -> HIP_PI_F)"),
+    Rewrite(re.compile(r"\bCUSPARSE_(SPMM|SPMV)_ALG_DEFAULT\b"), r"HIPSPARSE_\1_ALG_DEFAULT",
+            "the generic SpMM / SpMV API's default algorithms (CUDA 11 names); torch maps their older aliases "
+            "(CUSPARSE_MM_ALG_DEFAULT) only, hipSPARSE has both"),
     Rewrite(re.compile(r"""(#\s*include\s*[<"])((?:ATen/(?:native/(?:\w+/)?)?|c10/)cuda/[^>"]+)"""), _torch_header,
             "torch.utils.hipify renames PyTorch's CUDA headers by path when it builds an extension "
             "(ATen/cuda/CUDAContext.h -> ATen/hip/HIPContext.h), not through its table"),

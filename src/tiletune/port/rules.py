@@ -952,16 +952,23 @@ def check_host_math(text: str) -> Iterable[Hit]:
 _HOST_WARP_SIZE = re.compile(rf"\bC10_WARP_SIZE\b|\b{_WARP_SIZE_NAME}\s*=(?!=)[^;]*?\b32[uU]?\b(?!\.)")
 
 
+_WARP_SIZE_MACRO = re.compile(r"\b[A-Z0-9_]*WARP_?SIZE[A-Z0-9_]*\b")  # upper case: a macro, or a constant like one
+
+
 def check_host_warp_size(text: str) -> Iterable[Hit]:
-    """Flag each line of a function not compiled for the device that uses `C10_WARP_SIZE` or sets a warp-size
-    variable from a literal 32 (`warp_size = n < 32 ? n : 32;`)."""
+    """Flag each line of a function not compiled for the device that uses `C10_WARP_SIZE`, sets a warp-size
+    variable from a literal 32 (`warp_size = n < 32 ? n : 32;`), or uses a warp-size macro another file defines
+    (`WARP_SIZE` from a compat header: whatever it says, the host pass cannot know the device's width)."""
+    defined = source_constants(text)
     for function in functions(text):
         if function.device:
             continue
-        lines = {_position(text, use.start())[0]: use.start()
-                 for use in _HOST_WARP_SIZE.finditer(text, function.body_start, function.body_end)}
-        for offset in lines.values():
-            yield Hit(*_position(text, offset), f"in host function `{function.name}`")
+        uses = [*_HOST_WARP_SIZE.finditer(text, function.body_start, function.body_end),
+                *(use for use in _WARP_SIZE_MACRO.finditer(text, function.body_start, function.body_end)
+                  if use.group(0) not in defined and use.group(0) != "C10_WARP_SIZE")]
+        lines = {_position(text, use.start())[0]: use for use in sorted(uses, key=lambda use: -use.start())}
+        for use in lines.values():
+            yield Hit(*_position(text, use.start()), f"`{use.group(0).strip()}` in host function `{function.name}`")
 
 
 # ---- CUDA intrinsics and overloads HIP does not have --------------------------------------------
@@ -1324,13 +1331,16 @@ RULES: list[Rule] = [
         check=check_missing_return,
     ),
     Rule(
-        "host-warp-size", "warning", "`C10_WARP_SIZE` in host code",
+        "host-warp-size", "warning", "`C10_WARP_SIZE` (or another header's warp-size macro) in host code",
         "In a ROCm build of PyTorch, `C10_WARP_SIZE` is the wavefront size of the GPU being compiled for in "
         "device code (64 on CDNA, 32 on RDNA), but the host pass cannot know which GPU will run the kernel: "
         "launch geometry, warps per block and shared-memory sizes computed from it on the host disagree with "
-        "the kernel on one of the two families (and ROCm's newer PyTorch no longer gives the host a constant).",
+        "the kernel on one of the two families (and ROCm's newer PyTorch no longer gives the host a constant). "
+        "A project's own `WARP_SIZE` from a compat header is the same trap: keyed on `__GFX9__` or "
+        "`__AMDGCN_WAVEFRONT_SIZE`, it reads the host pass's value (vLLM's topk softmax launched 32-wide blocks "
+        "for kernels built for 64 lanes until it asked the device).",
         "Ask the device on the host: `at::cuda::warp_size()` (or `hipDeviceProp_t::warpSize`), and keep "
-        "`C10_WARP_SIZE` for device code.",
+        "`C10_WARP_SIZE` and compile-time warp sizes for device code.",
         before="void launch(int num_warps) { const dim3 threads(C10_WARP_SIZE, num_warps); }",
         after="void launch(int num_warps) { const dim3 threads(at::cuda::warp_size(), num_warps); }",
         check=check_host_warp_size,
