@@ -49,14 +49,15 @@
 #   families: the GPU tests of rms_norm (offset form included) and the gated MLP ops, then `tiletune verify` of every
 #           kernel on 2 decoder layers of each preset in FAMILY_PRESETS (default: qwen3-8b mistral-7b gemma3-12b
 #           phi3-mini)
-#   pending: the GPU tests of code written since the last GPU session and never run on a GPU (linear_logprobs'
-#           TileLang kernels, LoRA on MoE experts and its grouped rank-r GEMMs, the parallel warm-up, partial and
-#           pairs rope, varlen attention), each file's tail in OUT/gpu_tests_pending.txt
-#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo|pending OUT_DIR [bench args...]
+#   pending: the GPU tests of code never run whole on a GPU (varlen attention: the 2026-12-05 call ran out of time
+#           after 7 of its tests), each file's tail in OUT/gpu_tests_pending.txt
+#   dpo-fast: the DPO step with the fastest set (no `linear`), alone and under `auto` within BUDGET_GIB
+#   packing: benchmarks/packing_throughput.py (unpacked / neat_packing stock / neat_packing with kernels)
+#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo|dpo-fast|packing|pending OUT_DIR [bench args...]
 # (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
 set -u
-PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo|pending OUT_DIR [bench args]}
-OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo|pending OUT_DIR [bench args]}
+PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo|dpo-fast|packing|pending OUT_DIR [bench args]}
+OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo|dpo-fast|packing|pending OUT_DIR [bench args]}
 shift 2
 CONFIG=examples/bench/llama3_8b_lora.yaml
 GOLDEN=/tmp/llama3-8b-2layers.golden.safetensors  # too large to bring back; its report is kept
@@ -131,17 +132,26 @@ dpo)
     python3 -m tiletune bench examples/bench/llama3_8b_dpo.yaml --model-preset llama3-8b --steps 5 --warmup 2 --repeats 1 \
         --variants "baseline,llamafactory,liger,liger_fused,all,baseline:pref_loss=orpo,all:pref_loss=orpo,baseline:stage=kto,all:stage=kto" \
         --out "$OUT/bench-dpo" 2>&1 | tail -12 ;;
+dpo-fast)
+    # #20: the fastest set for the DPO step (no `linear`: 1.02x stock alone on the SFT step), alone and under `auto`
+    # within half of LLaMA-Factory's peak (BUDGET_GIB, default 23.3: half of its 46.7 GiB on 2026-12-05), against
+    # LLaMA-Factory's run of TRL and Liger's kernels in the same bench run
+    FAST=rms_norm+rope+swiglu+linear_logprobs+lora_linear
+    python3 -m tiletune bench examples/bench/llama3_8b_dpo.yaml --model-preset llama3-8b --steps 5 --warmup 2 --repeats 1 \
+        --variants "llamafactory,liger,$FAST,$FAST:gradient_checkpointing=auto:gradient_checkpointing_budget=${BUDGET_GIB:-23.3}" \
+        --out "$OUT/bench-dpo-fast" 2>&1 | tail -8 ;;
+packing)
+    # #21: non-padding tokens/s, unpacked stock against neat_packing stock and with the fastest set + varlen attention;
+    # LLaMA-Factory's demo data from LF_DATA (alpaca_en_demo.json and dataset_info.json, carried with the call)
+    python3 benchmarks/packing_throughput.py --dataset-dir "${LF_DATA:-.devkit/lfdata}" --steps "${STEPS:-20}" \
+        --out "$OUT/packing" 2>&1 | grep -v -i warn | tail -8 ;;
 pending)
     mkdir -p "$OUT"
     gpu_tests() {
         echo "== $*" | tee -a "$OUT/gpu_tests_pending.txt"
         python3 -m pytest -q -m gpu "$@" 2>&1 | tail -6 | tee -a "$OUT/gpu_tests_pending.txt"
     }
-    gpu_tests tests/kernels/test_linear_logprobs.py
-    gpu_tests tests/kernels/test_moe_experts.py -k "lora or grouped"
-    gpu_tests tests/patch/test_patch.py -k warmup
-    gpu_tests tests/kernels/test_rope.py
-    gpu_tests tests/kernels/test_attention.py ;;
+    gpu_tests tests/kernels/test_attention.py ;;  # the rest of this list passed on 2026-12-05
 families)
     python3 -m pytest -q -m gpu tests/kernels/test_rms_norm.py tests/kernels/test_swiglu.py 2>&1 \
         | tee "$OUT/gpu_tests_families.txt" | tail -2
@@ -192,5 +202,5 @@ offload)
     for GIB in ${LEAN_GIB:-17.5 18.7}; do SET="$SET,$FAST:$AUTO:$OFF:gradient_checkpointing_budget=$GIB"; done
     python3 -m tiletune bench "$CONFIG" "$@" --model-preset llama3-8b --steps 5 --warmup 2 --variants "$SET" \
         --out "$OUT/offload-${SPEED_NAME:-lora-qv}" 2>&1 | tail -20 ;;
-*) echo "unknown part $PART (verify, golden, attention, lora, bench, speed, offload, engine, qlora, qlora-long, qlora70b, families, families-bench, moe or library)"; exit 2 ;;
+*) echo "unknown part $PART (verify, golden, attention, lora, bench, speed, offload, engine, qlora, qlora-long, qlora70b, families, families-bench, moe, library, library-bench, dpo, dpo-fast, packing or pending)"; exit 2 ;;
 esac
