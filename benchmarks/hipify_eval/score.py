@@ -97,6 +97,11 @@ CLASSES: dict[str, ChangeClass] = {
     "inline-ptx": ChangeClass(("inline-asm", "ptx-mma"), False, "PTX `asm volatile` rewritten as AMD GPU assembly or C++"),
     "bf16-operator": ChangeClass(("bf16-type",), False, "an operator on bf16 values HIP's bf16 type lacked (`a + b` before ROCm 6.1)"),
     "void-pointer-arith": ChangeClass(("void-pointer-arith",), False, "arithmetic on a `void*` (g++ accepts it, clang rejects it)"),
+    # round 7's classes, defined by its labellers (before the round was scored)
+    "operator-ambiguity": ChangeClass((), False,
+                                      "a host comparison on a SIMD wrapper that clang finds ambiguous (its built-in vector operators)"),
+    "unused-header": ChangeClass((), False, "an unused CUDA-toolkit library header (Thrust) kept out of the HIP build"),
+    "build-flag-guard": ChangeClass((), False, "a project build macro selecting the GPU code (`#if BUILD_CUDA`) widened to the HIP build's"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).
