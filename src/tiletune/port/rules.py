@@ -903,8 +903,8 @@ def lane_blind_functions(text: str) -> tuple[Function, ...]:
 
 
 @functools.lru_cache(maxsize=4)
-def _body_starts(text: str) -> list[int]:
-    return [f.body_start for f in functions(text)]
+def _body_starts(text: str) -> tuple[int, ...]:
+    return tuple(f.body_start for f in functions(text))
 
 
 def enclosing_function(text: str, offset: int) -> Function | None:
