@@ -965,9 +965,11 @@ def check_host_warp_size(text: str) -> Iterable[Hit]:
             continue
         uses = [*_HOST_WARP_SIZE.finditer(text, function.body_start, function.body_end),
                 *(use for use in _WARP_SIZE_MACRO.finditer(text, function.body_start, function.body_end)
-                  if use.group(0) not in defined and use.group(0) != "C10_WARP_SIZE")]
-        lines = {_position(text, use.start())[0]: use for use in sorted(uses, key=lambda use: -use.start())}
-        for use in lines.values():
+                  if use.group(0) not in defined)]
+        first_on_line = {}
+        for use in sorted(uses, key=lambda use: use.start()):
+            first_on_line.setdefault(_position(text, use.start())[0], use)
+        for use in first_on_line.values():
             yield Hit(*_position(text, use.start()), f"`{use.group(0).strip()}` in host function `{function.name}`")
 
 
