@@ -100,6 +100,7 @@ class TuneConfig:
     ref_model: str | None = None  # null: the base with the adapters disabled (LoRA), or a copy of the model
     ref_model_adapters: str | None = None
     precompute_ref_log_probs: bool = False  # TRL's: reference log-probs computed once before training
+    pref_shared_prompt: bool = False  # tiletune's (dpo): each pair's prompt runs once (train/shared_prompt.py)
     kto_chosen_weight: float = 1.0  # KTO: weight of the desirable answers' loss
     kto_rejected_weight: float = 1.0
     freeze_trainable_layers: int = 2
@@ -446,7 +447,8 @@ _READ_ONLY_WITH = (
                                                      "galore_scale", "galore_proj_type", "galore_layerwise")),
     ("stage=dpo or kto", lambda cfg: cfg.stage in ("dpo", "kto"),
      ("pref_beta", "pref_ftx", "ref_model", "precompute_ref_log_probs")),
-    ("stage=dpo", lambda cfg: cfg.stage == "dpo", ("pref_loss", "dpo_label_smoothing", "simpo_gamma")),
+    ("stage=dpo", lambda cfg: cfg.stage == "dpo", ("pref_loss", "dpo_label_smoothing", "simpo_gamma",
+                                                   "pref_shared_prompt")),
     ("stage=kto", lambda cfg: cfg.stage == "kto", ("kto_chosen_weight", "kto_rejected_weight")),
     ("pref_loss=sigmoid", lambda cfg: cfg.pref_loss == "sigmoid", ("dpo_label_smoothing",)),
     ("pref_loss=simpo", lambda cfg: cfg.pref_loss == "simpo", ("simpo_gamma",)),

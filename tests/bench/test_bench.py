@@ -126,19 +126,22 @@ def test_a_budget_may_be_another_variants_peak_measured_earlier_in_the_run(tmp_p
 def test_a_preference_stage_is_timed_on_its_trainer_with_each_log_prob_head(tmp_path):
     """stage dpo: TRL's fused head (baseline), LLaMA-Factory's full-logits log-probs and tiletune's linear_logprobs
     give the same first loss on the same pairs (log 2: the policy is its reference); orpo (no reference) and kto run
-    too, and the step counts chosen + rejected tokens."""
+    too, and the step counts chosen + rejected tokens (also where each pair's prompt runs once)."""
     config = tmp_path / "dpo.yaml"
     config.write_text("model_name_or_path: unused\nstage: dpo\nfinetuning_type: lora\nlora_target: q_proj,v_proj\n"
                       "pref_beta: 0.1\n")  # fmt: skip
     out = tmp_path / "bench"
-    variants = "baseline,llamafactory,linear_logprobs,linear_logprobs:pref_loss=orpo,baseline:stage=kto"
+    variants = ("baseline,llamafactory,linear_logprobs,linear_logprobs:pref_shared_prompt=true,"
+                "linear_logprobs:pref_loss=orpo,baseline:stage=kto")
     result = CliRunner().invoke(main, ["bench", str(config), "--model-preset", "tiny", "--variants", variants,
                                        "--batch", "2", "--seq", "32", "--steps", "1", "--warmup", "1", "--repeats", "1",
                                        "--out", str(out)])  # fmt: skip
     assert result.exit_code == 0, result.output
     runs = {run["variant"]: run for run in map(json.loads, (out / "runs.jsonl").read_text().splitlines())}
-    for name in ("baseline", "llamafactory", "linear_logprobs"):
+    for name in ("baseline", "llamafactory", "linear_logprobs", "linear_logprobs:pref_shared_prompt=true"):
         assert runs[name]["losses"][0] == pytest.approx(0.693147, abs=1e-4)  # -log sigmoid(0)
+    assert runs["linear_logprobs:pref_shared_prompt=true"]["tokens_per_step"] == 2 * 2 * 32
+    assert not runs["linear_logprobs:pref_shared_prompt=true"]["patched"]["runtime_fallbacks"]
     assert runs["linear_logprobs:pref_loss=orpo"]["losses"][0] > 1.0  # the chosen answer's NLL of random tokens
     assert runs["baseline"]["tokens_per_step"] == 2 * 2 * 32 and runs["baseline:stage=kto"]["tokens_per_step"] == 2 * 32
     assert runs["linear_logprobs"]["patched"]["ops"]["linear_logprobs"]["impl"] == "chunked"

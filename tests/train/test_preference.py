@@ -151,6 +151,28 @@ def test_linear_logprobs_gives_trls_loss_and_lora_gradients(dpo_config, tmp_path
         assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("keys", [{"pref_loss": "sigmoid"}, {"pref_loss": "simpo", "pref_ftx": 0.3},
+                                  {"pref_loss": "sigmoid", "disable_gradient_checkpointing": False},
+                                  {"pref_loss": "orpo", "kernels": {"linear_logprobs": "reference"}}])  # fmt: skip
+def test_shared_prompt_gives_trls_loss_and_lora_gradients(dpo_config, tmp_path, keys):
+    """`pref_shared_prompt: true`: every forward (policy and reference) runs one row per pair, and the loss and the
+    LoRA gradients are those of TRL's two rows per pair."""
+    from tiletune.kernels import registry
+
+    trl_loss, trl_grads = _loss_and_lora_grads(*_trainer_and_batch(dpo_config(**keys), tmp_path))
+    trainer, batch = _trainer_and_batch(dpo_config(pref_shared_prompt=True, **keys), tmp_path)
+    rows = []
+    embed = trainer.model.get_input_embeddings()
+    handle = embed.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
+    loss, grads = _loss_and_lora_grads(trainer, batch)
+    handle.remove()
+    pairs = len(batch["input_ids"]) // 2
+    assert rows and set(rows) == {pairs}, (rows, registry.runtime_fallbacks)  # no forward ran the pairs as two rows each
+    assert trl_loss.item() != pytest.approx(0.0) and loss.item() == pytest.approx(trl_loss.item(), rel=1e-5)
+    for mine, theirs in zip(grads, trl_grads, strict=True):
+        assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-6)
+
+
 def test_kto_sft_term_is_llamafactorys(dpo_config, tmp_path):
     """pref_ftx x the desirable answers' mean per-token NLL x batch / desirable answers (LLaMA-Factory's scaling)."""
     ftx, keys = 0.4, {"stage": "kto", "dataset": "feedback"}
@@ -194,6 +216,7 @@ def test_conservative_dpo_with_sft_term_matches_its_formula(dpo_config, tmp_path
         ({"stage": "sft", "pref_beta": 0.2}, "pref_beta is read only with stage=dpo or kto"),
         ({"stage": "rm", "pref_ftx": 0.2}, "pref_ftx is read only with stage=dpo or kto"),
         ({"stage": "kto", "pref_loss": "orpo"}, "pref_loss is read only with stage=dpo"),
+        ({"stage": "kto", "pref_shared_prompt": True}, "pref_shared_prompt is read only with stage=dpo"),
     ],
 )
 def test_wrong_key_combination_is_one_line_and_exit_2(tmp_path, tiny_model_dir, keys, expected):

@@ -18,7 +18,8 @@ undesirable weights), the same reference; the KL term's mismatched answers come 
 by batch size / desirable answers as LLaMA-Factory's CustomKTOTrainer does.
 
 Every log-prob (policy, reference, KTO's KL answers) comes from `model(..., fused_lm_head=True)`: TRL's fused LM
-head, or with `kernels:` selecting `linear_logprobs` (`all` does) tiletune's op in its place (`add_logprob_head`).
+head, or with `kernels:` selecting `linear_logprobs` (`all` does) tiletune's op in its place (`add_logprob_head`);
+with `pref_shared_prompt` that head runs each DPO pair's prompt once (train/shared_prompt.py).
 
 `stage: rm` is LLaMA-Factory's PairwiseTrainer: a value head (a Linear from the last hidden state to a score) on
 the causal LM, each answer scored at its last token, loss -log σ(score chosen - score rejected); evaluation
@@ -118,7 +119,7 @@ def _dpo_stage(cfg: TuneConfig, model, tokenizer, model_loader):
             "precompute_ref_log_probs": cfg.precompute_ref_log_probs}
     settings = {"loss": PREF_LOSSES[cfg.pref_loss], "ftx": cfg.pref_ftx, "simpo_gamma": cfg.simpo_gamma}
     return (preference_trainer_class(), lambda args: _trl_arguments(DPOConfig, args, **keys),
-            {"ref_model": _reference(cfg, tokenizer, model_loader), "logprob_head": logprob_kernel(cfg), **settings})  # fmt: skip
+            {"ref_model": _reference(cfg, tokenizer, model_loader), "logprob_head": logprob_head(cfg), **settings})  # fmt: skip
 
 
 def _kto_stage(cfg: TuneConfig, model, tokenizer, model_loader):
@@ -150,7 +151,7 @@ def _kto_stage(cfg: TuneConfig, model, tokenizer, model_loader):
             return (result[0] + extra, *result[1:]) if isinstance(result, tuple) else result + extra
 
     return (FeedbackTrainer, lambda args: _trl_arguments(KTOConfig, args, **keys),
-            {"ref_model": _reference(cfg, tokenizer, model_loader), "logprob_head": logprob_kernel(cfg),
+            {"ref_model": _reference(cfg, tokenizer, model_loader), "logprob_head": logprob_head(cfg),
              "ftx": cfg.pref_ftx})  # fmt: skip
 
 
@@ -178,33 +179,49 @@ def answer_log_probs(log_probs, completion_mask):
     return (log_probs[:, -mask.size(1) :] * mask).sum(1), mask.sum(1).clamp(min=1)
 
 
-def logprob_kernel(cfg: TuneConfig) -> tuple[str, bool] | None:
-    """(implementation, strict) of `linear_logprobs` when `kernels:` selects it (`all` does), else None."""
-    if cfg.kernels is None:
-        return None
+@dataclass(frozen=True)
+class LogprobHead:
+    """How tiletune's head computes the log-probs: `linear_logprobs`' implementation and strictness, and whether
+    each DPO pair's prompt runs once (`pref_shared_prompt`, train/shared_prompt.py)."""
+
+    impl: str
+    strict: bool = False
+    shared_prompt: bool = False
+
+
+def logprob_head(cfg: TuneConfig) -> LogprobHead | None:
+    """tiletune's log-prob head when `kernels:` selects `linear_logprobs` (`all` does) or `pref_shared_prompt` is on
+    (then with the op's default implementation unless `kernels:` names one), else None: TRL's fused head."""
+    from tiletune.kernels.registry import default_impl
     from tiletune.patch import parse_kernel_spec
 
-    spec = parse_kernel_spec(cfg.kernels)
-    return next(((sel.impl, spec.strict) for sel in spec.ops if sel.op == "linear_logprobs"), None)
+    spec = parse_kernel_spec(cfg.kernels) if cfg.kernels is not None else None
+    selected = next((sel for sel in spec.ops if sel.op == "linear_logprobs"), None) if spec else None
+    shared = cfg.stage == "dpo" and cfg.pref_shared_prompt
+    if selected is None and not shared:
+        return None
+    impl = selected.impl if selected else default_impl("linear_logprobs")
+    return LogprobHead(impl, bool(spec and spec.strict), shared)
 
 
-def add_logprob_head(model, impl: str, strict: bool) -> None:
+def add_logprob_head(model, head: LogprobHead) -> None:
     """Make `model(..., labels=labels, fused_lm_head=True)`, how TRL's DPO and KTO trainers get every log-prob
     (policy, reference, KL answers, precomputed reference), run tiletune's `linear_logprobs` on the backbone's last
-    hidden states instead of TRL's fused LM head; other calls (and MoE router losses, pre-shifted labels) go to the
-    forward it replaces. Idempotent."""
+    hidden states instead of TRL's fused LM head, each pair's prompt once with `head.shared_prompt`; other calls
+    (and MoE router losses, pre-shifted labels) go to the forward it replaces. Idempotent."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     if getattr(model, "_tiletune_logprob_head", False):
         return
     current = model.forward
+    shareable = head.shared_prompt and _unshareable_note(model)
 
     @functools.wraps(type(model).forward)  # generate validates its keywords against the signature
     def forward(self, *args, fused_lm_head=False, labels=None, **kwargs):
         if not fused_lm_head or "shift_labels" in kwargs or kwargs.get("output_router_logits"):
             return current(*args, fused_lm_head=fused_lm_head, labels=labels, **kwargs)
         kwargs.pop("num_items_in_batch", None)
-        logp, stats, mask = fused_label_log_probs(self, labels, impl, strict, *args, **kwargs)
+        logp, stats, mask = fused_label_log_probs(self, labels, head, shareable, *args, **kwargs)
         entropy, mean_logits, is_top1 = stats.unbind(-1)
         return FusedCausalLMOutput(loss=-logp.sum() / mask.sum().clamp(min=1), log_probs=logp, entropy=entropy,
                                    mean_logits=mean_logits, is_top1=is_top1.bool(), label_mask=mask)  # fmt: skip
@@ -213,18 +230,44 @@ def add_logprob_head(model, impl: str, strict: bool) -> None:
     model._tiletune_logprob_head = True
 
 
-def fused_label_log_probs(causal_lm, labels, impl: str, strict: bool, *args, **kwargs):
+def _unshareable_note(model) -> bool:
+    """Whether the model can run pairs with one prompt; if not, the reason noted once."""
+    from tiletune.kernels.registry import note_fallback
+    from tiletune.train.shared_prompt import unshareable
+
+    reason = unshareable(model.config)
+    if reason:
+        note_fallback("pref_shared_prompt", "shared", reason)
+    return reason is None
+
+
+def fused_label_log_probs(causal_lm, labels, head: LogprobHead, shareable: bool, *args, **kwargs):
     """(log-probs [batch, seq - 1] of the next-token labels, their [batch, seq - 1, 3] statistics, the label mask)
     from `linear_logprobs` on the backbone's last hidden states (`args`, `kwargs`: the backbone's inputs); 0 where
-    the label is -100. The logits never exist."""
+    the label is -100. The logits never exist. With `shareable`, a [chosen; rejected] batch runs each pair's prompt
+    once (train/shared_prompt.py)."""
     from tiletune.kernels.linear_logprobs import linear_logprobs
+    from tiletune.kernels.registry import note_fallback
+    from tiletune.train.shared_prompt import pair_layout, shared_log_probs
 
     softcap = float(getattr(causal_lm.config.get_text_config(), "final_logit_softcapping", None) or 0.0)
-    hidden = causal_lm.base_model(*args, **{**kwargs, "use_cache": False}).last_hidden_state[:, :-1]
     weight = causal_lm.get_output_embeddings().weight
+
+    def lm_head(hidden, targets):
+        return linear_logprobs(hidden.to(weight.device), weight, targets, head.impl, head.strict, softcap)
+
+    if shareable:
+        extra = sorted(key for key, value in kwargs.items()  # peft passes the ones it does not use as None
+                       if value is not None and key not in ("input_ids", "attention_mask", "use_cache", "return_dict"))
+        layout = (f"arguments {', '.join(extra) or 'by position'}" if extra or args
+                  else pair_layout(kwargs["input_ids"], kwargs.get("attention_mask"), labels))  # fmt: skip
+        if not isinstance(layout, str):
+            logp, stats = shared_log_probs(causal_lm, layout, labels.shape[1], lm_head)
+            return logp, stats, labels[:, 1:].to(weight.device) != -100
+        note_fallback("pref_shared_prompt", "shared", layout)
+    hidden = causal_lm.base_model(*args, **{**kwargs, "use_cache": False}).last_hidden_state[:, :-1]
     labels = labels[:, 1:].to(weight.device)
-    logp, stats = linear_logprobs(hidden.reshape(-1, hidden.size(-1)).to(weight.device), weight, labels.reshape(-1),
-                                  impl, strict, softcap)  # fmt: skip
+    logp, stats = lm_head(hidden.reshape(-1, hidden.size(-1)), labels.reshape(-1))
     return logp.view(labels.shape), stats.view(*labels.shape, -1), labels != -100
 
 
@@ -241,9 +284,9 @@ def label_log_probs(logits, labels):
 
 class _TokenisedData:
     """For a TRL trainer: data tiletune has tokenised with the template; with LoRA, the reference is the base;
-    with `logprob_head` (implementation, strict) the log-probs come from `linear_logprobs`."""
+    with `logprob_head` (a LogprobHead) the log-probs come from `linear_logprobs`."""
 
-    def __init__(self, *args, logprob_head: tuple[str, bool] | None, **kwargs):
+    def __init__(self, *args, logprob_head: LogprobHead | None, **kwargs):
         self.logprob_head = logprob_head
         super().__init__(*args, **kwargs)
         model = self.accelerator.unwrap_model(self.model)
@@ -263,7 +306,7 @@ class _TokenisedData:
         if self.logprob_head is None:
             return
         for target in self.head_targets():
-            add_logprob_head(target, *self.logprob_head)
+            add_logprob_head(target, self.logprob_head)
 
     def _precompute_ref_logps(self, *args, **kwargs):
         self._add_logprob_heads()  # TRL precomputes in its __init__, after adding its heads
