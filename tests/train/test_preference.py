@@ -173,6 +173,28 @@ def test_shared_prompt_gives_trls_loss_and_lora_gradients(dpo_config, tmp_path, 
         assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-6)
 
 
+def test_auto_recomputation_probes_the_rows_and_head_of_the_stage(dpo_config, tiny_model_dir):
+    """`gradient_checkpointing: auto` plans a dpo step on its chosen and rejected rows through a log-prob head (no
+    [tokens, vocab] logits: the LM head module never runs), kto on its answers, rm on both rows with the LM loss."""
+    from transformers import AutoModelForCausalLM
+
+    from tiletune.train.preference import recompute_probe
+
+    rows, loss = recompute_probe(dpo_config(), 4)
+    assert rows == 8 and loss is not None
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    tokens = torch.randint(0, model.config.vocab_size, (rows, 16), generator=torch.Generator().manual_seed(0))
+    head_calls = []
+    handle = model.get_output_embeddings().register_forward_hook(lambda *args: head_calls.append(1))
+    value = loss(model, tokens)
+    handle.remove()
+    assert not head_calls and value.requires_grad
+    assert value.item() == pytest.approx(model(input_ids=tokens, labels=tokens).loss.item(), rel=1e-5)
+    assert recompute_probe(dpo_config(stage="kto", dataset="feedback"), 4)[0] == 4
+    assert recompute_probe(dpo_config(stage="rm"), 4) == (8, None)
+    assert recompute_probe(dpo_config(stage="sft", dataset="pairs"), 4) == (4, None)
+
+
 def test_kto_sft_term_is_llamafactorys(dpo_config, tmp_path):
     """pref_ftx x the desirable answers' mean per-token NLL x batch / desirable answers (LLaMA-Factory's scaling)."""
     ftx, keys = 0.4, {"stage": "kto", "dataset": "feedback"}

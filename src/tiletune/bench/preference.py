@@ -55,17 +55,6 @@ def bench_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
 
 
-def sequences(cfg: TuneConfig) -> tuple[int, int]:
-    """(sequences trained, sequences run forward only) per example of a step: DPO trains chosen and rejected and
-    runs both through the reference (none for orpo and simpo); KTO trains the answer and runs its KL answer
-    through the policy without gradient and both through the reference."""
-    from tiletune.train.preference import PREF_LOSSES
-
-    if cfg.stage == "kto":
-        return 1, 3
-    return 2, 2 if PREF_LOSSES[cfg.pref_loss].reference else 0
-
-
 def preference_step(cfg: TuneConfig, model, variant: str, batch: int, seq: int, seed: int,
                     autocast: Callable) -> Callable[[], torch.Tensor]:  # fmt: skip
     """forward + backward of one preference step on a fixed batch, the forward under `autocast()` (the caller

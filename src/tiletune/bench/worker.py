@@ -18,6 +18,7 @@ from tiletune.bench import preference
 from tiletune.config import TuneConfig, load_config
 from tiletune.errors import UserError
 from tiletune.train.model import autocast, compute_dtype, prepare_for_training
+from tiletune.train.preference import sequences
 
 RESULT_PREFIX = "BENCH_RESULT "
 
@@ -149,15 +150,17 @@ def run(job: dict) -> dict:
     batch, seq = job["batch"], job["seq"]
     plan = None
     if cfg.checkpointing == "auto":
+        from tiletune.train.preference import recompute_probe
         from tiletune.train.recompute import plan_recomputation
 
-        plan = plan_recomputation(model, batch, seq, compute_dtype(cfg), cfg.gradient_checkpointing_budget,
-                                  cfg.use_reentrant_gc, cfg.gradient_checkpointing_offload)
+        rows, probe_loss = recompute_probe(cfg, batch)
+        plan = plan_recomputation(model, rows, seq, compute_dtype(cfg), cfg.gradient_checkpointing_budget,
+                                  cfg.use_reentrant_gc, cfg.gradient_checkpointing_offload, probe_loss)
     dtype = compute_dtype(cfg)
     model.train()
     if cfg.stage in preference.STAGES:
         forward_backward = preference.preference_step(cfg, model, name, batch, seq, job["seed"], lambda: autocast(device, dtype))
-        trained, forward_only = preference.sequences(cfg)
+        trained, forward_only = sequences(cfg)
     else:
         generator = torch.Generator().manual_seed(job["seed"])
         input_ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=generator).to(device)

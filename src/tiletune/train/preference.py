@@ -94,6 +94,35 @@ def preference_stage(cfg: TuneConfig, model, tokenizer, model_loader):
     return {"dpo": _dpo_stage, "kto": _kto_stage, "rm": _reward_stage}[cfg.stage](cfg, model, tokenizer, model_loader)
 
 
+def sequences(cfg: TuneConfig) -> tuple[int, int]:
+    """(sequences trained, sequences run forward only) per example of a step: DPO trains chosen and rejected and
+    runs both through the reference (none for orpo and simpo); KTO trains the answer and runs its KL answer
+    through the policy without gradient and both through the reference."""
+    if cfg.stage == "kto":
+        return 1, 3
+    return 2, 2 if PREF_LOSSES[cfg.pref_loss].reference else 0
+
+
+def recompute_probe(cfg: TuneConfig, batch: int) -> tuple[int, Callable | None]:
+    """(rows, loss) of `gradient_checkpointing: auto`'s probe step (train/recompute.py) for cfg's stage: a dpo / kto
+    step trains `sequences(cfg)[0]` rows per example through a log-prob head that never holds the [tokens, vocab]
+    logits (TRL's fused head or `linear_logprobs`), so the probe runs that many rows and takes `linear_logprobs` of
+    their own tokens as its loss, where the LM loss on `batch` rows would count the logits and half the rows (a
+    shared-prompt row holds no more tokens than its two rows). rm: its chosen and rejected rows, the LM loss (its
+    forward computes the logits too). Other stages: (batch, None), the LM loss."""
+    if cfg.stage not in ("dpo", "kto"):
+        return (2 * batch if cfg.stage == "rm" else batch), None
+    from tiletune.kernels.registry import default_impl
+
+    head = LogprobHead(default_impl("linear_logprobs"))
+
+    def loss(model, tokens):
+        causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return -fused_label_log_probs(causal_lm, tokens, head, False, input_ids=tokens)[0].mean()
+
+    return sequences(cfg)[0] * batch, loss
+
+
 def _reference(cfg: TuneConfig, tokenizer, model_loader):
     """The `ref_model` (with `ref_model_adapters`) loaded frozen, or None (TRL's default reference)."""
     if not cfg.ref_model:

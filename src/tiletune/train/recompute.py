@@ -225,8 +225,11 @@ def _selective_contexts():
 
 
 def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_gib: float | None,
-                       use_reentrant: bool, offload: bool = False) -> RecomputePlan:  # fmt: skip
+                       use_reentrant: bool, offload: bool = False, probe_loss: Callable | None = None) -> RecomputePlan:  # fmt: skip
     """Probe one step at (batch, seq), choose each layer's treatment within the budget, and apply it.
+
+    The probe's loss is the LM loss on its random tokens, or `probe_loss(model, tokens)` where the stage's step
+    computes another (a preference stage's log-prob head: `train.preference.recompute_probe`).
 
     With `offload`, layers that would be recomputed may have their saved tensors (and, under re-entrant
     checkpointing, their inputs) wait in pinned host memory instead; GPU only. When the step does not fit
@@ -258,7 +261,7 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
     spare = min(2, len(layers))
     while True:
         probe = _probe_spared(model, layers, spare, batch, seq, dtype, device, use_reentrant, activation_offload,
-                              offload_inputs)  # fmt: skip
+                              offload_inputs, probe_loss)  # fmt: skip
         base = probe.base(model, len(layers), spare * offload_inputs) if probe else None
         if budget is None or (base is not None and base <= budget * (1 - MARGIN)):
             break
@@ -366,14 +369,14 @@ def levers_for(model) -> list[Lever]:
 
 
 def _probe_spared(model, layers, spare: int, batch, seq, dtype, device, use_reentrant, offload=None,
-                  offload_inputs: bool = False) -> _ProbeResult | None:  # fmt: skip
+                  offload_inputs: bool = False, probe_loss: Callable | None = None) -> _ProbeResult | None:  # fmt: skip
     """`_probe` with the last `spare` layers spared (the last kept, the one below selective), the rest
     recomputed (their inputs on the host with `offload_inputs`); None when that step runs out of memory."""
     treatments = ["recompute"] * len(layers)
     treatments[len(layers) - spare:] = ["selective", "keep"][2 - spare:]
     apply_treatments(layers, treatments, use_reentrant, offload, offload_inputs)
     try:
-        return _probe(model, layers, spare, batch, seq, dtype, device)
+        return _probe(model, layers, spare, batch, seq, dtype, device, probe_loss)
     except torch.OutOfMemoryError:
         pass  # out of the except block, so the failed step's frames (and the tensors they hold) are gone
     for param in model.parameters():
@@ -405,9 +408,10 @@ class _ProbeResult:
         return _optimizer_state_bytes(model) + peak - spared_inputs_offloaded * self.input_bytes
 
 
-def _probe(model, layers, spare: int, batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> _ProbeResult:
-    """One forward + backward on random tokens: what each of the last `spare` layers holds, the peak, the last
-    layer's forward."""
+def _probe(model, layers, spare: int, batch: int, seq: int, dtype: torch.dtype, device: torch.device,
+           probe_loss: Callable | None = None) -> _ProbeResult:  # fmt: skip
+    """One forward + backward on random tokens (the LM loss, or `probe_loss(model, tokens)`): what each of the last
+    `spare` layers holds, the peak, the last layer's forward."""
     from tiletune.train.model import autocast
 
     on_gpu = device.type == "cuda"
@@ -433,7 +437,7 @@ def _probe(model, layers, spare: int, batch: int, seq: int, dtype: torch.dtype, 
     try:
         with torch.random.fork_rng(devices=[device] if on_gpu else []):
             with autocast(device, dtype):
-                loss = model(input_ids=tokens, labels=tokens).loss
+                loss = probe_loss(model, tokens) if probe_loss else model(input_ids=tokens, labels=tokens).loss
             loss.backward()
     finally:
         for hook in hooks:

@@ -149,6 +149,7 @@ def _plan_recomputation(cfg: TuneConfig, model):
     if cfg.checkpointing != "auto":
         return None
     from tiletune.train.model import compute_dtype
+    from tiletune.train.preference import recompute_probe
     from tiletune.train.recompute import plan_recomputation
 
     if cfg.train_arg("deepspeed") or cfg.train_arg("fsdp"):
@@ -156,9 +157,9 @@ def _plan_recomputation(cfg: TuneConfig, model):
                         "or fsdp set gradient_checkpointing=true")  # fmt: skip
     if torch.cuda.is_available():  # the probe measures on the device the Trainer will train on
         model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
-    batch = cfg.train_arg("per_device_train_batch_size", 8)
-    plan = plan_recomputation(model, batch, cfg.cutoff_len, compute_dtype(cfg), cfg.gradient_checkpointing_budget,
-                              cfg.use_reentrant_gc, cfg.gradient_checkpointing_offload)
+    rows, probe_loss = recompute_probe(cfg, cfg.train_arg("per_device_train_batch_size", 8))
+    plan = plan_recomputation(model, rows, cfg.cutoff_len, compute_dtype(cfg), cfg.gradient_checkpointing_budget,
+                              cfg.use_reentrant_gc, cfg.gradient_checkpointing_offload, probe_loss)
     print(plan.summary())
     return plan
 
