@@ -51,8 +51,8 @@
 #           phi3-mini)
 #   pending: the GPU tests of code never run whole on a GPU (varlen attention: the 2026-12-05 call ran out of time
 #           after 7 of its tests), each file's tail in OUT/gpu_tests_pending.txt
-#   dpo-fast: the DPO step with the fastest set (no `linear`), then with pref_shared_prompt, alone, under `auto` within
-#           BUDGET_GIB and for ORPO
+#   dpo-fast: the DPO step with the fastest set (no `linear`), then with pref_shared_prompt, alone and under `auto`
+#           within BUDGET_GIB
 #   packing: benchmarks/packing_throughput.py (unpacked / neat_packing stock / neat_packing with kernels)
 #   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo|dpo-fast|packing|pending OUT_DIR [bench args...]
 # (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
@@ -136,12 +136,12 @@ dpo)
 dpo-fast)
     # #20: the fastest set for the DPO step (no `linear`: 1.02x stock alone on the SFT step), then with each pair's
     # prompt run once (pref_shared_prompt), alone and under `auto` within half of LLaMA-Factory's peak (BUDGET_GIB,
-    # default 23.3: half of its 46.7 GiB on 2026-12-05), and ORPO with it, against LLaMA-Factory's run of TRL and
-    # Liger's kernels in the same bench run
+    # default 23.3: half of its 46.7 GiB on 2026-12-05), against TRL (the baseline bench needs), LLaMA-Factory's run
+    # of TRL and Liger's kernels in the same bench run
     FAST=rms_norm+rope+swiglu+linear_logprobs+lora_linear
     SHARED=$FAST:pref_shared_prompt=true
     python3 -m tiletune bench examples/bench/llama3_8b_dpo.yaml --model-preset llama3-8b --steps 5 --warmup 2 --repeats 1 \
-        --variants "llamafactory,liger,$FAST,$SHARED,$SHARED:gradient_checkpointing=auto:gradient_checkpointing_budget=${BUDGET_GIB:-23.3},$SHARED:pref_loss=orpo" \
+        --variants "baseline,llamafactory,liger,$FAST,$SHARED,$SHARED:gradient_checkpointing=auto:gradient_checkpointing_budget=${BUDGET_GIB:-23.3}" \
         --out "$OUT/bench-dpo-fast" 2>&1 | tail -10 ;;
 packing)
     # #21: non-padding tokens/s, unpacked stock against neat_packing stock and with the fastest set + varlen attention;

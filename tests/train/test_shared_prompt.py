@@ -8,15 +8,20 @@ from transformers import Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Mistra
 
 from tiletune.kernels.linear_logprobs import linear_logprobs
 from tiletune.train import shared_prompt
-from tiletune.train.shared_prompt import pair_layout, shared_log_probs, unshareable
+from tiletune.train.shared_prompt import SHARED_SDPA, pair_layout, shared_log_probs, unshareable, use_pair_attention
 
 VOCAB, WIDTH = 64, 32
 
 
 def tiny_llama(implementation: str):
+    """A float64 Llama; SHARED_SDPA: SDPA with `use_pair_attention` (two SDPA calls a pair), else the 4-D mask."""
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, attn_implementation=implementation)  # fmt: skip
-    return LlamaForCausalLM(config).double()
+                         num_attention_heads=4, num_key_value_heads=2,
+                         attn_implementation="sdpa" if implementation == SHARED_SDPA else implementation)  # fmt: skip
+    model = LlamaForCausalLM(config).double()
+    if implementation == SHARED_SDPA:
+        use_pair_attention(model)
+    return model
 
 
 def pair_batch(prompts, chosen, rejected, seq: int, seed: int = 0):
@@ -51,7 +56,7 @@ def both_ways(model, batch):
     return shared, unshared, [torch.autograd.grad((logp * weights).sum(), params) for logp in (shared, unshared)]
 
 
-@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("implementation", [SHARED_SDPA, "sdpa", "eager"])
 @pytest.mark.parametrize("lengths", [([4, 2, 5], [3, 6, 2], [5, 1, 4]), ([1], [1], [7]), ([6, 6], [4, 4], [4, 4])])
 def test_shared_rows_give_the_unshared_log_probs_and_gradients(implementation, lengths):
     torch.manual_seed(0)
@@ -67,25 +72,40 @@ def test_shared_rows_give_the_unshared_log_probs_and_gradients(implementation, l
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
 
 
-def test_a_rejected_answer_that_sees_the_chosen_one_fails(monkeypatch):
-    """The check has teeth: a plain causal mask over the shared row (the rejected answer attends to the chosen one)
-    changes the rejected log-probs."""
+@pytest.mark.parametrize("implementation", [SHARED_SDPA, "sdpa"])
+def test_a_rejected_answer_that_sees_the_chosen_one_fails(monkeypatch, implementation):
+    """The check has teeth: a layout whose rejected answer attends to the chosen one (SDPA's mask: causal over the
+    whole row; the pair attention: the chosen answer's keys taken as prompt) changes the rejected log-probs."""
     torch.manual_seed(0)
-    model = tiny_llama("sdpa")
+    model = tiny_llama(implementation)
     batch = pair_batch([4, 3], [5, 2], [3, 4], seq=10)
     real_layout = shared_prompt._layout
 
-    def causal_only(*args):
+    def wrong(*args):  # only what the implementation reads is wrong: each must read it
         layout = real_layout(*args)
-        length = layout.input_ids.shape[1]
-        causal = torch.ones(length, length, dtype=torch.bool).tril().expand_as(layout.sees)
-        return shared_prompt.PairLayout(layout.input_ids, layout.position_ids, causal, layout.hidden_rows,
+        spans, sees = layout.spans, layout.sees
+        if implementation == SHARED_SDPA:
+            spans = tuple((chosen_end, chosen_end, end) for _, chosen_end, end in spans)
+        else:
+            sees = torch.ones(sees.shape[-2:], dtype=torch.bool).tril().expand_as(sees)
+        return shared_prompt.PairLayout(spans, layout.input_ids, layout.position_ids, sees, layout.hidden_rows,
                                         layout.labels, layout.targets)  # fmt: skip
 
-    monkeypatch.setattr(shared_prompt, "_layout", causal_only)
+    monkeypatch.setattr(shared_prompt, "_layout", wrong)
     shared, unshared, _ = both_ways(model, batch)
     torch.testing.assert_close(shared[:2], unshared[:2])  # the chosen answers see nothing else
     assert (shared[2:] - unshared[2:]).abs().max() > 1e-3
+
+
+def test_the_pair_attention_leaves_other_calls_to_sdpa():
+    """Under SHARED_SDPA a model's ordinary forward (a padded batch, transformers' own mask) is SDPA's."""
+    torch.manual_seed(0)
+    model = tiny_llama("sdpa")
+    ids, mask, _ = pair_batch([3, 2], [2, 3], [4, 1], seq=8)
+    expected = model(input_ids=ids, attention_mask=mask).logits
+    use_pair_attention(model)
+    assert model.config._attn_implementation == SHARED_SDPA
+    torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("change, reason", [

@@ -260,13 +260,16 @@ def add_logprob_head(model, head: LogprobHead) -> None:
 
 
 def _unshareable_note(model) -> bool:
-    """Whether the model can run pairs with one prompt; if not, the reason noted once."""
+    """Whether the model can run pairs with one prompt (then with SDPA through `use_pair_attention`); if not, the
+    reason noted once."""
     from tiletune.kernels.registry import note_fallback
-    from tiletune.train.shared_prompt import unshareable
+    from tiletune.train.shared_prompt import unshareable, use_pair_attention
 
     reason = unshareable(model.config)
     if reason:
         note_fallback("pref_shared_prompt", "shared", reason)
+    else:
+        use_pair_attention(model)
     return reason is None
 
 

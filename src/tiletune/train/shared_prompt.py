@@ -9,6 +9,11 @@ Only the labelled positions reach the LM head (`linear_logprobs`), and their log
 TRL's [2B, seq - 1] layout, so TRL's and LLaMA-Factory's losses, the reference pass and the metrics take them as
 they are: the same function of the parameters, on P + C + R tokens per pair instead of 2 x (P + max(C, R)).
 
+With SDPA the model's attention runs as `SHARED_SDPA` (`use_pair_attention`): where the mask carries the pairs'
+spans, each pair's attention is two flash-capable SDPA calls, prompt + chosen answer causal, and the rejected answer
+against the prompt's and its own keys, causal from the lower right; SDPA given the dense 4-D mask instead would run
+its memory-efficient kernel over every query-key block, masked or not. Any other call is SDPA's own.
+
 A call that is not such a batch (KTO's, a pair whose prompts differ, other keyword arguments) and a model whose
 attention would not follow the mask (`unshareable`: flash-attention's varlen path, sliding windows) run unshared,
 the reason logged once and counted with the run's kernel fallbacks.
@@ -20,13 +25,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 IGNORE = -100
+SHARED_SDPA = "sdpa_shared_prompt"  # the attention implementation of `use_pair_attention`
+SPANS = "_tiletune_pair_spans"  # the mask's attribute: each pair's (prompt end, chosen answer end, row end)
 # attn_implementation -> the 4-D mask it takes from a bool "query sees key" mask: SDPA a bool mask, eager an
 # additive one (0 where seen, the dtype's minimum elsewhere), as transformers builds them
 MASKS = {
     "sdpa": lambda sees, dtype: sees,
+    SHARED_SDPA: lambda sees, dtype: sees,
     "eager": lambda sees, dtype: torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill(
         ~sees, torch.finfo(dtype).min),
 }
@@ -36,6 +45,7 @@ MASKS = {
 class PairLayout:
     """A [chosen; rejected] batch of `pairs` pairs as one row per pair: prompt, chosen answer, rejected answer."""
 
+    spans: tuple[tuple[int, int, int], ...]  # each pair's (prompt end, chosen answer end, row end)
     input_ids: Tensor  # [pairs, length], right-padded
     position_ids: Tensor  # [pairs, length]: the rejected answer's positions restart after the prompt
     sees: Tensor  # [pairs, 1, length, length] bool: True where a query attends to a key
@@ -112,7 +122,7 @@ def _layout(input_ids: Tensor, labels: Tensor, prompts: list[int], lengths: list
     sees |= ~in_row & (key == query)  # padding sees itself only: its softmax stays finite
     labels_flat = torch.cat(label_ids)
     keep = labels_flat != IGNORE
-    return PairLayout(ids, positions, sees.unsqueeze(1), torch.cat(hidden_rows)[keep], labels_flat[keep],
+    return PairLayout(tuple(spans), ids, positions, sees.unsqueeze(1), torch.cat(hidden_rows)[keep], labels_flat[keep],
                       torch.cat(targets)[keep])
 
 
@@ -122,6 +132,7 @@ def shared_log_probs(causal_lm, layout: PairLayout, seq: int, head: Callable) ->
     labelled hidden states. 0 where the label is -100."""
     backbone = causal_lm.base_model
     mask = MASKS[causal_lm.config.get_text_config()._attn_implementation](layout.sees, causal_lm.dtype)
+    setattr(mask, SPANS, layout.spans)  # transformers hands a 4-D mask to every layer's attention as it is
     hidden = backbone(input_ids=layout.input_ids, attention_mask=mask, position_ids=layout.position_ids,
                       use_cache=False).last_hidden_state  # fmt: skip
     logp, stats = head(hidden.reshape(-1, hidden.size(-1)).index_select(0, layout.hidden_rows), layout.labels)
@@ -129,3 +140,48 @@ def shared_log_probs(causal_lm, layout: PairLayout, seq: int, head: Callable) ->
     full_logp = logp.new_zeros(rows * (seq - 1)).index_copy(0, layout.targets, logp)
     full_stats = stats.new_zeros(rows * (seq - 1), stats.shape[-1]).index_copy(0, layout.targets, stats)
     return full_logp.view(rows, seq - 1), full_stats.view(rows, seq - 1, -1)
+
+
+def use_pair_attention(model) -> None:
+    """Run the model's SDPA attention as `SHARED_SDPA` (registered once with transformers): `pair_attention` where
+    the mask carries pair spans, SDPA's own everywhere else (its masks too). For the model's life: a checkpointed
+    layer's recomputation reads the implementation when the backward runs."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    config = model.config.get_text_config()
+    if config._attn_implementation != "sdpa":
+        return
+    if SHARED_SDPA not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(SHARED_SDPA, pair_attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(SHARED_SDPA, sdpa_mask)
+    config._attn_implementation = SHARED_SDPA
+
+
+def pair_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
+                   scaling: float | None = None, **kwargs):  # fmt: skip
+    """transformers' attention function for `SHARED_SDPA`: per pair of a shared-layout mask, prompt + chosen answer
+    causal, the rejected answer against [prompt; itself] causal from the lower right; SDPA's own otherwise."""
+    from torch.nn.attention.bias import causal_lower_right
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    spans = getattr(attention_mask, SPANS, None)
+    if spans is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)  # fmt: skip
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    dropout = dropout if module.training else 0.0
+    rows = []
+    for i, (prompt_end, chosen_end, end) in enumerate(spans):
+        q, k, v = query[i : i + 1], key[i : i + 1], value[i : i + 1]
+        chosen = F.scaled_dot_product_attention(q[:, :, :chosen_end], k[:, :, :chosen_end], v[:, :, :chosen_end],
+                                                dropout_p=dropout, is_causal=True, scale=scaling)  # fmt: skip
+        seen = torch.cat([k[:, :, :prompt_end], k[:, :, chosen_end:end]], 2), torch.cat(
+            [v[:, :, :prompt_end], v[:, :, chosen_end:end]], 2)
+        rejected = F.scaled_dot_product_attention(
+            q[:, :, chosen_end:end], *seen, attn_mask=causal_lower_right(end - chosen_end, seen[0].shape[2]),
+            dropout_p=dropout, scale=scaling)  # fmt: skip
+        padding = q.new_zeros(1, q.shape[1], q.shape[2] - end, value.shape[-1])
+        rows.append(torch.cat([chosen, rejected, padding], 2))
+    return torch.cat(rows).transpose(1, 2).contiguous(), None
