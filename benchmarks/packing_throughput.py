@@ -117,13 +117,16 @@ def main() -> None:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     rows = {}
     for mode, cfg in cfgs.items():
+        report = None
         if mode.endswith("+kernels"):  # last: the same model and optimizer state, patched
             spec = parse_kernel_spec(variant_kernels(args.kernels))
             compile_ahead(model, spec, compute_dtype(cfg))
-            apply_kernels(model, spec)
+            report = apply_kernels(model, spec)
         loader, stats = batches(cfg, seed=0)
         rows[mode] = {**stats, "batches": len(loader),
                       **run_mode(model, optimizer, loader, device, compute_dtype(cfg), args.warmup, args.steps)}  # fmt: skip
+        if report is not None:  # the calls that did not run a kernel (e.g. attention left to SDPA), with the reason
+            rows[mode]["runtime_fallbacks"] = report.runtime_fallbacks()
     speedups = {mode: row["tokens_per_s"] / rows["unpacked"]["tokens_per_s"] for mode, row in rows.items() if mode != "unpacked"}
     print(f"| {args.preset}, {args.attn}, batch {args.batch}, cutoff_len {args.cutoff_len} | examples | rows | batches | "
           "timed steps | padding | non-padding tokens/s | peak GiB |\n|---|---|---|---|---|---|---|---|")
