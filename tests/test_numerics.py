@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tiletune.kernels import registry, rms_norm
-from tiletune.numerics import errors, gate, judge, ulp
+from tiletune.numerics import SCALAR_FLOOR_ULPS, compare_runs, errors, gate, judge, ulp
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
@@ -48,6 +48,21 @@ def test_gate_rules():
     nan = ref.clone()
     nan[3] = float("nan")
     assert judge("x", stock, errors(nan, ref), k=2, floor_ulps=float("inf")).passed is False
+
+
+def test_a_scalar_is_judged_by_its_own_floor():
+    """A float32 loss a few rounding steps off passes against a bar that hit it exactly (one draw of rounding noise);
+    beyond SCALAR_FLOOR_ULPS it fails, and a tensor of many values keeps the elementwise floor."""
+    loss = torch.tensor(6.5, dtype=torch.float64)
+    step = float(ulp(loss, torch.float32))
+    values = torch.full((8,), 6.5, dtype=torch.float64)
+
+    def verdict(name, ref, ulps):
+        return compare_runs({name: ref.float()}, {name: (ref + ulps * step).float()}, {name: ref}, torch.float32)[0]
+
+    assert verdict("loss", loss, 3).passed and verdict("loss", loss, SCALAR_FLOOR_ULPS).passed
+    assert not verdict("loss", loss, SCALAR_FLOOR_ULPS + 1).passed
+    assert not verdict("values", values, 3).passed
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -14,6 +14,7 @@ the torch engine on them, and reports:
 
     python benchmarks/hipify_eval/score.py --fetch               # online: fill cache/ from raw GitHub
     python benchmarks/hipify_eval/score.py --from-git owner/name=DIR  # or from a local clone
+    (both fill it for the ports --ports / --round select, all of them by default)
     python benchmarks/hipify_eval/score.py [--verbose] [--ports GLOB] [--round N]  # offline: score
 """
 
@@ -121,9 +122,9 @@ def load_ports(pattern: str = "*") -> list[dict]:
     return [json.loads(path.read_text()) for path in sorted(PORTS.glob(f"{pattern}.json"))]
 
 
-def fill_cache(get) -> None:
+def fill_cache(get, ports: list[dict]) -> None:
     """Store each port's CUDA original and its repository's license file; `get(repo, commit, path)` -> text."""
-    for port in load_ports():
+    for port in ports:
         repo, commit = port["repo"], port["cuda"]["commit"]
         for path in (port["cuda"]["path"], port["license_file"]):
             target = cached(repo, commit, path)
@@ -250,13 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ports", default="*", metavar="GLOB", help="score only the ports whose names match")
     parser.add_argument("--round", type=int, help="score only a held-out round's ports (their `port` says `(round N)`)")
     args = parser.parse_args(argv)
+    ports = [port for port in load_ports(args.ports) if args.round is None or f"(round {args.round})" in port["port"]]
     if args.fetch:
-        fill_cache(fetch_raw)
+        fill_cache(fetch_raw, ports)
     if args.from_git:
-        fill_cache(from_git(dict(item.split("=", 1) for item in args.from_git)))
+        fill_cache(from_git(dict(item.split("=", 1) for item in args.from_git)), ports)
     engine = select_engine("torch")
     missed, notes = Counter(), []
-    ports = [port for port in load_ports(args.ports) if args.round is None or f"(round {args.round})" in port["port"]]
     scores = [score_port(port, engine, missed, notes) for port in ports]
     print(table(scores, missed))
     if args.verbose:
