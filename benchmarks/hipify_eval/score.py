@@ -103,6 +103,10 @@ CLASSES: dict[str, ChangeClass] = {
                                       "a host comparison on a SIMD wrapper that clang finds ambiguous (its built-in vector operators)"),
     "unused-header": ChangeClass((), False, "an unused CUDA-toolkit library header (Thrust) kept out of the HIP build"),
     "build-flag-guard": ChangeClass((), False, "a project build macro selecting the GPU code (`#if BUILD_CUDA`) widened to the HIP build's"),
+    # round 8's classes, defined by its labellers (before the round was scored)
+    "ambiguous-call": ChangeClass((), False,
+                                  "an unqualified call (`fma`) that a ROCm header's overload makes ambiguous, qualified"),
+    "scoped-atomic": ChangeClass((), False, "clang's `__scoped_atomic_*` builtins (absent from ROCm 6.1's clang) -> `__atomic_*`"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).
