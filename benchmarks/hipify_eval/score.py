@@ -33,6 +33,7 @@ from tiletune.port.compile_check import line_map
 from tiletune.port.engines import select_engine
 from tiletune.port.hipify import cuda_names
 from tiletune.port.lint import lint_text
+from tiletune.port.preprocessor import Build
 
 HERE = Path(__file__).resolve().parent
 PORTS = HERE / "ports"
@@ -172,7 +173,9 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
     if not source.exists():
         raise SystemExit(f"{source} is missing: run `score.py --fetch` online (or --from-git) first")
     text = source.read_text(encoding="utf-8")
-    findings = lint_text(text, port["cuda"]["path"])
+    build = port.get("hip_build", {})  # the project's HIP build macros, as its build files set them
+    findings = lint_text(text, port["cuda"]["path"], build=Build(frozenset(build.get("defined", ())),
+                                                                 frozenset(build.get("undefined", ()))))
     translated = engine.translate(source)
     original_lines, translated_lines = text.splitlines(), translated.splitlines()
     back = line_map(text, translated)

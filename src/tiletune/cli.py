@@ -117,14 +117,20 @@ def _run_torchrun(command: list[str]) -> int:
 @click.option("--compile-check", is_flag=True, help="Compile the translation with hipcc and map errors back to CUDA lines.")
 @click.option("--offload-arch", default="gfx90a", show_default=True, help="AMD target for --compile-check (gfx90a, gfx942, gfx1100...).")
 @click.option("--hipcc-flag", "hipcc_flags", multiple=True, help="Extra hipcc flag for --compile-check (repeatable), e.g. -I/path/to/include.")
+@click.option("-D", "--define", "defines", multiple=True, metavar="NAME",
+              help="A macro the project's HIP build defines (repeatable): `#ifdef NAME` code is linted as compiled.")
+@click.option("-U", "--undef", "undefines", multiple=True, metavar="NAME",
+              help="A macro the project's HIP build leaves undefined (repeatable), e.g. a feature flag it keeps off: "
+                   "code under `#ifdef NAME` is not linted.")
 @click.pass_context
 def hipify(ctx: click.Context, paths: tuple[str, ...], explain_rule: str | None, out: str | None, inplace: bool,
            lint_only: bool, engine: str, fmt: str, report_dir: str | None, strict: bool, compile_check: bool,
-           offload_arch: str, hipcc_flags: tuple[str, ...]) -> None:
+           offload_arch: str, hipcc_flags: tuple[str, ...], defines: tuple[str, ...], undefines: tuple[str, ...]) -> None:
     """Translate CUDA sources under PATHS to HIP and report what needs a human on AMD GPUs."""
     from pathlib import Path
 
     from tiletune.port.hipify import run_hipify
+    from tiletune.port.preprocessor import Build
     from tiletune.port.report import RENDERERS, explain, write_reports
 
     if explain_rule:
@@ -132,9 +138,12 @@ def hipify(ctx: click.Context, paths: tuple[str, ...], explain_rule: str | None,
         return
     if not paths:
         raise UserError("hipify needs PATHS (CUDA files or folders) to translate, or --explain RULE")
+    if both := sorted(set(defines) & set(undefines)):
+        raise UserError(f"hipify: {', '.join(both)} given to both --define and --undef; keep one")
 
     report = run_hipify(list(paths), out, engine=engine, inplace=inplace, lint_only=lint_only,
-                        compile_check=compile_check, offload_arch=offload_arch, hipcc_flags=hipcc_flags)
+                        compile_check=compile_check, offload_arch=offload_arch, hipcc_flags=hipcc_flags,
+                        build=Build(frozenset(defines), frozenset(undefines)))
     click.echo(RENDERERS[fmt](report), nl=False)
     if report_dir or out:
         written = write_reports(report, Path(report_dir or out))

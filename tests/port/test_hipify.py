@@ -134,6 +134,20 @@ def test_cli_strict_fails_on_errors_and_passes_on_clean_code(tree):
     assert clean.exit_code == 0 and "nothing that needs a human was found" in clean.stdout
 
 
+def test_cli_takes_the_hip_builds_macros(tmp_path):
+    """`-U FLAG` leaves code under `#ifdef FLAG` out of the lint (a flag the HIP build keeps off); `-D` and `-U` of one
+    name is one line and exit 2."""
+    source = tmp_path / "k.cu"
+    source.write_text("#ifdef KERNEL_USE_FP8\n#include <cuda_fp8.h>\n#endif\n__global__ void k(float* x) { x[0] = 1.f; }\n")
+    runner = CliRunner()
+    flagged = runner.invoke(main, ["hipify", str(source), "--lint-only", "--format", "json"])
+    assert flagged.exit_code == 0 and "fp8-type" in flagged.output
+    off = runner.invoke(main, ["hipify", str(source), "--lint-only", "--format", "json", "-U", "KERNEL_USE_FP8"])
+    assert off.exit_code == 0 and "fp8-type" not in off.output
+    both = runner.invoke(main, ["hipify", str(source), "--lint-only", "-D", "KERNEL_USE_FP8", "-U", "KERNEL_USE_FP8"])
+    assert both.exit_code == 2 and "KERNEL_USE_FP8 given to both --define and --undef" in both.output
+
+
 def test_cli_json_on_stdout_is_parseable(tree):
     result = CliRunner().invoke(main, ["hipify", str(tree), "--lint-only", "--format", "json"])
     data = json.loads(result.stdout)

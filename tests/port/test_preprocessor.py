@@ -3,7 +3,7 @@
 import pytest
 
 from tiletune.port.lint import lint_text
-from tiletune.port.preprocessor import blank_branches_dead_on_amd, on_amd
+from tiletune.port.preprocessor import Build, blank_branches_dead_on_amd, on_amd
 
 
 @pytest.mark.parametrize(("condition", "value"), [
@@ -66,3 +66,28 @@ def test_a_true_guard_is_flagged_only_when_it_compiles_an_else_out():
     assert [f.rule for f in lint_text(kept, "k.cu")] == []
     finding, = lint_text(dropped, "k.cu")
     assert (finding.rule, finding.line) == ("cuda-arch-guard", 1) and "line 3" in finding.detail
+
+
+FP8_FLAGGED = """#include <cuda_fp16.h>
+#ifdef KERNEL_USE_FP8
+#include <cuda_fp8.h>
+__device__ __nv_fp8_e4m3 to_fp8(float x) { return __nv_fp8_e4m3(x); }
+#endif
+#if KERNEL_USE_FP8 && defined(USE_ROCM)
+__device__ float from_fp8(__nv_fp8_e4m3 x) { return float(x); }
+#endif
+"""
+
+
+def test_the_hip_builds_own_macros_decide_their_branches():
+    """A project flag is unknown to hipcc (its code linted as compiled) until the HIP build's macros say: `-U` (left
+    off) compiles its branches out, `-D` keeps them; hipcc's own macros still hold."""
+    off, on = Build(undefined=frozenset({"KERNEL_USE_FP8"})), Build(defined=frozenset({"KERNEL_USE_FP8"}))
+    assert on_amd("defined(KERNEL_USE_FP8)") is None and on_amd("KERNEL_USE_FP8") is None
+    assert on_amd("defined(KERNEL_USE_FP8)", off) is False and on_amd("KERNEL_USE_FP8 && defined(USE_ROCM)", off) is False
+    assert on_amd("!defined(KERNEL_USE_FP8)", off) is True and on_amd("KERNEL_USE_FP8 && defined(USE_ROCM)", on) is True
+    assert on_amd("defined(__CUDA_ARCH__)", on) is False and on_amd("defined(USE_ROCM)", off) is True
+    fp8_lines = {finding.line for finding in lint_text(FP8_FLAGGED, "k.cu") if finding.rule == "fp8-type"}
+    assert fp8_lines == {3, 4, 7}
+    assert not [f for f in lint_text(FP8_FLAGGED, "k.cu", build=off) if f.rule == "fp8-type"]
+    assert {f.line for f in lint_text(FP8_FLAGGED, "k.cu", build=on) if f.rule == "fp8-type"} == fp8_lines

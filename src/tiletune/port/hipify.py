@@ -18,6 +18,7 @@ from tiletune.errors import UserError
 from tiletune.port.compile_check import SourceMap, compile_units, line_map
 from tiletune.port.engines import select_engine
 from tiletune.port.lint import Finding, lint_text, strip_comments
+from tiletune.port.preprocessor import HIPCC, Build
 from tiletune.port.report import FileResult, HipifyReport
 
 SOURCE_SUFFIXES = frozenset({".cu", ".cuh", ".cpp", ".cc", ".cxx", ".c", ".h", ".hpp", ".hh", ".hxx", ".inl"})
@@ -124,8 +125,9 @@ def _moved(finding: Finding, lines: list[int]) -> Finding:
 
 def run_hipify(paths: list[str], out: str | None = None, *, engine: str = "auto", inplace: bool = False,
                lint_only: bool = False, compile_check: bool = False, offload_arch: str = "gfx90a",
-               hipcc_flags: tuple[str, ...] = ()) -> HipifyReport:
-    """Lint `paths`, translate them into `out` (or in place), optionally compile; return the report."""
+               hipcc_flags: tuple[str, ...] = (), build: Build = HIPCC) -> HipifyReport:
+    """Lint `paths` (code the HIP build compiles out with `build`'s macros left alone), translate them into `out` (or
+    in place), optionally compile with the same macros; return the report."""
     if sum([out is not None, inplace, lint_only]) != 1:
         raise UserError("say where the HIP sources go: exactly one of --out DIR, --inplace (keeps .prehip "
                         "backups) or --lint-only (no translation)")
@@ -136,7 +138,7 @@ def run_hipify(paths: list[str], out: str | None = None, *, engine: str = "auto"
                         "gfx942 (MI300), gfx1100 (RX 7900)")
     root, sources = collect_sources(paths)
     texts = {source: source.read_text(encoding="utf-8", errors="replace") for source in sources}
-    findings = [f for source in sources for f in lint_text(texts[source], display_path(source))]
+    findings = [f for source in sources for f in lint_text(texts[source], display_path(source), build=build)]
     if lint_only:
         return HipifyReport(engine="none", destination="none (--lint-only)", files=[], findings=findings)
 
@@ -172,7 +174,7 @@ def run_hipify(paths: list[str], out: str | None = None, *, engine: str = "auto"
     if inplace:
         report.notes.append(f"originals of changed files are kept as <name>{BACKUP_SUFFIX}")
     if compile_check:
-        include_root = [f"-I{root if inplace else out_dir}"]
-        report.compile = compile_units(units, source_maps, offload_arch, [*include_root, *hipcc_flags],
-                                       headers=headers)
+        flags = [f"-I{root if inplace else out_dir}", *(f"-D{name}" for name in sorted(build.defined)),
+                 *(f"-U{name}" for name in sorted(build.undefined)), *hipcc_flags]
+        report.compile = compile_units(units, source_maps, offload_arch, flags, headers=headers)
     return report

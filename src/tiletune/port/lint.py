@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiletune.port.preprocessor import blank_branches_dead_on_amd
+from tiletune.port.preprocessor import HIPCC, Build, blank_branches_dead_on_amd
 from tiletune.port.rules import RULES, Hit, Rule
 
 _COMMENT_OR_LITERAL = re.compile(
@@ -59,10 +59,11 @@ def _pattern_hits(rule: Rule, lines: list[str]) -> list[Hit]:
     return hits
 
 
-def lint_text(text: str, path: str, rules: list[Rule] = RULES) -> list[Finding]:
-    """Findings of `rules` on CUDA source `text`; `path` is only used to label them."""
+def lint_text(text: str, path: str, rules: list[Rule] = RULES, build: Build = HIPCC) -> list[Finding]:
+    """Findings of `rules` on CUDA source `text`, lines the HIP build (hipcc with `build`'s macros) compiles out
+    left alone; `path` is only used to label them."""
     whole = strip_comments(text)
-    code = blank_branches_dead_on_amd(whole)
+    code = blank_branches_dead_on_amd(whole, build)
     code_lines = code.splitlines()
     source_lines = text.splitlines()
     findings = []

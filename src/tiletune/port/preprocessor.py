@@ -3,8 +3,9 @@
 hipcc defines USE_ROCM (torch extensions) and the __HIP_PLATFORM_* macros, leaves __CUDA_ARCH__ and
 CUDA's version macros undefined (0 in a comparison), and says __GNUC__ 4 (clang's GCC compatibility). Code under `#ifndef USE_ROCM` is the CUDA side of a port already made;
 code under `#ifdef __CUDA_ARCH__`, `#if __CUDA_ARCH__ >= 800` or `#ifdef __NVCC__` is compiled out on AMD (the
-`cuda-arch-guard` and `compiler-guard` rules say so at the `#if`, and the port decides whether to enable it there). The lint skips both. Conditions
-on anything else are unknown, and their branches count as compiled.
+`cuda-arch-guard` and `compiler-guard` rules say so at the `#if`, and the port decides whether to enable it there). The lint skips both. A
+project's own build macros are known only as its HIP build sets them (`Build`: hipcc's `-D` / `-U`, e.g. an fp8
+feature flag the HIP build leaves off); conditions on anything else are unknown, and their branches count as compiled.
 """
 
 from __future__ import annotations
@@ -25,26 +26,40 @@ _VERSION_ON_AMD = {"__GNUC__": 4}
 _COMPARE = {">=": int.__ge__, "<=": int.__le__, "==": int.__eq__, "!=": int.__ne__, ">": int.__gt__, "<": int.__lt__}
 
 
-def on_amd(condition: str) -> bool | None:
-    """The value of a preprocessor condition under hipcc, or None when it depends on anything else."""
+@dataclass(frozen=True)
+class Build:
+    """The HIP build's own macros beyond hipcc's: names it defines (`-DNAME`, true in `#if NAME`) and names it leaves
+    undefined (`-UNAME`: false in `#ifdef NAME` and `#if NAME`)."""
+
+    defined: frozenset[str] = frozenset()
+    undefined: frozenset[str] = frozenset()
+
+
+HIPCC = Build()  # hipcc alone: no project macro known
+
+
+def on_amd(condition: str, build: Build = HIPCC) -> bool | None:
+    """The value of a preprocessor condition under hipcc (with `build`'s macros), or None when it depends on
+    anything else."""
     condition = condition.strip()
     for operator, decisive in (("||", True), ("&&", False)):
         parts = _split_outside_parentheses(condition, operator)
         if len(parts) > 1:
-            values = [on_amd(part) for part in parts]
+            values = [on_amd(part, build) for part in parts]
             if decisive in values:
                 return decisive
             return None if None in values else not decisive
     if condition.startswith("!"):
-        value = on_amd(condition[1:])
+        value = on_amd(condition[1:], build)
         return None if value is None else not value
     if condition.startswith("(") and condition.endswith(")"):
-        return on_amd(condition[1:-1])
+        return on_amd(condition[1:-1], build)
     if match := re.fullmatch(r"defined\s*\(?\s*(\w+)\s*\)?", condition):
-        return True if match.group(1) in DEFINED_ON_AMD else False if match.group(1) in UNDEFINED_ON_AMD else None
+        name = match.group(1)
+        return True if name in DEFINED_ON_AMD | build.defined else False if name in UNDEFINED_ON_AMD | build.undefined else None
     if match := _VERSION_TEST.match(condition):
         return _COMPARE[match.group(2)](_VERSION_ON_AMD.get(match.group(1), 0), int(match.group(3)))
-    return True if condition in DEFINED_ON_AMD else None
+    return True if condition in DEFINED_ON_AMD | build.defined else False if condition in build.undefined else None
 
 
 def _split_outside_parentheses(text: str, operator: str) -> list[str]:
@@ -74,8 +89,8 @@ class Directive:
     group: int  # the index of its #if among the directives
 
 
-def directives(code: str) -> list[Directive]:
-    """The conditional directives of `code` (comments stripped) with what hipcc makes of them."""
+def directives(code: str, build: Build = HIPCC) -> list[Directive]:
+    """The conditional directives of `code` (comments stripped) with what hipcc (with `build`'s macros) makes of them."""
     lines = code.split("\n")
     found: list[Directive] = []
     stack = []  # per open #if: [its index, dead around it, a branch so far known taken]
@@ -92,7 +107,7 @@ def directives(code: str) -> list[Directive]:
                 around = bool(found) and found[-1].opens_dead  # the state of the code this #if sits in
                 stack.append([len(found), around, False])
             group, around, taken = stack[-1]
-            value = on_amd(condition) if kind != "else" else True
+            value = on_amd(condition, build) if kind != "else" else True
             opens_dead = around if kind == "endif" else around or taken or value is False
             stack[-1][2] = taken or value is True
             found.append(Directive(first, index, kind, condition, around, opens_dead, group))
@@ -102,9 +117,9 @@ def directives(code: str) -> list[Directive]:
     return found
 
 
-def dead_lines(code: str) -> Iterable[int]:
+def dead_lines(code: str, build: Build = HIPCC) -> Iterable[int]:
     """0-based lines hipcc compiles out: the body of each dead branch and every directive inside dead code."""
-    found = directives(code)
+    found = directives(code, build)
     for directive, following in zip(found, found[1:] + [None]):
         if directive.enclosed_dead:
             yield from range(directive.first, directive.last + 1)
@@ -112,9 +127,9 @@ def dead_lines(code: str) -> Iterable[int]:
             yield from range(directive.last + 1, following.first)
 
 
-def blank_branches_dead_on_amd(code: str) -> str:
-    """`code` with every line hipcc compiles out replaced by blanks (line numbers kept)."""
+def blank_branches_dead_on_amd(code: str, build: Build = HIPCC) -> str:
+    """`code` with every line hipcc (with `build`'s macros) compiles out replaced by blanks (line numbers kept)."""
     lines = code.split("\n")
-    for number in dead_lines(code):
+    for number in dead_lines(code, build):
         lines[number] = " " * len(lines[number])
     return "\n".join(lines)
