@@ -243,7 +243,7 @@ def add_logprob_head(model, head: LogprobHead) -> None:
     if getattr(model, "_tiletune_logprob_head", False):
         return
     current = model.forward
-    shareable = head.shared_prompt and _unshareable_note(model)
+    shareable = head.shared_prompt and _prepare_shared_prompt(model)
 
     @functools.wraps(type(model).forward)  # generate validates its keywords against the signature
     def forward(self, *args, fused_lm_head=False, labels=None, **kwargs):
@@ -259,9 +259,9 @@ def add_logprob_head(model, head: LogprobHead) -> None:
     model._tiletune_logprob_head = True
 
 
-def _unshareable_note(model) -> bool:
-    """Whether the model can run pairs with one prompt (then with SDPA through `use_pair_attention`); if not, the
-    reason noted once."""
+def _prepare_shared_prompt(model) -> bool:
+    """Set the model up to run pairs with one prompt (SDPA through `use_pair_attention`) and say whether it can; if
+    not, the reason noted once."""
     from tiletune.kernels.registry import note_fallback
     from tiletune.train.shared_prompt import unshareable, use_pair_attention
 
