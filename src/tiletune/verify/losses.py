@@ -55,7 +55,9 @@ def step_loss(cfg: TuneConfig, spec=None) -> StepLoss:
     takes its log-probs from that op."""
     if cfg.stage not in PREFERENCE_STAGES:
         return lm_loss
-    head = next(((s.impl, spec.strict) for s in spec.ops if s.op == "linear_logprobs"), None) if spec else None
+    from tiletune.train.preference import LogprobHead
+
+    head = next((LogprobHead(s.impl, spec.strict) for s in spec.ops if s.op == "linear_logprobs"), None) if spec else None
     return functools.partial(_preference_loss, cfg, head)
 
 
@@ -88,7 +90,7 @@ def _answer_sums(model, ids: torch.Tensor, labels: torch.Tensor, head) -> tuple[
         log_probs, mask, _ = label_log_probs(model(input_ids=ids, use_cache=False).logits, labels)
     else:
         causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-        log_probs, _, mask = fused_label_log_probs(causal_lm, labels, *head, input_ids=ids)
+        log_probs, _, mask = fused_label_log_probs(causal_lm, labels, head, False, input_ids=ids)  # pairs unshared
     return log_probs.sum(1), mask.sum(1).clamp(min=1)
 
 
