@@ -68,7 +68,7 @@ CLASSES: dict[str, ChangeClass] = {
     "large-block": ChangeClass(("launch-bounds",), False, "a block above 256 threads (no launch bounds) shrunk for ROCm"),
     "sync-shuffle": ChangeClass(("mask-32bit",), False, "a `*_sync` shuffle (absent before ROCm 6.2) routed to a shim"),
     "hipcub-api": ChangeClass((), False, "a hipCUB call differs from CUB (extra argument)"),
-    "blas-backend": ChangeClass((), True, "cuBLAS call sent to hipBLAS (torch 2.13's hipify maps it there too; 2023's, to rocBLAS)"),
+    "blas-backend": ChangeClass(("rocblas-branch",), True, "cuBLAS call sent to hipBLAS (torch 2.13's hipify maps it there too; 2023's, to rocBLAS)"),
     "missing-return": ChangeClass(("missing-return",), False, "non-void function fell off its end"),
     "device-only-math": ChangeClass(("device-only-math",), False, "a device-only math function called from a host function (rsqrtf)"),
     "launch-bounds-added": ChangeClass(("launch-bounds",), False,
@@ -97,17 +97,17 @@ CLASSES: dict[str, ChangeClass] = {
     "nvcc-pragma": ChangeClass((), False, "an nvcc-only `#pragma` that hipcc reaches"),
     "amd-tuning": ChangeClass((), False, "a launch or tuning parameter set differently for AMD, for speed only"),
     "inline-ptx": ChangeClass(("inline-asm", "ptx-mma"), False, "PTX `asm volatile` rewritten as AMD GPU assembly or C++"),
-    "bf16-operator": ChangeClass(("bf16-type",), False, "an operator on bf16 values HIP's bf16 type lacked (`a + b` before ROCm 6.1)"),
+    "bf16-operator": ChangeClass(("bf16-type", "bf16-arithmetic"), False, "an operator on bf16 values HIP's bf16 type lacked (`a + b` before ROCm 6.1)"),
     "void-pointer-arith": ChangeClass(("void-pointer-arith",), False, "arithmetic on a `void*` (g++ accepts it, clang rejects it)"),
     # round 7's classes, defined by its labellers (before the round was scored)
     "operator-ambiguity": ChangeClass((), False,
                                       "a host comparison on a SIMD wrapper that clang finds ambiguous (its built-in vector operators)"),
-    "unused-header": ChangeClass((), False, "an unused CUDA-toolkit library header (Thrust) kept out of the HIP build"),
+    "unused-header": ChangeClass(("unused-thrust-header",), False, "an unused CUDA-toolkit library header (Thrust) kept out of the HIP build"),
     "build-flag-guard": ChangeClass((), False, "a project build macro selecting the GPU code (`#if BUILD_CUDA`) widened to the HIP build's"),
     # round 8's classes, defined by its labellers (before the round was scored)
     "ambiguous-call": ChangeClass((), False,
                                   "an unqualified call (`fma`) that a ROCm header's overload makes ambiguous, qualified"),
-    "scoped-atomic": ChangeClass((), False, "clang's `__scoped_atomic_*` builtins (absent from ROCm 6.1's clang) -> `__atomic_*`"),
+    "scoped-atomic": ChangeClass(("scoped-atomic",), False, "clang's `__scoped_atomic_*` builtins (absent from ROCm 6.1's clang) -> `__atomic_*`"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).

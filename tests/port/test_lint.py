@@ -93,6 +93,13 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
       "  k<<<1, block>>>(x);\n}\nconstexpr int kMaxThreads = 512;"), "launch-bounds"),
     ("template <typename Ktraits> __device__ void f(float* x) {\n  Ktraits::BlockLoadT(smem).Load(x, v);\n}",
      "dependent-template-name"),
+    ("v = __scoped_atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED, __MEMORY_SCOPE_WRKGRP);", "scoped-atomic"),
+    ("#if defined(USE_ROCM)\n  rocblas_sgemm(h, op, op, m, n, k, &a, A, m, B, k, &b, C, m);\n#else\n"
+     "  cublasSgemm(h, op, op, m, n, k, &a, A, m, B, k, &b, C, m);\n#endif", "rocblas-branch"),
+    ("__device__ float4 operator/(float4 a, float4 b) { return a; }", "hip-builtin-redefinition"),
+    ("__device__ float atomicMax(float* address, float val) { return val; }", "hip-builtin-redefinition"),
+    ("__device__ void f(nv_bfloat16 x, nv_bfloat16 y, nv_bfloat16* o) {\n  nv_bfloat16 p = x;\n  p *= y;\n  o[0] = p;\n}",
+     "bf16-arithmetic"),
 ])
 def test_rule_variants_fire(code, rule):
     assert rule in {f.rule for f in lint_text(code, "snippet.cu")}
@@ -131,6 +138,16 @@ def test_rule_variants_fire(code, rule):
     ("#if defined(__NVCC__) || defined(__HIPCC__)\n#define HD __host__ __device__\n#endif", "compiler-guard"),
     ("void f(void* p, char* q) { char* r = (char*)p + 4; q = r + 1; }", "void-pointer-arith"),  # cast first
     ("template <typename T> __global__ void k(const float* x, float* y) { y[0] = __ldg(&x[0]); }", "ldg-torch-half"),
+    ("while (!__hip_atomic_load(&f, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT));", "scoped-atomic"),
+    (("#if defined(__HIP_PLATFORM_AMD__) && TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 0\n"  # kept for old torch
+      "  rocblas_gemm_ex(h);\n#else\n  cublasGemmEx(h);\n#endif"), "rocblas-branch"),
+    ("#ifdef USE_ROCM\n  rocblas_gemm_ex(h);\n#endif", "rocblas-branch"),  # no cuBLAS: a project on rocBLAS itself
+    ("#ifndef USE_ROCM\n  cublasGemmEx(h);\n#else\n  hipblasGemmEx(h);\n#endif", "rocblas-branch"),
+    ("#include <thrust/sort.h>\nvoid f(int* p, int n) { thrust::sort(p, p + n); }", "unused-thrust-header"),
+    # a scalar factor: HIP's vector-scalar operators are templates, which this non-template outranks
+    ("__device__ float2 operator*(const float a, const float2& b) { return b; }", "hip-builtin-redefinition"),
+    ("__device__ float f(__nv_bfloat16 a, float s) { return __bfloat162float(a) * s; }", "bf16-arithmetic"),
+    ("__device__ __nv_bfloat16 f(__nv_bfloat16 a, __nv_bfloat16 b) { return __hadd(a, b); }", "bf16-arithmetic"),
     ("using T = cuda::std::remove_cv_t<U>;\nusing V = cuda::std::decay_t<U>;\n#include <cuda/std/utility>", None),
 ])
 def test_rule_variants_stay_silent(code, rule):

@@ -1053,6 +1053,99 @@ def check_missing_return(text: str) -> Iterable[Hit]:
             yield Hit(*_position(text, function.body_end), f"`{function.name}` returns `{' '.join(words)}` and ends here")
 
 
+# ---- what HIP's headers already define: a second definition is a clash or an ambiguous call ----
+
+_VECTOR_TYPE = r"(?:u?char|u?short|u?int|u?long|u?longlong|float|double)[1-4]"
+_BUILTIN_REDEFINITIONS = (  # (a definition, what HIP has instead)
+    (re.compile(r"\b(?:float|double)\s+(atomic(?:Max|Min|Add))\s*\(\s*(?:float|double)\s*\*[^;{}]*\)\s*\{"),
+     "HIP's headers define `{0}` on this type: a redefinition"),
+    (re.compile(rf"\boperator\s*(\*|/|[-+*/]=)\s*\(\s*(?:const\s+)?({_VECTOR_TYPE})\s*&?\s*\w*\s*,"
+                rf"\s*(?:const\s+)?\2\s*&?\s*\w*\s*\)\s*\{{"),
+     "HIP's `{1}` (a HIP_vector_type) has `{0}` on two `{1}`s already: every such call is ambiguous"),
+)
+
+
+def check_builtin_redefinitions(text: str) -> Iterable[Hit]:
+    """Flag a definition of what HIP's headers define themselves: `atomicMax` / `atomicMin` / `atomicAdd` on
+    `float*` / `double*`, and `*`, `/` or a compound assignment between two CUDA vector values (`float2`,
+    `float3`, ...), which HIP_vector_type has as hidden friends and members."""
+    for definition, clash in _BUILTIN_REDEFINITIONS:
+        for match in definition.finditer(text):
+            yield Hit(*_position(text, match.start()), clash.format(*match.groups()))
+
+
+# ---- builtins and libraries whose HIP side depends on the ROCm or torch version ------------------
+
+_SCOPED_ATOMIC = re.compile(r"\b__scoped_atomic_(\w+?)(?:_n)?\s*\(")
+_HIP_ATOMIC = {"compare_exchange": "__hip_atomic_compare_exchange_strong"}  # else __hip_atomic_<operation>
+_HIP_SCOPE = {"DEVICE": "AGENT", "WRKGRP": "WORKGROUP", "WVFRNT": "WAVEFRONT", "SINGLE": "SINGLETHREAD"}
+
+
+def check_scoped_atomics(text: str) -> Iterable[Hit]:
+    """Flag clang's `__scoped_atomic_*` builtins (LLVM 18, so ROCm >= 6.2), naming the `__hip_atomic_*` builtin and
+    `__HIP_MEMORY_SCOPE_*` that every ROCm >= 6.0 has."""
+    for call in _SCOPED_ATOMIC.finditer(text):
+        operation = call.group(1)
+        arguments = _split_top_level(_balanced_args(text, call.end() - 1))
+        scope = re.fullmatch(r"\s*__MEMORY_SCOPE_(\w+)\s*", arguments[-1]) if arguments else None
+        hip_scope = f"__HIP_MEMORY_SCOPE_{_HIP_SCOPE.get(scope.group(1), scope.group(1))}" if scope else "__HIP_MEMORY_SCOPE_*"
+        builtin = _HIP_ATOMIC.get(operation, f"__hip_atomic_{operation}")
+        yield Hit(*_position(text, call.start()), f"`{builtin}(..., {hip_scope})` compiles on ROCm 6.0 and 6.1 too")
+
+
+_ROCBLAS = re.compile(r"\brocblas_\w+")
+_CUBLAS = re.compile(r"\bcublas\w*|\bCUBLAS_\w+")
+_TORCH_VERSION = re.compile(r"\bTORCH_VERSION_\w+")
+
+
+def check_rocblas_branches(text: str) -> Iterable[Hit]:
+    """Flag each `#if` / `#ifdef` on an AMD macro whose branch calls rocBLAS, in a file that calls cuBLAS, unless
+    the condition tests the torch version: hipify (torch >= 2.1's too) turns the cuBLAS side into hipBLAS, whose
+    handles and types the rocBLAS branch then receives. `text` keeps the branches hipcc compiles out."""
+    if not _CUBLAS.search(text):
+        return  # a project written against rocBLAS itself
+    found = directives(text)
+    handle = ("`at::cuda::getCurrentCUDABlasHandle()`" if "getCurrentCUDABlasHandle" in text
+              else "the callers' cuBLAS handle")
+    for directive in found:
+        if (directive.kind in ("else", "endif") or directive.enclosed_dead or not _AMD_MACRO.search(directive.condition)
+                or on_amd(directive.condition) is False or _TORCH_VERSION.search(directive.condition)):
+            continue
+        following = next(d for d in found if d.group == directive.group and d.first > directive.first)
+        if _ROCBLAS.search(_branch_body(text, directive, following)):
+            line = text.split("\n")[directive.first]
+            yield Hit(directive.first + 1, len(line) - len(line.lstrip()) + 1,
+                      f"{handle} is a hipblasHandle_t once hipified (torch >= 2.1)")
+
+
+_THRUST_INCLUDE = re.compile(r"^[ \t]*#\s*include\s*[<\"]thrust/[^>\"]+[>\"]", re.MULTILINE)
+
+
+def check_unused_thrust(text: str) -> Iterable[Hit]:
+    """Flag each `#include <thrust/...>` of a file that names nothing of Thrust (no `thrust::`)."""
+    if re.search(r"\bthrust::", text):
+        return
+    for include in _THRUST_INCLUDE.finditer(text):
+        yield Hit(*_position(text, include.start() + len(include.group(0)) - len(include.group(0).lstrip())))
+
+
+_BF16_VALUE = re.compile(r"\b(?:__)?nv_bfloat162?\s+(?:const\s+)?(\w+)\s*[,)=;]")
+
+
+def check_bf16_arithmetic(text: str) -> Iterable[Hit]:
+    """Flag `a + b`, `a * b`, `a += b` ... in a function where both operands are declared CUDA bf16 values
+    (parameters or locals): ROCm 6.0's `__hip_bfloat16` has no arithmetic operators (6.1 added them)."""
+    for function in functions(text):
+        header_start = max(text.rfind(";", 0, function.body_start - 1), text.rfind("}", 0, function.body_start - 1)) + 1
+        names = set(_BF16_VALUE.findall(text[header_start : function.body_end]))
+        if not names:
+            continue
+        either = "|".join(map(re.escape, sorted(names)))
+        operation = re.compile(rf"\b({either})\s*([-+*/]=?)\s*({either})\b")
+        for use in operation.finditer(text, function.body_start, function.body_end):
+            yield Hit(*_position(text, use.start()), f"`{use.group(0)}` on bf16 values in `{function.name}`")
+
+
 # ---- the table ---------------------------------------------------------------------------------
 
 RULES: list[Rule] = [
@@ -1359,14 +1452,69 @@ RULES: list[Rule] = [
         pattern=re.compile(r"\b__syncwarp\s*\("),
     ),
     Rule(
-        "hip-builtin-redefinition", "error", "a device function HIP already defines",
+        "hip-builtin-redefinition", "error", "a function HIP already defines",
         "CUDA code often brings its own `atomicMax(float*, float)` / `atomicMin(float*, float)` (an atomicCAS loop) "
         "or, for GPUs before sm_60, `atomicAdd(double*, double)` under `#if __CUDA_ARCH__ < 600` (which is true "
-        "on AMD). HIP's headers define all of these, so hipcc stops with a redefinition error.",
-        "Leave the definition out under `USE_ROCM` (HIP's own use hardware atomics where the GPU has them).",
-        before="__device__ float atomicMax(float* address, float val) { /* atomicCAS loop */ }",
-        after="#ifndef USE_ROCM\n__device__ float atomicMax(float* address, float val) { /* atomicCAS loop */ }\n#endif",
-        pattern=re.compile(r"\b(?:float|double)\s+atomic(?:Max|Min|Add)\s*\(\s*(?:float|double)\s*\*[^;{}]*\)\s*\{"),
+        "on AMD): HIP's headers define all of these, so hipcc stops with a redefinition error. And a file's own "
+        "`operator*` / `operator/` / `operator+=` ... between two `float2` / `float3` values meets HIP_vector_type's "
+        "own (hidden friends and members, found for every vector type): each call of them is ambiguous.",
+        "Leave the definition out under `USE_ROCM` (HIP's atomics use hardware atomics where the GPU has them; its "
+        "vector operators work component-wise, as the file's did).",
+        before="__device__ inline float2 operator*(const float2& a, const float2& b) {\n"
+               "  return make_float2(a.x * b.x, a.y * b.y);\n}",
+        after="#if !defined(USE_ROCM)  // HIP's float2 has it\n__device__ inline float2 operator*(const float2& a, "
+              "const float2& b) {\n  return make_float2(a.x * b.x, a.y * b.y);\n}\n#endif",
+        check=check_builtin_redefinitions,
+    ),
+    Rule(
+        "scoped-atomic", "error", "clang's `__scoped_atomic_*` builtins",
+        "`__scoped_atomic_load_n`, `__scoped_atomic_store_n`, `__scoped_atomic_fetch_add` ... came with LLVM 18 "
+        "(December 2023): ROCm 6.0 and 6.1 ship AMD clang 17, whose hipcc rejects them (ROCm 6.2's clang 18 has "
+        "them). The GNU `__atomic_*` builtins compile everywhere but take no scope: on AMD GPUs they are system "
+        "scope, stronger and slower than a device-scope flag needs.",
+        "Call HIP's scoped builtins, which every ROCm >= 6.0 has: `__hip_atomic_load(p, order, scope)`, "
+        "`__hip_atomic_store(p, v, order, scope)`, `__hip_atomic_fetch_add(p, v, order, scope)` ..., with "
+        "`__HIP_MEMORY_SCOPE_AGENT` for `__MEMORY_SCOPE_DEVICE` and `__HIP_MEMORY_SCOPE_SYSTEM` for "
+        "`__MEMORY_SCOPE_SYSTEM`.",
+        before="while (!__scoped_atomic_load_n(&flag, __ATOMIC_RELAXED, __MEMORY_SCOPE_DEVICE));",
+        after="while (!__hip_atomic_load(&flag, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT));",
+        check=check_scoped_atomics,
+    ),
+    Rule(
+        "rocblas-branch", "warning", "a hand-written rocBLAS branch beside cuBLAS code",
+        "Until torch 2.1, torch's hipify turned cuBLAS into rocBLAS, so ports wrote `#ifdef __HIP_PLATFORM_AMD__` "
+        "branches calling `rocblas_gemm_ex` on a `rocblas_handle`. torch >= 2.1's hipify (like hipify-perl and "
+        "hipify-clang) turns cuBLAS into hipBLAS: `at::cuda::getCurrentCUDABlasHandle()` is then a "
+        "`hipblasHandle_t`, and the hipified callers hand the branch hipBLAS handles, operations and types, which "
+        "it does not take.",
+        "Keep the rocBLAS branch for torch <= 2.0 only (`&& (TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && "
+        "TORCH_VERSION_MINOR == 0))`), or drop it, and let the cuBLAS call be translated to hipBLAS with hipBLAS's "
+        "data and compute types (`HIPBLAS_R_16F`, `HIPBLAS_COMPUTE_32F` with hipBLAS 2).",
+        before="#ifdef __HIP_PLATFORM_AMD__\n  rocblas_gemm_ex(handle, ...);\n#else\n  cublasGemmEx(handle, ...);\n#endif",
+        after="#if defined(__HIP_PLATFORM_AMD__) && TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 0\n"
+              "  rocblas_gemm_ex(handle, ...);\n#else\n  cublasGemmEx(handle, ...);  // hipified to hipblasGemmEx\n#endif",
+        check=check_rocblas_branches,
+        reads_dead_code=True,
+    ),
+    Rule(
+        "unused-thrust-header", "warning", "a Thrust header the file does not use",
+        "Thrust becomes rocThrust, a separate ROCm library whose headers compile only under hipcc: an include "
+        "nothing uses makes the HIP build depend on rocThrust, and breaks each file a host compiler builds that "
+        "includes this one (bitsandbytes' C interface, built by g++, included its ops header).",
+        "Remove the include, or move it to the file that uses Thrust.",
+        before="#include <cstdint>\n#include <thrust/device_vector.h>  // nothing here names thrust::",
+        after="#include <cstdint>",
+        check=check_unused_thrust,
+    ),
+    Rule(
+        "bf16-arithmetic", "warning", "an arithmetic operator on two bf16 values",
+        "ROCm 6.0's `__hip_bfloat16` is a plain struct without arithmetic operators (ROCm 6.1's hip_bf16.h added "
+        "them): `a + b` on two `__nv_bfloat16` values does not compile there. vLLM's port wrote `__hadd(a, b)`.",
+        "Call the intrinsic (`__hadd`, `__hsub`, `__hmul`, `__hdiv`; `__hadd2` ... for `__nv_bfloat162`), which "
+        "both compilers have, or compute in float (`__bfloat162float`).",
+        before="__device__ __nv_bfloat16 add(__nv_bfloat16 a, __nv_bfloat16 b) { return a + b; }",
+        after="__device__ __nv_bfloat16 add(__nv_bfloat16 a, __nv_bfloat16 b) { return __hadd(a, b); }",
+        check=check_bf16_arithmetic,
     ),
     Rule(
         "missing-intrinsic", "error", "CUDA intrinsic HIP does not have",
