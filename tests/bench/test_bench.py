@@ -47,6 +47,18 @@ def test_unknown_variant_and_missing_baseline_are_refused(tmp_path):
         assert result.exit_code == 2 and message in result.output
 
 
+def test_all_joined_with_an_opt_in_op_is_every_kernel_plus_that_op(tmp_path):
+    from tiletune.bench.runner import check_variants
+    from tiletune.bench.worker import variant_kernels
+    from tiletune.kernels.registry import OPT_IN
+    from tiletune.patch.spec import parse_kernel_spec
+
+    check_variants(["baseline", "all+moe_experts"])  # accepted, like `kernels: {all: true, moe_experts: true}`
+    selected = {selection.op for selection in parse_kernel_spec(variant_kernels("all+moe_experts")).ops}
+    everyday = {selection.op for selection in parse_kernel_spec("all").ops}
+    assert "moe_experts" in OPT_IN and selected == everyday | {"moe_experts"}
+
+
 def test_ablation_takes_extra_variants_into_the_same_run(tmp_path, monkeypatch):
     import tiletune.bench.runner as runner
 

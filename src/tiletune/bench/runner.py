@@ -41,10 +41,11 @@ def check_variants(variants: list[str], stage: str = "sft") -> None:
 
     known = {*PEER_VARIANTS, "all", *OPS}
     names = [split_variant(v)[0] for v in variants]
-    unknown = [part for n in names if n not in known for part in n.split("+") if part not in OPS]
+    unknown = [part for n in names if n not in known for part in n.split("+") if part not in (*OPS, "all")]
     if unknown:
         raise UserError(f"bench variant {unknown[0]!r} is unknown; available: {', '.join(sorted(known))}, ops joined "
-                        "by + (rms_norm+rope), each optionally with :key=value config overrides (all:gradient_checkpointing=auto)")  # fmt: skip
+                        "by + (rms_norm+rope, all+moe_experts: every kernel plus an opt-in op), each optionally with "
+                        ":key=value config overrides (all:gradient_checkpointing=auto)")  # fmt: skip
     for liger in ("liger", LIGER_FUSED):
         if liger in names and not find_spec("liger_kernel"):
             raise UserError(f"bench variant {liger!r} needs Liger-Kernel; pip install liger-kernel (or drop the variant)")
