@@ -122,14 +122,20 @@ def test_the_config_table_keeps_the_measured_defaults_until_a_gpu_picks_another(
         assert config.block_m >= moe.BLOCK_M and config.block_m % 64 == 0
 
 
-LOWERINGS = ([("cuda:sm_90", v) for v in sorted(moe.VARIANTS)] + [("hip:gfx942", v) for v in sorted(moe.VARIANTS)]
-             + [("cuda:sm_80", v) for v in moe.CANDIDATES["sm_80"]])
+# every variant on each architecture family that sweeps it (config_for picks among an architecture's own candidates)
+LOWERINGS = [(target, variant) for family, target in (("sm_90", "cuda:sm_90"), ("hip", "hip:gfx942"), ("sm_80", "cuda:sm_80"))
+             for variant in moe.CANDIDATES[family]]
+
+
+def test_every_variant_is_some_architectures_candidate():
+    assert {variant for _, variant in LOWERINGS} == set(moe.VARIANTS)
 
 
 @pytest.mark.parametrize("target,variant", LOWERINGS)
 def test_every_variant_lowers_onto_the_matrix_units(target, variant):
-    """Both grouped GEMMs of every variant lower without a GPU: on sm_90 with TMA loads and wgmma (as linear's
-    GEMMs do), on gfx942 with MFMA, on sm_80 with mma; a persistent variant's grid does not grow with the tiles."""
+    """Both grouped GEMMs of every variant lower without a GPU on the architectures that sweep it: on sm_90 with TMA
+    loads and wgmma (as linear's GEMMs do), on gfx942 with MFMA, on sm_80 with mma; a persistent variant's grid does
+    not grow with the tiles."""
     pytest.importorskip("tilelang", reason="TileLang is not installed or cannot be imported")
     from tiletune.kernels import _tilelang
 
