@@ -108,6 +108,12 @@ CLASSES: dict[str, ChangeClass] = {
     "ambiguous-call": ChangeClass((), False,
                                   "an unqualified call (`fma`) that a ROCm header's overload makes ambiguous, qualified"),
     "scoped-atomic": ChangeClass(("scoped-atomic",), False, "clang's `__scoped_atomic_*` builtins (absent from ROCm 6.1's clang) -> `__atomic_*`"),
+    # round 9's classes, defined by its labellers (before the round was scored)
+    "register-keyword": ChangeClass(("register-storage",), False, "the `register` storage class, which clang rejects in C++17 (nvcc accepts it)"),
+    "warpsize-constexpr": ChangeClass(("warpsize-constexpr",), False, "`warpSize` in a constant expression (an array bound): not constexpr from ROCm 7.0"),
+    "unroll-warning": ChangeClass((), False, "`#pragma unroll` on a loop hip-clang cannot unroll (a -Wpass-failed warning nvcc does not give)"),
+    "fp8-format": ChangeClass(("fp8-type",), False, "CUDA's OCP fp8 (e4m3fn) replaced by the fnuz encoding MI300 computes in"),
+    "libstdcxx-device-assert": ChangeClass(("device-std-clamp",), False, "a standard-library call in device code that gcc 14's libstdc++ asserts through a host function"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).

@@ -55,18 +55,19 @@ def test_torch_engine_translates_cub_enumerators_and_macros(tmp_path):
     assert not re.search(r"(?<!\w)cub::|\bCUB_", hip)
 
 
-def test_torch_engine_maps_pytorch_headers_graph_params_the_kernel_cast_and_spmm_defaults(tmp_path):
+def test_torch_engine_maps_pytorch_headers_rccl_graph_params_the_kernel_cast_and_spmm_defaults(tmp_path):
     source = tmp_path / "ext.cu"
     source.write_text(
         "#include <ATen/cuda/CUDAContext.h>\n#include <ATen/cuda/Exceptions.h>\n"
         "#include <c10/cuda/CUDAGuard.h>\n#include \"c10/cuda/CUDAStream.h\"\n#include <vector_functions.h>\n"
+        "#include \"nccl.h\"\n"
         "void f() { cudaKernelNodeParams params; cudaFuncSetAttribute(k<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, n);\n"
         "  cudaFuncSetAttribute((const void*)k<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, n); }\n"
         "void g() { cusparseSpMM(h, op, op, &a, A, B, &b, C, CUDA_R_32F, CUSPARSE_SPMM_ALG_DEFAULT, buf); }\n")
     hip = select_engine("torch").translate(source)
     assert "<ATen/hip/HIPContext.h>" in hip and "<ATen/hip/Exceptions.h>" in hip
     assert "<c10/hip/HIPGuard.h>" in hip and '"c10/hip/HIPStream.h"' in hip and "<hip/hip_vector_types.h>" in hip
-    assert "hipKernelNodeParams params;" in hip
+    assert "hipKernelNodeParams params;" in hip and "#include <rccl/rccl.h>" in hip
     assert hip.count("hipFuncSetAttribute((const void*)k<64>, hipFuncAttributeMaxDynamicSharedMemorySize") == 2
     assert "hipsparseSpMM(h, op, op, &a, A, B, &b, C, HIP_R_32F, HIPSPARSE_SPMM_ALG_DEFAULT, buf)" in hip
 

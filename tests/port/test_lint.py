@@ -96,10 +96,16 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("v = __scoped_atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED, __MEMORY_SCOPE_WRKGRP);", "scoped-atomic"),
     ("#if defined(USE_ROCM)\n  rocblas_sgemm(h, op, op, m, n, k, &a, A, m, B, k, &b, C, m);\n#else\n"
      "  cublasSgemm(h, op, op, m, n, k, &a, A, m, B, k, &b, C, m);\n#endif", "rocblas-branch"),
-    ("__device__ float4 operator/(float4 a, float4 b) { return a; }", "hip-builtin-redefinition"),
+    ("__host__ __device__ float4 operator/(float4 a, float4 b) { return a; }", "hip-builtin-redefinition"),
+    ("IHD float3 operator*(const float3& a, const float3& b) { return a; }", "hip-builtin-redefinition"),  # IHD: another header's
     ("__device__ float atomicMax(float* address, float val) { return val; }", "hip-builtin-redefinition"),
     ("__device__ void f(nv_bfloat16 x, nv_bfloat16 y, nv_bfloat16* o) {\n  nv_bfloat16 p = x;\n  p *= y;\n  o[0] = p;\n}",
      "bf16-arithmetic"),
+    ("static_assert(kBlock % warpSize == 0, \"whole warps\");", "warpsize-constexpr"),
+    ("using Reduce = hipcub::WarpReduce<float, warpSize>;", "warpsize-constexpr"),
+    ("static constexpr int kWarps = kBlock / warpSize;", "warpsize-constexpr"),
+    ("for (int i = 0; i < n; ++i) { register float acc = x[i]; y[i] = acc; }", "register-storage"),
+    ("template <typename T> __host__ __device__ T sat(T v) { return std::clamp(v, T(0), T(1)); }", "device-std-clamp"),
 ])
 def test_rule_variants_fire(code, rule):
     assert rule in {f.rule for f in lint_text(code, "snippet.cu")}
@@ -145,9 +151,18 @@ def test_rule_variants_fire(code, rule):
     ("#ifndef USE_ROCM\n  cublasGemmEx(h);\n#else\n  hipblasGemmEx(h);\n#endif", "rocblas-branch"),
     ("#include <thrust/sort.h>\nvoid f(int* p, int n) { thrust::sort(p, p + n); }", "unused-thrust-header"),
     # a scalar factor: HIP's vector-scalar operators are templates, which this non-template outranks
-    ("__device__ float2 operator*(const float a, const float2& b) { return b; }", "hip-builtin-redefinition"),
+    ("__host__ __device__ float2 operator*(const float a, const float2& b) { return b; }", "hip-builtin-redefinition"),
+    # device-only: clang's same-side preference picks it over HIP's __host__ __device__ operator (no ambiguity)
+    ("__device__ inline float2 operator*(const float2& a, const float2& b) { return a; }", "hip-builtin-redefinition"),
     ("__device__ float f(__nv_bfloat16 a, float s) { return __bfloat162float(a) * s; }", "bf16-arithmetic"),
     ("__device__ __nv_bfloat16 f(__nv_bfloat16 a, __nv_bfloat16 b) { return __hadd(a, b); }", "bf16-arithmetic"),
+    ("return x[warpSize - 1];", "warpsize-constexpr"),  # run-time uses of warpSize
+    ("if (lane < warpSize && ok) v = x[lane % warpSize];", "warpsize-constexpr"),
+    ("int register_count = 4;", "register-storage"),
+    (("__global__ void k(float* x) { cg::this_grid().sync(); }\nvoid f(void** args, int sms, cudaStream_t s) {\n"
+      "  int b = 0;\n  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, k, 256, 0);\n"
+      "  cudaLaunchCooperativeKernel((void*)k, b * sms, 256, args, 0, s);\n}"), "grid-sync"),  # a grid the device sized
+    ("template <typename T> T clamp_host(T v) { return std::clamp(v, T(0), T(1)); }", "device-std-clamp"),
     ("using T = cuda::std::remove_cv_t<U>;\nusing V = cuda::std::decay_t<U>;\n#include <cuda/std/utility>", None),
 ])
 def test_rule_variants_stay_silent(code, rule):

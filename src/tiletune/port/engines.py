@@ -102,6 +102,8 @@ TORCH_TABLE_GAPS: list[Rewrite] = [
     Rewrite(re.compile(r"""(#\s*include\s*[<"])vector_functions\.hp?p?([>"])"""), r"\1hip/hip_vector_types.h\2",
             "CUDA's make_float2 / make_int4 ... header; HIP defines them with its vector types (torch maps "
             "vector_types.h only)"),
+    Rewrite(re.compile(r'(#\s*include\s*)"nccl\.h"'), r"\1<rccl/rccl.h>",
+            "ROCm's NCCL is RCCL; torch maps the angle-bracket include only (a quoted one is taken for the project's own)"),
     Rewrite(re.compile(r"""(#\s*include\s*[<"])math_constants\.h([>"])"""), r"\1hip/hip_math_constants.h\2",
             "CUDA's CUDART_* constants; HIP has them as HIP_* in hip/hip_math_constants.h (hipify-clang's header table)"),
     Rewrite(re.compile(r"\bCUDART_(\w+)"), r"HIP_\1",

@@ -1056,22 +1056,46 @@ def check_missing_return(text: str) -> Iterable[Hit]:
 # ---- what HIP's headers already define: a second definition is a clash or an ambiguous call ----
 
 _VECTOR_TYPE = r"(?:u?char|u?short|u?int|u?long|u?longlong|float|double)[1-4]"
-_BUILTIN_REDEFINITIONS = (  # (a definition, what HIP has instead)
-    (re.compile(r"\b(?:float|double)\s+(atomic(?:Max|Min|Add))\s*\(\s*(?:float|double)\s*\*[^;{}]*\)\s*\{"),
-     "HIP's headers define `{0}` on this type: a redefinition"),
-    (re.compile(rf"\boperator\s*(\*|/|[-+*/]=)\s*\(\s*(?:const\s+)?({_VECTOR_TYPE})\s*&?\s*\w*\s*,"
-                rf"\s*(?:const\s+)?\2\s*&?\s*\w*\s*\)\s*\{{"),
-     "HIP's `{1}` (a HIP_vector_type) has `{0}` on two `{1}`s already: every such call is ambiguous"),
-)
+_ATOMIC_REDEFINITION = re.compile(r"\b(?:float|double)\s+(atomic(?:Max|Min|Add))\s*\(\s*(?:float|double)\s*\*[^;{}]*\)\s*\{")
+_VECTOR_OPERATOR = re.compile(rf"\boperator\s*(\*|/|[-+*/]=)\s*\(\s*(?:const\s+)?({_VECTOR_TYPE})\s*&?\s*\w*\s*,"
+                              rf"\s*(?:const\s+)?\2\s*&?\s*\w*\s*\)\s*\{{")
+
+
+def _sides(qualifiers: str, macros: dict[str, str], depth: int = 0) -> tuple[set[str], list[str]]:
+    """The `__host__` / `__device__` words of a declaration's `qualifiers`, this file's macros expanded, and the
+    all-caps names it leaves unexplained (macros of another header)."""
+    sides, unknown = set(), []
+    for word in re.findall(r"\b\w+\b", qualifiers):
+        if word in ("__host__", "__device__"):
+            sides.add(word)
+        elif word in macros and depth < 4:
+            inner, more = _sides(macros[word], macros, depth + 1)
+            sides |= inner
+            unknown += more
+        elif re.fullmatch(r"[A-Z][A-Z0-9_]*", word):
+            unknown.append(word)
+    return sides, unknown
 
 
 def check_builtin_redefinitions(text: str) -> Iterable[Hit]:
     """Flag a definition of what HIP's headers define themselves: `atomicMax` / `atomicMin` / `atomicAdd` on
-    `float*` / `double*`, and `*`, `/` or a compound assignment between two CUDA vector values (`float2`,
-    `float3`, ...), which HIP_vector_type has as hidden friends and members."""
-    for definition, clash in _BUILTIN_REDEFINITIONS:
-        for match in definition.finditer(text):
-            yield Hit(*_position(text, match.start()), clash.format(*match.groups()))
+    `float*` / `double*`; and `*`, `/` or a compound assignment between two CUDA vector values (`float2`, ...)
+    declared `__host__ __device__` (as HIP_vector_type's hidden friends and members are): a `__device__`-only or
+    host-only one wins clang's same-side preference, so only these make calls ambiguous. One whose qualifiers come
+    from another header's macro is flagged as that macro's question."""
+    for match in _ATOMIC_REDEFINITION.finditer(text):
+        yield Hit(*_position(text, match.start()), f"HIP's headers define `{match.group(1)}` on this type: a redefinition")
+    macros = source_constants(text)
+    for match in _VECTOR_OPERATOR.finditer(text):
+        declaration = max(text.rfind(c, 0, match.start()) for c in ";{}") + 1
+        qualifiers = re.sub(r"^\s*#.*$", "", text[declaration : match.start()], flags=re.MULTILINE)
+        sides, unknown = _sides(qualifiers, macros)
+        ambiguous = f"HIP's `{match.group(2)}` (a HIP_vector_type) has `__host__ __device__` `{match.group(1)}` on two of them"
+        if sides == {"__host__", "__device__"}:
+            yield Hit(*_position(text, match.start()), f"{ambiguous}: every such call is ambiguous")
+        elif not sides and unknown:
+            yield Hit(*_position(text, match.start()),
+                      f"{ambiguous}: ambiguous if `{unknown[0]}` (from another header) makes it __host__ __device__")
 
 
 # ---- builtins and libraries whose HIP side depends on the ROCm or torch version ------------------
@@ -1144,6 +1168,51 @@ def check_bf16_arithmetic(text: str) -> Iterable[Hit]:
         operation = re.compile(rf"\b({either})\s*([-+*/]=?)\s*({either})\b")
         for use in operation.finditer(text, function.body_start, function.body_end):
             yield Hit(*_position(text, use.start()), f"`{use.group(0)}` on bf16 values in `{function.name}`")
+
+
+# ---- C++ that hipcc's clang rejects or ROCm 7 no longer takes ------------------------------------
+
+_CONSTANT_CONTEXTS = (  # (where a constant expression is required, what it is)
+    (re.compile(r"\b(?!return\b|case\b|else\b|throw\b|delete\b)[\w:]+\s+\w+\s*\[[^\]\n;]*\bwarpSize\b[^\]\n;]*\]"),
+     "an array bound"),
+    (re.compile(r"\bconstexpr\b[^;{}]*=[^;{}]*\bwarpSize\b"), "a constexpr initialiser"),
+    (re.compile(r"\bstatic_assert\s*\([^;]*\bwarpSize\b"), "a static_assert"),
+    (re.compile(r"\b\w+<[^<>;(){}=&|]*\bwarpSize\b[^<>;(){}=&|]*>"), "a template argument"),
+)
+
+
+def check_constexpr_warp_size(text: str) -> Iterable[Hit]:
+    """Flag `warpSize` where C++ needs a constant: an array bound (`__shared__ float s[N / warpSize]`), a
+    constexpr initialiser, a static_assert or a template argument. HIP declared it `static constexpr` up to
+    ROCm 6.x; ROCm 7.0 makes it a value read at run time, and CUDA's never was a constant."""
+    for context, what in _CONSTANT_CONTEXTS:
+        for match in context.finditer(text):
+            yield Hit(*_position(text, match.start() + match.group(0).find("warpSize")), f"`warpSize` in {what}")
+
+
+def check_device_std_clamp(text: str) -> Iterable[Hit]:
+    """Flag `std::clamp(` in a function compiled for the device: libstdc++ 14 asserts its bounds through a host
+    function, which hipcc refuses to call from device code (nvcc's own headers never reach that assert)."""
+    for function in functions(text):
+        if function.device:
+            for call in re.finditer(r"\bstd::clamp\s*\(", text[function.body_start : function.body_end]):
+                yield Hit(*_position(text, function.body_start + call.start()), f"in `{function.name}`")
+
+
+_GRID_SYNC = re.compile(r"\bthis_grid\s*\(|\bgrid_group\b|\bcudaLaunchCooperativeKernel\w*")
+_COOPERATIVE_LAUNCH = re.compile(r"\b(?:cuda|hip)LaunchCooperativeKernel\w*")
+_DEVICE_SIZED_GRID = re.compile(r"OccupancyMaxActiveBlocksPerMultiprocessor|\bmulti[Pp]rocessorCount\b|MultiProcessorCount\b")
+
+
+def check_grid_sync(text: str) -> Iterable[Hit]:
+    """Flag grid synchronisation (`this_grid()`, `grid_group`, a cooperative launch), except in a file that launches
+    cooperatively with a grid sized from the device (an occupancy query or the multiprocessor count): every
+    block is then resident on AMD too."""
+    if _COOPERATIVE_LAUNCH.search(text) and _DEVICE_SIZED_GRID.search(text):
+        return
+    for number, line in enumerate(text.splitlines(), start=1):
+        if match := _GRID_SYNC.search(line):
+            yield Hit(number, match.start() + 1)
 
 
 # ---- the table ---------------------------------------------------------------------------------
@@ -1323,11 +1392,12 @@ RULES: list[Rule] = [
         "MI300 (gfx942) implements fp8 as e4m3 FNUZ / e5m2 FNUZ: max 240 instead of 448, a different "
         "exponent bias, no negative zero and 0x80 as NaN. Bits written by NVIDIA e4m3 code decode to "
         "different values, and scales computed for 448 overflow.",
-        "Use `__hip_fp8_e4m3_fnuz` / `__hip_fp8_e5m2_fnuz` from `<hip/hip_fp8.h>` on gfx942 (OCP types on "
-        "gfx950), recompute scaling with the type's max, and never reinterpret fp8 bits across vendors.",
+        "Use `__hip_fp8_e4m3_fnuz` / `__hip_fp8_e5m2_fnuz` from `<hip/hip_fp8.h>` on gfx942 (torch's "
+        "`c10::Float8_e4m3fnuz` / `Float8_e5m2fnuz`; OCP types on gfx950), recompute scaling with the type's max, and never reinterpret fp8 bits across vendors.",
         before="__nv_fp8_e4m3 q = __nv_fp8_e4m3(x / scale);  // scale = amax / 448",
         after="__hip_fp8_e4m3_fnuz q = __hip_fp8_e4m3_fnuz(x / scale);  // scale = amax / 240 on gfx942",
-        pattern=re.compile(r"\b__nv_fp8\w*|\b__NV_E[45]M[23]\b|\b__nv_cvt_\w*fp8\w*|#\s*include\s*[<\"]cuda_fp8\.h[>\"]"),
+        pattern=re.compile(r"\b__nv_fp8\w*|\b__NV_E[45]M[23]\b|\b__nv_cvt_\w*fp8\w*|#\s*include\s*[<\"]cuda_fp8\.h[>\"]"
+                           r"|\b(?:c10|at|torch)::(?:ScalarType::|k)?Float8_e(?:4m3fn|5m2)\b"),  # torch's OCP types, not *fnuz
     ),
     Rule(
         "grid-sync", "warning", "cooperative-groups grid synchronisation",
@@ -1339,7 +1409,7 @@ RULES: list[Rule] = [
         "`hipDeviceAttributeCooperativeLaunch`; or split the kernel in two launches.",
         before="cg::this_grid().sync();  // in k, launched as k<<<num_blocks, 256>>>(args)",
         after="hipLaunchCooperativeKernel((void*)k, blocks_per_cu * cu_count, 256, args, 0, stream);",
-        pattern=re.compile(r"\bthis_grid\s*\(|\bgrid_group\b|\bcudaLaunchCooperativeKernel\w*"),
+        check=check_grid_sync,
     ),
     Rule(
         "texture-reference", "error", "texture reference (legacy texture API)",
@@ -1456,13 +1526,15 @@ RULES: list[Rule] = [
         "CUDA code often brings its own `atomicMax(float*, float)` / `atomicMin(float*, float)` (an atomicCAS loop) "
         "or, for GPUs before sm_60, `atomicAdd(double*, double)` under `#if __CUDA_ARCH__ < 600` (which is true "
         "on AMD): HIP's headers define all of these, so hipcc stops with a redefinition error. And a file's own "
-        "`operator*` / `operator/` / `operator+=` ... between two `float2` / `float3` values meets HIP_vector_type's "
-        "own (hidden friends and members, found for every vector type): each call of them is ambiguous.",
+        "`__host__ __device__` `operator*` / `operator/` / `operator+=` ... between two `float2` / `float3` values "
+        "meets HIP_vector_type's own, also `__host__ __device__` (hidden friends and members): each call of them is "
+        "ambiguous. (A `__device__`-only one wins clang's same-side preference: checked with clang 15 against "
+        "ROCm 6.0's headers.)",
         "Leave the definition out under `USE_ROCM` (HIP's atomics use hardware atomics where the GPU has them; its "
         "vector operators work component-wise, as the file's did).",
-        before="__device__ inline float2 operator*(const float2& a, const float2& b) {\n"
+        before="__host__ __device__ inline float2 operator*(const float2& a, const float2& b) {\n"
                "  return make_float2(a.x * b.x, a.y * b.y);\n}",
-        after="#if !defined(USE_ROCM)  // HIP's float2 has it\n__device__ inline float2 operator*(const float2& a, "
+        after="#if !defined(USE_ROCM)  // HIP's float2 has it\n__host__ __device__ inline float2 operator*(const float2& a, "
               "const float2& b) {\n  return make_float2(a.x * b.x, a.y * b.y);\n}\n#endif",
         check=check_builtin_redefinitions,
     ),
@@ -1515,6 +1587,39 @@ RULES: list[Rule] = [
         before="__device__ __nv_bfloat16 add(__nv_bfloat16 a, __nv_bfloat16 b) { return a + b; }",
         after="__device__ __nv_bfloat16 add(__nv_bfloat16 a, __nv_bfloat16 b) { return __hadd(a, b); }",
         check=check_bf16_arithmetic,
+    ),
+    Rule(
+        "register-storage", "error", "the `register` storage class",
+        "`register` was deprecated in C++11 and removed in C++17. clang, which hipcc is, rejects it in C++17 mode "
+        "(\"ISO C++17 does not allow 'register' storage class specifier\", an error by default), and torch "
+        "extensions build with -std=c++17; nvcc accepts it and g++ only warns, so the CUDA build never said.",
+        "Drop the keyword (compilers ignore it), or spell it through a macro that is `register` only before C++17.",
+        before="register int r1, r2, r3, r4;",
+        after="int r1, r2, r3, r4;",
+        pattern=re.compile(r"(?:^|[;{}(,])\s*register\s+(?=[A-Za-z_])"),
+    ),
+    Rule(
+        "warpsize-constexpr", "error", "`warpSize` where C++ needs a constant",
+        "HIP declared `warpSize` `static constexpr` up to ROCm 6.x, so ports sized shared arrays and template "
+        "arguments by it; ROCm 7.0 makes it a value read at run time (one binary for wave32 and wave64 targets), "
+        "and those declarations stop compiling. CUDA's `warpSize` never was a constant.",
+        "Use a compile-time width that follows the target: `C10_WARP_SIZE` in a torch extension (64 under "
+        "`__GFX9__`, 32 otherwise), or a project macro on `__GFX9__` / `__AMDGCN_WAVEFRONT_SIZE__`; keep `warpSize` "
+        "for run-time arithmetic.",
+        before="__shared__ float smem[THREADS_PER_CTA / warpSize];",
+        after="__shared__ float smem[THREADS_PER_CTA / C10_WARP_SIZE];",
+        check=check_constexpr_warp_size,
+    ),
+    Rule(
+        "device-std-clamp", "error", "`std::clamp` in device code",
+        "libstdc++ 14 (gcc 14: Ubuntu 24.04, Fedora 40) checks `std::clamp`'s bounds with `__glibcxx_assert`, which "
+        "calls a host function; hipcc compiles device code against the host's libstdc++ and stops with \"reference "
+        "to __host__ function in __device__ function\" (vLLM #13777; clang's later fix: llvm-project #136133). nvcc "
+        "builds against the same headers but never instantiates the assertion in device code.",
+        "Write the clamp out: `v < lo ? lo : (hi < v ? hi : v)`, or `fminf(fmaxf(v, lo), hi)` for floats.",
+        before="__device__ int8_t to_int8(float x) { return std::clamp(x, -128.f, 127.f); }",
+        after="__device__ int8_t to_int8(float x) { return fminf(fmaxf(x, -128.f), 127.f); }",
+        check=check_device_std_clamp,
     ),
     Rule(
         "missing-intrinsic", "error", "CUDA intrinsic HIP does not have",

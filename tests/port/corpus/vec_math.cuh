@@ -1,17 +1,18 @@
-// Helpers of the spectral kernels: float2 as a complex number, and bf16 sums.
+// Helpers of the spectral kernels (host and device): float2 as a complex number, and bf16 sums.
 #pragma once
+#define HOST_DEVICE __host__ __device__
 #include <cuda_bf16.h>  // expect: bf16-type
 #include <thrust/complex.h>  // expect: unused-thrust-header
 
-__device__ inline float2 operator+(const float2& a, const float2& b) { return make_float2(a.x + b.x, a.y + b.y); }
+HOST_DEVICE inline float2 operator+(const float2& a, const float2& b) { return make_float2(a.x + b.x, a.y + b.y); }
 
-__device__ inline float2 operator*(const float2& a, const float2& b) {  // expect: hip-builtin-redefinition
+HOST_DEVICE inline float2 operator*(const float2& a, const float2& b) {  // expect: hip-builtin-redefinition
   return make_float2(a.x * b.x - a.y * b.y, a.x * b.y + a.y * b.x);
 }
 
-__device__ inline float2 operator*(const float s, const float2& a) { return make_float2(s * a.x, s * a.y); }
+HOST_DEVICE inline float2 operator*(const float s, const float2& a) { return make_float2(s * a.x, s * a.y); }
 
-__device__ inline void operator+=(float2& a, const float2& b) {  // expect: hip-builtin-redefinition
+__host__ __device__ inline void operator+=(float2& a, const float2& b) {  // expect: hip-builtin-redefinition
   a.x += b.x;
   a.y += b.y;
 }
