@@ -49,8 +49,8 @@
 #   families: the GPU tests of rms_norm (offset form included) and the gated MLP ops, then `tiletune verify` of every
 #           kernel on 2 decoder layers of each preset in FAMILY_PRESETS (default: qwen3-8b mistral-7b gemma3-12b
 #           phi3-mini)
-#   pending: the GPU tests of code never run whole on a GPU (varlen attention: the 2026-12-05 call ran out of time
-#           after 7 of its tests), each file's tail in OUT/gpu_tests_pending.txt
+#   pending: the GPU tests of code changed since its last GPU run, each file's tail in OUT/gpu_tests_pending.txt
+#           (the attention tests, varlen included: all 24 passed on an H100 on 2026-12-05)
 #   dpo-fast: the DPO step with the fastest set (no `linear`), then with pref_shared_prompt, alone and under `auto`
 #           within BUDGET_GIB
 #   packing: benchmarks/packing_throughput.py (unpacked / neat_packing stock / neat_packing with kernels)
@@ -60,6 +60,7 @@ set -u
 PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo|dpo-fast|packing|pending OUT_DIR [bench args]}
 OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo|dpo-fast|packing|pending OUT_DIR [bench args]}
 shift 2
+mkdir -p "$OUT"  # parts tee their logs into it before any tool creates it
 CONFIG=examples/bench/llama3_8b_lora.yaml
 GOLDEN=/tmp/llama3-8b-2layers.golden.safetensors  # too large to bring back; its report is kept
 VERIFY=(python3 -m tiletune verify "$CONFIG" kernels=all --model-preset llama3-8b --layers 2 --batches 1)
@@ -129,7 +130,7 @@ dpo)
     # full-logits log-probs, Liger's kernels, Liger's kernels + its fused linear DPO loss (liger_fused), every tiletune
     # kernel (linear_logprobs included); ORPO and KTO stock and with every kernel. First the GPU tests of
     # linear_logprobs' TileLang kernels (selected by name until they pass here)
-    mkdir -p "$OUT" && python3 -m pytest -q -m gpu tests/kernels/test_linear_logprobs.py 2>&1 | tail -4 | tee "$OUT/gpu_tests_linear_logprobs.txt"
+    python3 -m pytest -q -m gpu tests/kernels/test_linear_logprobs.py 2>&1 | tail -4 | tee "$OUT/gpu_tests_linear_logprobs.txt"
     python3 -m tiletune bench examples/bench/llama3_8b_dpo.yaml --model-preset llama3-8b --steps 5 --warmup 2 --repeats 1 \
         --variants "baseline,llamafactory,liger,liger_fused,all,baseline:pref_loss=orpo,all:pref_loss=orpo,baseline:stage=kto,all:stage=kto" \
         --out "$OUT/bench-dpo" 2>&1 | tail -12 ;;
@@ -149,12 +150,11 @@ packing)
     python3 benchmarks/packing_throughput.py --dataset-dir "${LF_DATA:-.devkit/lfdata}" --steps "${STEPS:-20}" \
         --out "$OUT/packing" 2>&1 | grep -v -i warn | tail -8 ;;
 pending)
-    mkdir -p "$OUT"
     gpu_tests() {
         echo "== $*" | tee -a "$OUT/gpu_tests_pending.txt"
         python3 -m pytest -q -m gpu "$@" 2>&1 | tail -6 | tee -a "$OUT/gpu_tests_pending.txt"
     }
-    gpu_tests tests/kernels/test_attention.py ;;  # the rest of this list passed on 2026-12-05
+    gpu_tests tests/kernels/test_attention.py ;;  # passed whole on 2026-12-05 (H100); list here what changes next
 families)
     python3 -m pytest -q -m gpu tests/kernels/test_rms_norm.py tests/kernels/test_swiglu.py 2>&1 \
         | tee "$OUT/gpu_tests_families.txt" | tail -2
