@@ -102,6 +102,9 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("__device__ void f(nv_bfloat16 x, nv_bfloat16 y, nv_bfloat16* o) {\n  nv_bfloat16 p = x;\n  p *= y;\n  o[0] = p;\n}",
      "bf16-arithmetic"),
     ("static_assert(kBlock % warpSize == 0, \"whole warps\");", "warpsize-constexpr"),
+    (("#define WARP_SIZE 32\n__device__ bool any_of(float v) {\n"  # width-32 shuffles, but a ballot spans the wavefront
+      "  v += __shfl_xor_sync(0xffffffffffffffffull, v, 1, WARP_SIZE);\n  return __ballot_sync(~0ull, v > 0) != 0;\n}"),
+     "warp-size-define"),
     ("using Reduce = hipcub::WarpReduce<float, warpSize>;", "warpsize-constexpr"),
     ("static constexpr int kWarps = kBlock / warpSize;", "warpsize-constexpr"),
     ("for (int i = 0; i < n; ++i) { register float acc = x[i]; y[i] = acc; }", "register-storage"),
@@ -159,6 +162,11 @@ def test_rule_variants_fire(code, rule):
     ("return x[warpSize - 1];", "warpsize-constexpr"),  # run-time uses of warpSize
     ("if (lane < warpSize && ok) v = x[lane % warpSize];", "warpsize-constexpr"),
     ("int register_count = 4;", "register-storage"),
+    ('asm volatile("" ::: "memory");', "inline-asm"),  # a compiler barrier, which clang takes
+    # a logical warp: every shuffle keeps to 32-lane groups, which a 64-lane wavefront holds two of
+    (("#define WARP_SIZE 32\n__device__ float sum(float v) {\n  for (int o = WARP_SIZE / 2; o > 0; o >>= 1)\n"
+      "    v += __shfl_xor_sync(0xffffffffffffffffull, v, o, WARP_SIZE);\n  return v;\n}"), "warp-size-define"),
+    ('asm("v_add3_u32 %0, %1, %2, %0" : "+v"(c) : "v"(a), "v"(b));', "inline-asm"),  # AMD GPU assembly: a port's own
     (("__global__ void k(float* x) { cg::this_grid().sync(); }\nvoid f(void** args, int sms, cudaStream_t s) {\n"
       "  int b = 0;\n  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, k, 256, 0);\n"
       "  cudaLaunchCooperativeKernel((void*)k, b * sms, 256, args, 0, s);\n}"), "grid-sync"),  # a grid the device sized

@@ -700,13 +700,27 @@ def _default_never_used(text: str, offset: int) -> bool:
     return bool(uses) and all(arguments is not None and len(arguments) > index for arguments in uses)
 
 
+_WAVEFRONT_WIDE = re.compile(r"\b__(?:ballot|activemask|any|all|match_\w+|reduce_\w+)(?:_sync)?\s*\(|\bwarpSize\b")
+
+
+def _logical_32_lane_groups(text: str) -> bool:
+    """Whether the file's warp-level code works in 32-lane groups that a 64-lane wavefront holds two of: it
+    shuffles, every shuffle names a width of at most 32, and nothing spans the whole wavefront (a ballot or
+    other vote, `warpSize`)."""
+    shuffles = re.findall(r"\b__shfl\w*\s*\(", text)
+    narrowed = _explicit_width_shuffles(text, source_constants(text))
+    return bool(shuffles) and not re.search(r"\b__shfl\w*\s*\(", narrowed) and not _WAVEFRONT_WIDE.search(text)
+
+
 def check_warp_size_definitions(text: str) -> Iterable[Hit]:
     """Flag a warp-size constant set to 32 (`#define WARP_SIZE 32`, `kWarpSize = 32`) or, in code hipcc compiles
     (an AMD branch), to 64, which is CDNA's wavefront but not RDNA's; and a constant of 32 under another name
-    (`#define ROW_THREADS 32`) that the file uses as a warp width. A template parameter's default that every
-    use of the template overrides is left alone."""
+    (`#define ROW_THREADS 32`) that the file uses as a warp width. Left alone: a template parameter's default that
+    every use of the template overrides, and a 32 in a file whose warp-level code keeps to 32-lane groups
+    (`_logical_32_lane_groups`: a logical warp, right on a 64-lane wavefront too)."""
+    logical = _logical_32_lane_groups(text)
     for match in _WARP_SIZE_DEFINE.finditer(text):
-        if _default_never_used(text, match.start()):
+        if _default_never_used(text, match.start()) or (logical and "64" not in (match.group(1), match.group(2))):
             continue
         detail = ("64 is CDNA's wavefront size; RDNA GPUs (gfx11, RX 7900 XTX) run 32-lane waves: use warpSize or "
                   "__AMDGCN_WAVEFRONT_SIZE" if "64" in (match.group(1), match.group(2)) else "")
@@ -1215,6 +1229,28 @@ def check_grid_sync(text: str) -> Iterable[Hit]:
             yield Hit(number, match.start() + 1)
 
 
+_ASM = re.compile(r"\b(?:asm|__asm__|__asm)\s*(?:volatile|__volatile__)?\s*\(")
+_ASM_TEMPLATE = re.compile(r'"((?:\\.|[^"\\])*)"')
+_AMD_MNEMONIC = re.compile(r"\b(?:v|s|ds|buffer|global|flat|scratch)_[a-z0-9_]+\b")
+_PTX_INSTRUCTION = re.compile(r"\b[a-z]+(?:\.[a-z0-9]+)*\.(?:[usbf](?:8|16|32|64)|f16x2|bf16x2|pred|global|shared|sync|aligned)\b|%%?laneid")
+
+
+def check_inline_asm(text: str) -> Iterable[Hit]:
+    """Flag inline assembly, except an empty template (a compiler barrier: `asm volatile("" ::: "memory")`, which
+    clang takes) and AMD GPU assembly (GCN mnemonics such as `v_add3_u32`, no PTX instruction): a port's own."""
+    for call in _ASM.finditer(text):
+        arguments, pieces, end = _balanced_args(text, call.end() - 1), [], 0
+        for literal in _ASM_TEMPLATE.finditer(arguments):  # the template: the literals before the first `:`
+            if ":" in arguments[end : literal.start()]:
+                break
+            pieces.append(literal.group(1))
+            end = literal.end()
+        template = " ".join(pieces)
+        amd_only = _AMD_MNEMONIC.search(template) and not _PTX_INSTRUCTION.search(template)
+        if template.strip() and not amd_only:
+            yield Hit(*_position(text, call.start()))
+
+
 # ---- the table ---------------------------------------------------------------------------------
 
 RULES: list[Rule] = [
@@ -1317,7 +1353,7 @@ RULES: list[Rule] = [
         "`__lane_id()`), or guard it with `#if defined(__HIP_PLATFORM_AMD__)` and keep a portable path.",
         before='asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));',
         after="lane = __lane_id();",
-        pattern=re.compile(r"\b(?:asm|__asm__|__asm)\s*(?:volatile|__volatile__)?\s*\("),
+        check=check_inline_asm,
     ),
     Rule(
         "ptx-mma", "error", "PTX tensor-core or async-copy instruction",
