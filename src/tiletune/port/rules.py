@@ -808,8 +808,7 @@ def check_void_pointer_arithmetic(text: str) -> Iterable[Hit]:
     """Flag `p + n`, `p - n`, `p += n` in a function where `p` is declared `void*` (a parameter or a local),
     unless cast first (`(char*)p + n`)."""
     for function in functions(text):
-        header_start = max(text.rfind(";", 0, function.body_start - 1), text.rfind("}", 0, function.body_start - 1)) + 1
-        scope = text[header_start : function.body_end]
+        scope = function_scope(text, function)
         for name in set(re.findall(r"\bvoid\s*\*\s*(?:const\s+)?(\w+)\s*[=;,)]", scope)):
             if re.search(rf"\b(?!void\b)\w+\s*\*\s*(?:const\s+)?{name}\s*[=;,)]", scope):
                 continue  # the name also holds a typed pointer in a scope of its own
@@ -919,6 +918,12 @@ def lane_blind_functions(text: str) -> tuple[Function, ...]:
 @functools.lru_cache(maxsize=4)
 def _body_starts(text: str) -> tuple[int, ...]:
     return tuple(f.body_start for f in functions(text))
+
+
+def function_scope(text: str, function: Function) -> str:
+    """`function`'s signature and body: from the end of the statement or block before it to its closing brace."""
+    header_start = max(text.rfind(";", 0, function.body_start - 1), text.rfind("}", 0, function.body_start - 1)) + 1
+    return text[header_start : function.body_end]
 
 
 def enclosing_function(text: str, offset: int) -> Function | None:
@@ -1174,8 +1179,7 @@ def check_bf16_arithmetic(text: str) -> Iterable[Hit]:
     """Flag `a + b`, `a * b`, `a += b` ... in a function where both operands are declared CUDA bf16 values
     (parameters or locals): ROCm 6.0's `__hip_bfloat16` has no arithmetic operators (6.1 added them)."""
     for function in functions(text):
-        header_start = max(text.rfind(";", 0, function.body_start - 1), text.rfind("}", 0, function.body_start - 1)) + 1
-        names = set(_BF16_VALUE.findall(text[header_start : function.body_end]))
+        names = set(_BF16_VALUE.findall(function_scope(text, function)))
         if not names:
             continue
         either = "|".join(map(re.escape, sorted(names)))
