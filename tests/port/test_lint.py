@@ -151,6 +151,7 @@ def test_rule_variants_fire(code, rule):
     (("#if defined(__HIP_PLATFORM_AMD__) && TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 0\n"  # kept for old torch
       "  rocblas_gemm_ex(h);\n#else\n  cublasGemmEx(h);\n#endif"), "rocblas-branch"),
     ("#ifdef USE_ROCM\n  rocblas_gemm_ex(h);\n#endif", "rocblas-branch"),  # no cuBLAS: a project on rocBLAS itself
+    ("cublasCreate(&h);\n#ifdef USE_ROCM\n  rocblas_gemm_ex(h);", "rocblas-branch"),  # an #if never closed (a cut file)
     ("#ifndef USE_ROCM\n  cublasGemmEx(h);\n#else\n  hipblasGemmEx(h);\n#endif", "rocblas-branch"),
     ("#include <thrust/sort.h>\nvoid f(int* p, int n) { thrust::sort(p, p + n); }", "unused-thrust-header"),
     # a scalar factor: HIP's vector-scalar operators are templates, which this non-template outranks

@@ -1154,8 +1154,8 @@ def check_rocblas_branches(text: str) -> Iterable[Hit]:
         if (directive.kind in ("else", "endif") or directive.enclosed_dead or not _AMD_MACRO.search(directive.condition)
                 or on_amd(directive.condition) is False or _TORCH_VERSION.search(directive.condition)):
             continue
-        following = next(d for d in found if d.group == directive.group and d.first > directive.first)
-        if _ROCBLAS.search(_branch_body(text, directive, following)):
+        following = next((d for d in found if d.group == directive.group and d.first > directive.first), None)
+        if following is not None and _ROCBLAS.search(_branch_body(text, directive, following)):  # None: never closed
             line = text.split("\n")[directive.first]
             yield Hit(directive.first + 1, len(line) - len(line.lstrip()) + 1,
                       f"{handle} is a hipblasHandle_t once hipified (torch >= 2.1)")
