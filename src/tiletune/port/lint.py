@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tiletune.port.preprocessor import HIPCC, Build, blank_branches_dead_on_amd
-from tiletune.port.rules import RULES, Hit, Rule
+from tiletune.port.rules import RULES, Rule, pattern_hits
 
 _COMMENT_OR_LITERAL = re.compile(
     r"//[^\n]*|/\*.*?\*/|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'", re.DOTALL
@@ -50,25 +50,16 @@ def strip_comments(text: str) -> str:
     return _COMMENT_OR_LITERAL.sub(blank, text)
 
 
-def _pattern_hits(rule: Rule, lines: list[str]) -> list[Hit]:
-    hits = []
-    for index, line in enumerate(lines):
-        match = rule.pattern.search(line)
-        if match is not None:
-            hits.append(Hit(index + 1, match.start() + 1))
-    return hits
-
-
 def lint_text(text: str, path: str, rules: list[Rule] = RULES, build: Build = HIPCC) -> list[Finding]:
     """Findings of `rules` on CUDA source `text`, lines the HIP build (hipcc with `build`'s macros) compiles out
     left alone; `path` is only used to label them."""
     whole = strip_comments(text)
     code = blank_branches_dead_on_amd(whole, build)
-    code_lines = code.splitlines()
+    code_lines = code.splitlines()  # split once for every pattern rule
     source_lines = text.splitlines()
     findings = []
     for rule in rules:
-        hits = rule.check(whole if rule.reads_dead_code else code) if rule.check else _pattern_hits(rule, code_lines)
+        hits = rule.check(whole if rule.reads_dead_code else code) if rule.check else pattern_hits(rule.pattern, code_lines)
         for hit in hits:
             findings.append(
                 Finding(

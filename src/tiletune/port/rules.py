@@ -52,6 +52,12 @@ class Rule:
     reads_dead_code: bool = False  # the check gets the branches hipcc compiles out too (else they are blanked)
 
 
+def pattern_hits(pattern: re.Pattern, lines: list[str]) -> list[Hit]:
+    """The first match of `pattern` on each of `lines` (a source split once): how a rule with a `pattern` fires."""
+    return [Hit(number, match.start() + 1) for number, line in enumerate(lines, start=1)
+            if (match := pattern.search(line)) is not None]
+
+
 # ---- shared-memory sizes: a small evaluator for the constant expressions kernels use ----------
 
 _SIZEOF = {
@@ -755,6 +761,12 @@ def _branch_body(text: str, opening, following) -> str:
     return "\n".join(text.split("\n")[opening.last + 1 : following.first])
 
 
+def _directive_hit(text: str, directive, detail: str) -> Hit:
+    """A finding on the `#` of `directive`'s first line."""
+    line = text.split("\n")[directive.first]
+    return Hit(directive.first + 1, len(line) - len(line.lstrip()) + 1, detail)
+
+
 def _guards_compiling_out(text: str, test: re.Pattern, true_alone: bool = False) -> Iterable[Hit]:
     """Each `#if` / `#elif` whose condition matches `test` where hipcc compiles a branch of its group out because
     of it: its own (a false test) or, when it is true on AMD, the `#elif` / `#else` after it. A true test with
@@ -776,8 +788,7 @@ def _guards_compiling_out(text: str, test: re.Pattern, true_alone: bool = False)
         if dropped and all(_STUB.fullmatch(body) for body in dropped):
             continue  # AMD loses only a trap (`assert(false)` for old GPUs) and compiles the real code
         if value is not True or later or true_alone:
-            line = text.split("\n")[directive.first]
-            yield Hit(directive.first + 1, len(line) - len(line.lstrip()) + 1,
+            yield _directive_hit(text, directive,
                       "the branch it opens is compiled out on AMD" if value is False
                       else f"the branch on line {later[0].first + 1} is compiled out on AMD" if value is True and later
                       else "the branch it opens is taken on AMD" if value is True else "")
@@ -1156,9 +1167,7 @@ def check_rocblas_branches(text: str) -> Iterable[Hit]:
             continue
         following = next((d for d in found if d.group == directive.group and d.first > directive.first), None)
         if following is not None and _ROCBLAS.search(_branch_body(text, directive, following)):  # None: never closed
-            line = text.split("\n")[directive.first]
-            yield Hit(directive.first + 1, len(line) - len(line.lstrip()) + 1,
-                      f"{handle} is a hipblasHandle_t once hipified (torch >= 2.1)")
+            yield _directive_hit(text, directive, f"{handle} is a hipblasHandle_t once hipified (torch >= 2.1)")
 
 
 _THRUST_INCLUDE = re.compile(r"^[ \t]*#\s*include\s*[<\"]thrust/[^>\"]+[>\"]", re.MULTILINE)
@@ -1228,9 +1237,7 @@ def check_grid_sync(text: str) -> Iterable[Hit]:
     block is then resident on AMD too."""
     if _COOPERATIVE_LAUNCH.search(text) and _DEVICE_SIZED_GRID.search(text):
         return
-    for number, line in enumerate(text.splitlines(), start=1):
-        if match := _GRID_SYNC.search(line):
-            yield Hit(number, match.start() + 1)
+    yield from pattern_hits(_GRID_SYNC, text.splitlines())
 
 
 _ASM = re.compile(r"\b(?:asm|__asm__|__asm)\s*(?:volatile|__volatile__)?\s*\(")
