@@ -46,6 +46,7 @@
 #   moe:    the GPU tests of moe_experts, benchmarks/kernel_bench.py --only moe (grouped GEMM against a dense GEMM over
 #           the same rows and torch's grouped_mm), then `tiletune bench` of MOE_PRESET (default qwen3-30b-a3b;
 #           mixtral-8x7b) on its first LAYERS (default 12) layers: stock (grouped_mm experts), Liger, every kernel, and every kernel + moe_experts
+#           (KERNELS=0 skips the GPU tests and the kernel timings)
 #   families: the GPU tests of rms_norm (offset form included) and the gated MLP ops, then `tiletune verify` of every
 #           kernel on 2 decoder layers of each preset in FAMILY_PRESETS (default: qwen3-8b mistral-7b gemma3-12b
 #           phi3-mini)
@@ -163,8 +164,10 @@ families)
             --out "$OUT/verify-$PRESET" 2>&1 | tail -3
     done ;;
 moe)
-    python3 -m pytest -q -m gpu tests/kernels/test_moe_experts.py 2>&1 | tee "$OUT/gpu_tests_moe.txt" | tail -2
-    python3 benchmarks/kernel_bench.py --only moe --rounds 3 --out "$OUT/kernels-moe" 2>&1 | grep -v Warning | tail -80
+    if [ "${KERNELS:-1}" = 1 ]; then
+        python3 -m pytest -q -m gpu tests/kernels/test_moe_experts.py 2>&1 | tee "$OUT/gpu_tests_moe.txt" | tail -2
+        python3 benchmarks/kernel_bench.py --only moe --rounds 3 --out "$OUT/kernels-moe" 2>&1 | grep -v Warning | tail -80
+    fi
     MOE_PRESET=${MOE_PRESET:-qwen3-30b-a3b}
     python3 -m tiletune bench "$CONFIG" --model-preset "$MOE_PRESET" --layers "${LAYERS:-12}" --steps 5 --warmup 2 \
         --variants "baseline,liger,all,all+moe_experts" --out "$OUT/bench-$MOE_PRESET" 2>&1 | tail -8 ;;
