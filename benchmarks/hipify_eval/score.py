@@ -114,6 +114,10 @@ CLASSES: dict[str, ChangeClass] = {
     "unroll-warning": ChangeClass((), False, "`#pragma unroll` on a loop hip-clang cannot unroll (a -Wpass-failed warning nvcc does not give)"),
     "fp8-format": ChangeClass(("fp8-type",), False, "CUDA's OCP fp8 (e4m3fn) replaced by the fnuz encoding MI300 computes in"),
     "libstdcxx-device-assert": ChangeClass(("device-std-clamp",), False, "a standard-library call in device code that gcc 14's libstdc++ asserts through a host function"),
+    # round 10's classes, defined by its labellers (before the round was scored)
+    "hipcub-traits": ChangeClass((), False, "a CUB type-trait specialisation (FpLimits / NumericTraits) hipCUB lacks for a HIP type, written by hand"),
+    "optional-library-guard": ChangeClass((), False, "code needing a ROCm library the HIP build may lack (hipBLASLt before ROCm 6.1) compiled out under a project flag"),
+    "unsupported-enum": ChangeClass((), False, "a CUDA library enum value with no HIP counterpart, replaced by the nearest one the HIP library has"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).
