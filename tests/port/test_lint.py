@@ -109,6 +109,13 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("static constexpr int kWarps = kBlock / warpSize;", "warpsize-constexpr"),
     ("for (int i = 0; i < n; ++i) { register float acc = x[i]; y[i] = acc; }", "register-storage"),
     ("template <typename T> __host__ __device__ T sat(T v) { return std::clamp(v, T(0), T(1)); }", "device-std-clamp"),
+    ("__device__ void sort1(float* k) {\n  static_assert(kWarpSize == 32, \"unexpected warp size\");\n}", "warp-size-assert"),
+    ("static_assert(32 == WARP_SIZE);", "warp-size-assert"),
+    ("#define CC_AMPERE 800\n#define HAS_BF16_MATH (__CUDA_ARCH__ >= CC_AMPERE)", "cuda-arch-guard"),  # false on AMD
+    ("#if CUDA_VERSION < 8000\n#error \"CUDA >= 8.0 is required\"\n#endif", "compiler-guard"),  # taken under hipcc
+    (("constexpr int kLanes = kWarpSize;  // kWarpSize: another header's\n"  # the file's alias of it, on the host
+      "void launch(int rows, cudaStream_t s) { dim3 block(kLanes, 8); rows_kernel<<<rows, block, 0, s>>>(); }"),
+     "host-warp-size"),
 ])
 def test_rule_variants_fire(code, rule):
     assert rule in {f.rule for f in lint_text(code, "snippet.cu")}
@@ -173,6 +180,14 @@ def test_rule_variants_fire(code, rule):
       "  cudaLaunchCooperativeKernel((void*)k, b * sms, 256, args, 0, s);\n}"), "grid-sync"),  # a grid the device sized
     ("template <typename T> T clamp_host(T v) { return std::clamp(v, T(0), T(1)); }", "device-std-clamp"),
     ("using T = cuda::std::remove_cv_t<U>;\nusing V = cuda::std::decay_t<U>;\n#include <cuda/std/utility>", None),
+    ('#include "cuda/helpers.h"  // the project\'s own header, not libcu++', "libcudacxx"),
+    ('static_assert(kWarpSize == 32 || kWarpSize == 64, "unexpected warp size");', "warp-size-assert"),
+    ("#define ARCH_OF_BUILD __CUDA_ARCH__", "cuda-arch-guard"),  # no test of it: not a constant on AMD
+    # a CUDA >= 9 branch of *_sync warp functions and its #else of the legacy ones: hipcc takes what HIP has
+    ("#if CUDA_VERSION >= 9000\n  v += __shfl_xor_sync(0xffffffff, v, 1);\n#else\n  v += __shfl_xor(v, 1);\n#endif",
+     "compiler-guard"),
+    ("constexpr int kLanes = 32;\nvoid launch(int rows) { dim3 block(kLanes, 8); rows_kernel<<<rows, block>>>(); }",
+     "host-warp-size"),  # the file's own number, not another header's warp size
 ])
 def test_rule_variants_stay_silent(code, rule):
     found = [f for f in lint_text(code, "snippet.cu") if f.rule in ({rule} if rule else {"libcudacxx"})]

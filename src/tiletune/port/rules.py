@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from tiletune.port.preprocessor import DEFINED_ON_AMD, directives, on_amd
+from tiletune.port.preprocessor import DEFINED_ON_AMD, dead_lines, directives, on_amd
 
 LDS_LIMIT_BYTES = 64 * 1024
 
@@ -474,12 +474,14 @@ def check_constexpr_minmax(text: str) -> Iterable[Hit]:
 
 # ---- libcu++: report each file once, where it includes the headers (or first uses cuda::std) -----
 
-_LIBCUDACXX_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*[<\"]cuda/(?:std/)?\w[^>\"]*[>\"]", re.MULTILINE)
+# libcu++'s headers have no extension (`<cuda/std/atomic>`, `<cuda/barrier>`); a `"cuda/helpers.h"` is the project's own
+_LIBCUDACXX_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*[<\"]cuda/(?:std/)?\w[\w/]*[>\"]", re.MULTILINE)
 _LIBCUDACXX_USE = re.compile(r"\bcuda::std::")
 
 
 def check_libcudacxx(text: str) -> Iterable[Hit]:
-    """Flag every `#include <cuda/...>`; when there is none, the first `cuda::std::` (one fix covers the file)."""
+    """Flag every libcu++ `#include <cuda/...>` (no extension); when there is none, the first `cuda::std::` (one fix
+    covers the file)."""
     includes = list(_LIBCUDACXX_INCLUDE.finditer(text))
     first_use = _LIBCUDACXX_USE.search(text)
     for match in includes or ([first_use] if first_use else []):
@@ -794,23 +796,54 @@ def _guards_compiling_out(text: str, test: re.Pattern, true_alone: bool = False)
                       else "the branch it opens is taken on AMD" if value is True else "")
 
 
+_ARCH_DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+(.*\b__CUDA_ARCH__\b.*)$", re.MULTILINE)
+
+
+def _arch_defines(text: str) -> Iterable[Hit]:
+    """A `#define NAME (__CUDA_ARCH__ >= X)` outside code AMD compiles out: a constant on AMD (X another of the
+    file's macros is read through it), so every `#if NAME` elsewhere picks its branch blind."""
+    dead, constants = set(dead_lines(text)), source_constants(text)
+
+    def known(name: re.Match) -> str:
+        value = None if name.group(0) == "__CUDA_ARCH__" else evaluate_int(name.group(0), constants)
+        return name.group(0) if value is None else str(value)
+
+    for match in _ARCH_DEFINE.finditer(text):
+        line, column = _position(text, match.start(1))
+        value = on_amd(_NAME.sub(known, match.group(2)).strip()) if line - 1 not in dead else None
+        if value is not None:
+            yield Hit(line, column, f"`{match.group(1)}` is {'true' if value else 'false'} on AMD: hipcc leaves "
+                                    "`__CUDA_ARCH__` undefined")
+
+
 def check_arch_guards(text: str) -> Iterable[Hit]:
     """Flag an `#if` / `#elif` that tests `__CUDA_ARCH__` (a comparison, or `#ifdef`) where hipcc compiles a
-    branch of its group out because of it (`>= 800` and `defined(__CUDA_ARCH__)` are false on AMD, `< 700` true)."""
-    return _guards_compiling_out(text, _ARCH_TEST)
+    branch of its group out because of it (`>= 800` and `defined(__CUDA_ARCH__)` are false on AMD, `< 700` true),
+    and a macro defined as such a test (`#define HAS_BF16 (__CUDA_ARCH__ >= 800)`), which is a constant on AMD."""
+    return sorted([*_guards_compiling_out(text, _ARCH_TEST), *_arch_defines(text)], key=lambda hit: hit.line)
 
 
 def check_compiler_guards(text: str) -> Iterable[Hit]:
     """Flag an `#if` / `#elif` testing `__NVCC__` (nvcc's own macro: hipcc never defines it) or the GCC version
-    (hipcc's clang says 4) where hipcc compiles a branch of its group out because of it."""
+    (hipcc's clang says 4) where hipcc compiles a branch of its group out because of it, and an old-CUDA escape
+    hipcc takes (`#if CUDA_VERSION < 8000` / `#error`: CUDA's version macros are undefined under hipcc, and torch's
+    hipify makes `CUDA_VERSION` TORCH_HIP_VERSION, about 600)."""
     nvcc = list(_guards_compiling_out(text, _NVCC_TEST))
-    # an old-GCC escape (`#if __GNUC__ < 6`) is the trap when hipcc takes it, even with nothing after it
-    gcc = [hit for hit in _guards_compiling_out(text, _GCC_VERSION_TEST, true_alone=True) if hit.line not in {h.line for h in nvcc}]
-    return sorted(nvcc + gcc, key=lambda hit: hit.line)
+    # an old-compiler or old-toolkit escape (`#if __GNUC__ < 6`, `#if CUDA_VERSION < 8000` / `#error`) is the trap
+    # when hipcc takes it, even with nothing after it
+    gcc = list(_guards_compiling_out(text, _GCC_VERSION_TEST, true_alone=True))
+    # an old-toolkit test hipcc takes: `CUDA_VERSION >= 9000` branches (with their `#else` of the pre-9.0 warp
+    # functions HIP has) go AMD's way, so only a known-true test that no `__CUDA_ARCH__` test decides is flagged
+    old_toolkit = {directive.first + 1 for directive in directives(text) if directive.kind in ("if", "elif")
+                   and _CUDA_VERSION_TEST.search(directive.condition) and not _ARCH_TEST.search(directive.condition)
+                   and on_amd(directive.condition) is True}
+    cuda = [hit for hit in _guards_compiling_out(text, _CUDA_VERSION_TEST, true_alone=True) if hit.line in old_toolkit]
+    return sorted({hit.line: hit for hit in cuda + gcc + nvcc}.values(), key=lambda hit: hit.line)
 
 
 _NVCC_TEST = re.compile(r"\b__NVCC__\b")
 _GCC_VERSION_TEST = re.compile(r"\b__GNUC__\s*(?:[<>]=?|==|!=)")
+_CUDA_VERSION_TEST = re.compile(r"\b(?:CUDA_VERSION|CUDART_VERSION|__CUDACC_VER_MAJOR__)\s*(?:[<>]=?|==|!=)")
 
 
 # ---- host-side C++ that clang rejects, and runtime APIs HIP answers differently --------------------
@@ -982,20 +1015,24 @@ def check_host_math(text: str) -> Iterable[Hit]:
 _HOST_WARP_SIZE = re.compile(rf"\bC10_WARP_SIZE\b|\b{_WARP_SIZE_NAME}\s*=(?!=)[^;]*?\b32[uU]?\b(?!\.)")
 
 
-_WARP_SIZE_MACRO = re.compile(r"\b[A-Z0-9_]*WARP_?SIZE[A-Z0-9_]*\b")  # upper case: a macro, or a constant like one
+# a macro or a constant like one (`WARP_SIZE`, `kWarpSize`), named for the warp size another header gives
+_WARP_SIZE_MACRO = re.compile(r"\b[A-Z0-9_]*WARP_?SIZE[A-Z0-9_]*\b|\bkWarp(?:Size|Threads|Lanes)\b")
 
 
 def check_host_warp_size(text: str) -> Iterable[Hit]:
     """Flag each line of a function not compiled for the device that uses `C10_WARP_SIZE`, sets a warp-size
     variable from a literal 32 (`warp_size = n < 32 ? n : 32;`), or uses a warp-size macro another file defines
-    (`WARP_SIZE` from a compat header: whatever it says, the host pass cannot know the device's width)."""
+    (`WARP_SIZE` or `kWarpSize` from a compat header, or the file's own alias of it, `constexpr int kLanes =
+    kWarpSize;`: whatever it says, the host pass cannot know the device's width)."""
     defined = source_constants(text)
+    external = {name for name in set(_WARP_SIZE_MACRO.findall(text)) if name not in defined}
+    aliases = {name for name, value in defined.items() if value in external}
+    use_pattern = re.compile(rf"\b(?:{'|'.join(sorted(external | aliases))})\b") if external else None
     for function in functions(text):
         if function.device:
             continue
         uses = [*_HOST_WARP_SIZE.finditer(text, function.body_start, function.body_end),
-                *(use for use in _WARP_SIZE_MACRO.finditer(text, function.body_start, function.body_end)
-                  if use.group(0) not in defined)]
+                *(use_pattern.finditer(text, function.body_start, function.body_end) if use_pattern else ())]
         first_on_line = {}
         for use in sorted(uses, key=lambda use: use.start()):
             first_on_line.setdefault(_position(text, use.start())[0], use)
@@ -1658,6 +1695,19 @@ RULES: list[Rule] = [
         check=check_constexpr_warp_size,
     ),
     Rule(
+        "warp-size-assert", "error", "a `static_assert` that the warp is 32 lanes",
+        "The code after it was written for 32 lanes (a bitonic network of five stages, a 32-bit lane mask, 32 "
+        "slots per warp). On a 64-lane wavefront (CDNA: MI200, MI300) the assert stops the build once the "
+        "warp-size constant follows the target, and where the constant stays 32 the code compiles but covers "
+        "half of each wavefront.",
+        "Make the code generic in the warp size (a stage or slot per power of two up to it, `if constexpr` on "
+        "64), then assert what it supports: `static_assert(kWarpSize == 32 || kWarpSize == 64)`.",
+        before="static_assert(kWarpSize == 32, \"unexpected warp size\");",
+        after="static_assert(kWarpSize == 32 || kWarpSize == 64, \"unexpected warp size\");",
+        pattern=re.compile(rf"\bstatic_assert\s*\(\s*(?:\w+::)*{_WARP_SIZE_NAME}\s*==\s*32[uU]?\s*[,)]"
+                           rf"|\bstatic_assert\s*\(\s*32[uU]?\s*==\s*(?:\w+::)*{_WARP_SIZE_NAME}\s*[,)]"),
+    ),
+    Rule(
         "device-std-clamp", "error", "`std::clamp` in device code",
         "libstdc++ 14 (gcc 14: Ubuntu 24.04, Fedora 40) checks `std::clamp`'s bounds with `__glibcxx_assert`, which "
         "calls a host function; hipcc compiles device code against the host's libstdc++ and stops with \"reference "
@@ -1730,7 +1780,8 @@ RULES: list[Rule] = [
     Rule(
         "cuda-arch-guard", "warning", "`__CUDA_ARCH__` version test",
         "`__CUDA_ARCH__` is not defined when hipcc compiles for AMD, so `#if __CUDA_ARCH__ >= 800` "
-        "silently selects the fallback (or the host-only) branch: fast paths disappear without an error. "
+        "silently selects the fallback (or the host-only) branch: fast paths disappear without an error. A macro "
+        "defined as such a test (`#define HAS_BF16 (__CUDA_ARCH__ >= 800)`) is false on AMD wherever it is tested. "
         "The lint skips the code AMD compiles out: lint again after enabling a branch there.",
         "Test `__HIP_DEVICE_COMPILE__` / `__HIP_PLATFORM_AMD__` (and `__gfx942__` etc.) explicitly for the AMD path.",
         before="#if __CUDA_ARCH__ >= 800",
@@ -1739,14 +1790,16 @@ RULES: list[Rule] = [
         reads_dead_code=True,
     ),
     Rule(
-        "compiler-guard", "warning", "`__NVCC__` or GCC-version test",
+        "compiler-guard", "warning", "`__NVCC__`, GCC-version or old-CUDA test",
         "`__NVCC__` is nvcc's own macro: hipcc never defines it and no translator renames it (torch's hipify "
         "renames `__CUDACC__`, not `__NVCC__`). And hipcc's clang reports `__GNUC__` 4, so `#if __GNUC__ < 6` (an "
         "old-host-compiler escape) is taken. Code under such tests is compiled out on AMD, or an `#else` meant for "
         "other compilers is taken: `__host__ __device__` qualifiers chosen there vanish (device code calling the "
-        "helpers stops compiling), or a whole op is built empty.",
+        "helpers stops compiling), or a whole op is built empty. CUDA's version macros are undefined under hipcc "
+        "(torch's hipify makes `CUDA_VERSION` TORCH_HIP_VERSION, about 600), so an old-toolkit escape such as "
+        "`#if CUDA_VERSION < 9000` / `#error` is taken: faiss's ROCm port moved its into the CUDA branch.",
         "Test `defined(__NVCC__) || defined(__HIPCC__)` where the branch is about CUDA-style compilers, and keep "
-        "host-compiler version checks out of `__HIPCC__` builds.",
+        "host-compiler and CUDA-toolkit version checks out of `__HIPCC__` builds.",
         before="#ifdef __NVCC__\n#define HD __host__ __device__\n#else\n#define HD\n#endif",
         after="#if defined(__NVCC__) || defined(__HIPCC__)\n#define HD __host__ __device__\n#else\n#define HD\n#endif",
         check=check_compiler_guards,
