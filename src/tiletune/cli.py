@@ -241,11 +241,13 @@ def kernels_list() -> None:
 @click.option("--target", "targets", multiple=True, metavar="TARGET",
               help="cuda:sm_80, cuda:sm_90, hip:gfx90a, hip:gfx942, hip:gfx1100 (repeatable; default: all).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Directory to write into.")
-def kernels_lower(targets: tuple[str, ...], out_dir: str) -> None:
+@click.option("--kernel", "kernels", multiple=True, metavar="NAME",
+              help="Only this kernel (repeatable; default: all; the names of the files it writes: rms_norm_fwd, attention_bwd, ...).")
+def kernels_lower(targets: tuple[str, ...], out_dir: str, kernels: tuple[str, ...]) -> None:
     """Write every kernel's device source for each TARGET to OUT/<target>/, without a GPU."""
     from tiletune.kernels.lowering import lower_all
 
-    failures = lower_all(targets or None, out_dir, echo=click.echo)
+    failures = lower_all(targets or None, out_dir, echo=click.echo, kernels=kernels)
     if failures:
         for line in failures:
             click.echo(f"FAILED {line}", err=True)

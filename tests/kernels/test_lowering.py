@@ -15,24 +15,62 @@ KERNELS = ["rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope_fwd
            "grouped_gemm_nt", "grouped_gemm_nn", "linear_logprobs_fwd", "linear_logprobs_bwd"]
 
 
+# The packed (varlen) attention kernels are the plain kernels' source with segment bounds (the same per-arch configs
+# and matrix-unit code): lowered on one CUDA and one HIP target, the plain ones on all five.
+PRIMARY_TARGETS = ("cuda:sm_90", "hip:gfx942")
+VARLEN = ("attention_fwd_varlen", "attention_bwd_varlen")
+
+
+def kernels_for(target: str) -> list[str]:
+    return KERNELS if target in PRIMARY_TARGETS else [k for k in KERNELS if k not in VARLEN]
+
+
 @pytest.fixture(scope="module")
 def lowered(tmp_path_factory):
     out = tmp_path_factory.mktemp("lowered")
-    args = ["kernels", "lower", "--out", str(out)]
-    for target in _tilelang.KNOWN_TARGETS:
-        args += ["--target", target]
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code == 0, result.output
+    others = [t for t in _tilelang.KNOWN_TARGETS if t not in PRIMARY_TARGETS]
+    for targets in (PRIMARY_TARGETS, others):
+        args = ["kernels", "lower", "--out", str(out)]
+        for target in targets:
+            args += ["--target", target]
+        for kernel in kernels_for(targets[0]) if targets is others else ():
+            args += ["--kernel", kernel]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
     return out
+
+
+def test_the_kernel_list_is_what_lower_writes():
+    from tiletune.kernels.lowering import kernel_names
+
+    assert sorted(kernel_names()) == sorted(KERNELS)
 
 
 @pytest.mark.parametrize("target", _tilelang.KNOWN_TARGETS)
 def test_every_kernel_lowers_for_every_target(lowered, target):
     folder = lowered / target.replace(":", "-")
     suffix = ".cu" if target.startswith("cuda") else ".hip"
-    assert sorted(p.name for p in folder.iterdir()) == sorted(k + suffix for k in KERNELS)
-    for name in KERNELS:
+    assert sorted(p.name for p in folder.iterdir()) == sorted(k + suffix for k in kernels_for(target))
+    for name in kernels_for(target):
         assert "__global__" in (folder / f"{name}{suffix}").read_text()
+
+
+@pytest.mark.parametrize("target", PRIMARY_TARGETS)
+def test_packed_attention_reads_segment_bounds_and_the_plain_kernels_do_not(lowered, target):
+    """The varlen forward and backward take the packed sequences' bounds; the plain kernels of the same source none."""
+    suffix = ".cu" if target.startswith("cuda") else ".hip"
+    folder = lowered / target.replace(":", "-")
+    fwd, bwd = ((folder / f"attention_{kind}_varlen{suffix}").read_text() for kind in ("fwd", "bwd"))
+    assert "attention_fwd_varlen_kernel" in fwd and "int* __restrict__ Starts" in fwd and "bfloat16_t* __restrict__ O" in fwd
+    assert "attention_bwd_varlen_kernel" in bwd and "int* __restrict__ Ends" in bwd and "float* __restrict__ dQ" in bwd
+    assert "LSE_desc" not in bwd and "Delta_desc" not in bwd  # float32 rows of any length: no TMA descriptor
+    plain = (folder / f"attention_fwd{suffix}").read_text()
+    assert "attention_fwd_kernel" in plain and "Starts" not in plain
+
+
+def test_an_unknown_kernel_name_is_a_user_error(tmp_path):
+    result = CliRunner().invoke(main, ["kernels", "lower", "--kernel", "attention_fwd2", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "unknown kernel 'attention_fwd2'" in result.output
 
 
 @pytest.mark.parametrize("name", ["linear_fwd", "linear_dgrad", "linear_wgrad", "lora_linear_fwd", "lora_linear_dgrad",
