@@ -119,6 +119,12 @@ CLASSES: dict[str, ChangeClass] = {
     "hipcub-traits": ChangeClass((), False, "a CUB type-trait specialisation (FpLimits / NumericTraits) hipCUB lacks for a HIP type, written by hand"),
     "optional-library-guard": ChangeClass((), False, "code needing a ROCm library the HIP build may lack (hipBLASLt before ROCm 6.1) compiled out under a project flag"),
     "unsupported-enum": ChangeClass((), False, "a CUDA library enum value with no HIP counterpart, replaced by the nearest one the HIP library has"),
+    # round 11's classes, defined by its labellers (before the round was scored)
+    "two-phase-lookup": ChangeClass((), False, "an unqualified call in a template to a name declared only later (clang's two-phase lookup rejects it)"),
+    "nodiscard-result": ChangeClass((), False, "a discarded runtime status cast to `(void)`: HIP declares hipError_t [[nodiscard]] in C++17"),
+    "runtime-workaround": ChangeClass((), False, "a valid runtime call pattern restructured around a ROCm runtime defect (one hipMemUnmap over several maps)"),
+    "hipify-name-clash": ChangeClass((), False, "a file renamed because torch's hipify would write its HIP copy over a hand-written HIP file"),
+    "op-schema-guard": ChangeClass((), False, "a torch operator schema registered only off ROCm, whose CUDA kernel the HIP build does not compile"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).
