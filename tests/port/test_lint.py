@@ -74,7 +74,8 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("constexpr __half2_raw neg_inf = {0xFC00, 0xFC00};", "half-raw-bits"),
     ("half2 sum = __halves2half2(lo, hi);\natomicAdd(out + i, sum);", "missing-intrinsic"),
     ("__half2 acc;\nfor (int i = 0; i < n; ++i) {\n  acc = {};\n}", "half-brace-assign"),
-    ("auto tile = cg::tiled_partition<32>(cg::this_thread_block());", "warp-tile-32"),
+    ("auto tile = cg::tiled_partition<32>(cg::this_thread_block());\nif (tile.any(v > 0.f)) hit[tile.meta_group_rank()] = 1;",
+     "warp-tile-32"),  # the tile's vote taken as the warp's
     ("template <typename T> __device__ T f(const Frag<T, 4>& frag) { return frag.get<0>(); }", "dependent-template-name"),
     ("template <class Tile> __device__ void f(Tile* tile) { tile->load<8>(0); }", "dependent-template-name"),
     ("template <typename Traits> __device__ void f() { Traits::index_type i = 0; }", "dependent-template-name"),
@@ -113,6 +114,9 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("static_assert(32 == WARP_SIZE);", "warp-size-assert"),
     ("#define CC_AMPERE 800\n#define HAS_BF16_MATH (__CUDA_ARCH__ >= CC_AMPERE)", "cuda-arch-guard"),  # false on AMD
     ("#if CUDA_VERSION < 8000\n#error \"CUDA >= 8.0 is required\"\n#endif", "compiler-guard"),  # taken under hipcc
+    (("#if CUDART_VERSION >= 12000\nat::Tensor quantize_fp8(at::Tensor x) { return fp8_kernel(x); }\n#else\n"
+      "at::Tensor quantize_fp8(at::Tensor x) { throw std::runtime_error(\"CUDA >= 12 only\"); }\n#endif"),
+     "compiler-guard"),  # AMD builds the stub
     (("constexpr int kLanes = kWarpSize;  // kWarpSize: another header's\n"  # the file's alias of it, on the host
       "void launch(int rows, cudaStream_t s) { dim3 block(kLanes, 8); rows_kernel<<<rows, block, 0, s>>>(); }"),
      "host-warp-size"),
@@ -183,6 +187,11 @@ def test_rule_variants_fire(code, rule):
     ('#include "cuda/helpers.h"  // the project\'s own header, not libcu++', "libcudacxx"),
     ('static_assert(kWarpSize == 32 || kWarpSize == 64, "unexpected warp size");', "warp-size-assert"),
     ("#define ARCH_OF_BUILD __CUDA_ARCH__", "cuda-arch-guard"),  # no test of it: not a constant on AMD
+    # 32-lane tiles throughout: tile shuffles, per-tile slots by meta_group_rank, lane and tile ids by 32, no vote
+    (("auto g = cg::tiled_partition<32>(block);\nint lane = threadIdx.x & 0x1f, gid = threadIdx.x >> 5;\n"
+      "for (int i = 1; i < 32; i *= 2) v += g.shfl_xor(v, i);\nif (lane == 0) partial[gid] = v;"), "warp-tile-32"),
+    (("auto g = cg::tiled_partition<32>(block);\nint lane = threadIdx.x & 0x1f, gid = threadIdx.x >> 5;\n"
+      "for (int i = 1; i < 32; i *= 2) v += g.shfl_xor(v, i);\nif (lane == 0) partial[gid] = v;"), "warp-size-literal"),
     # a CUDA >= 9 branch of *_sync warp functions and its #else of the legacy ones: hipcc takes what HIP has
     ("#if CUDA_VERSION >= 9000\n  v += __shfl_xor_sync(0xffffffff, v, 1);\n#else\n  v += __shfl_xor(v, 1);\n#endif",
      "compiler-guard"),

@@ -311,7 +311,10 @@ def check_lane_arithmetic(text: str) -> Iterable[Hit]:
     test (`threadIdx.x % 32 == 0`) is flagged only when the statement it guards shuffles, votes or
     indexes a per-warp array: picking one thread per 32 is otherwise harmless. A step of a tree
     reduction with a block barrier after it is left alone, and so is a function that does nothing warp-wide
-    (`lane_blind_functions`): there 32 only lays out data."""
+    (`lane_blind_functions`): there 32 only lays out data. Nothing is flagged in a file whose warp-level code all
+    stays in 32-lane groups (`_logical_32_lane_groups`): its lane arithmetic by 32 agrees with its shuffles."""
+    if _logical_32_lane_groups(text):
+        return
     lines = text.splitlines()
     line_starts = [0]
     for line in lines:
@@ -711,13 +714,31 @@ def _default_never_used(text: str, offset: int) -> bool:
 _WAVEFRONT_WIDE = re.compile(r"\b__(?:ballot|activemask|any|all|match_\w+|reduce_\w+)(?:_sync)?\s*\(|\bwarpSize\b")
 
 
+_TILE_SIZE = re.compile(r"\b(?:tiled_partition|thread_block_tile)\s*<\s*(\d+)\s*>")
+_TILE_VOTE = re.compile(r"(?:\.|->)\s*(?:ballot|any|all|match_any|match_all)\s*\(")
+
+
 def _logical_32_lane_groups(text: str) -> bool:
     """Whether the file's warp-level code works in 32-lane groups that a 64-lane wavefront holds two of: it
-    shuffles, every shuffle names a width of at most 32, and nothing spans the whole wavefront (a ballot or
-    other vote, `warpSize`)."""
+    shuffles, every shuffle names a width of at most 32 or goes through a cooperative-groups tile of at most 32
+    (`tiled_partition<32>(block)`, whose shuffles stay in the tile), and nothing spans the whole wavefront (a
+    ballot or other vote, a tile's included, `warpSize`)."""
     shuffles = re.findall(r"\b__shfl\w*\s*\(", text)
+    tiles = [int(size) for size in _TILE_SIZE.findall(text)]
     narrowed = _explicit_width_shuffles(text, source_constants(text))
-    return bool(shuffles) and not re.search(r"\b__shfl\w*\s*\(", narrowed) and not _WAVEFRONT_WIDE.search(text)
+    return (bool(shuffles or tiles) and all(size <= 32 for size in tiles) and not re.search(r"\b__shfl\w*\s*\(", narrowed)
+            and not _WAVEFRONT_WIDE.search(text) and not _TILE_VOTE.search(text))
+
+
+def check_warp_tiles(text: str) -> Iterable[Hit]:
+    """Flag a cooperative-groups tile of 32, unless the file's warp-level code all stays in 32-lane groups
+    (`_logical_32_lane_groups`): then the tile is a grouping choice a 64-lane wavefront holds two of."""
+    if _logical_32_lane_groups(text):
+        return []
+    return pattern_hits(_TILE_OF_32, text.split("\n"))
+
+
+_TILE_OF_32 = re.compile(r"\b(?:tiled_partition|thread_block_tile)\s*<\s*32\s*>")
 
 
 def check_warp_size_definitions(text: str) -> Iterable[Hit]:
@@ -824,21 +845,35 @@ def check_arch_guards(text: str) -> Iterable[Hit]:
 
 
 def check_compiler_guards(text: str) -> Iterable[Hit]:
-    """Flag an `#if` / `#elif` testing `__NVCC__` (nvcc's own macro: hipcc never defines it) or the GCC version
-    (hipcc's clang says 4) where hipcc compiles a branch of its group out because of it, and an old-CUDA escape
-    hipcc takes (`#if CUDA_VERSION < 8000` / `#error`: CUDA's version macros are undefined under hipcc, and torch's
-    hipify makes `CUDA_VERSION` TORCH_HIP_VERSION, about 600)."""
+    """Flag an `#if` / `#elif` testing `__NVCC__` (nvcc's own macro: hipcc never defines it), the GCC version
+    (hipcc's clang says 4) or the CUDA toolkit's version (undefined under hipcc; torch's hipify makes `CUDA_VERSION`
+    TORCH_HIP_VERSION, about 600) where hipcc compiles a branch of its group out because of it: a `#if CUDART_VERSION
+    >= 12000` around a whole fp8 section builds its stubs on AMD, a `#if CUDA_VERSION < 8000` / `#error` stops the build."""
     nvcc = list(_guards_compiling_out(text, _NVCC_TEST))
     # an old-compiler or old-toolkit escape (`#if __GNUC__ < 6`, `#if CUDA_VERSION < 8000` / `#error`) is the trap
     # when hipcc takes it, even with nothing after it
     gcc = list(_guards_compiling_out(text, _GCC_VERSION_TEST, true_alone=True))
-    # an old-toolkit test hipcc takes: `CUDA_VERSION >= 9000` branches (with their `#else` of the pre-9.0 warp
-    # functions HIP has) go AMD's way, so only a known-true test that no `__CUDA_ARCH__` test decides is flagged
-    old_toolkit = {directive.first + 1 for directive in directives(text) if directive.kind in ("if", "elif")
-                   and _CUDA_VERSION_TEST.search(directive.condition) and not _ARCH_TEST.search(directive.condition)
-                   and on_amd(directive.condition) is True}
-    cuda = [hit for hit in _guards_compiling_out(text, _CUDA_VERSION_TEST, true_alone=True) if hit.line in old_toolkit]
+    # a CUDA-version test hipcc answers (a `__CUDA_ARCH__` test in it is cuda-arch-guard's), except the one choice
+    # that goes AMD's way: `*_sync` warp functions for CUDA >= 9 with an `#else` of the legacy ones HIP has
+    found = directives(text)
+    decided = {directive.first + 1 for directive in found if directive.kind in ("if", "elif")
+               and _CUDA_VERSION_TEST.search(directive.condition) and not _ARCH_TEST.search(directive.condition)
+               and on_amd(directive.condition) is not None and not _legacy_warp_fallback(text, directive, found)}
+    cuda = [hit for hit in _guards_compiling_out(text, _CUDA_VERSION_TEST, true_alone=True) if hit.line in decided]
     return sorted({hit.line: hit for hit in cuda + gcc + nvcc}.values(), key=lambda hit: hit.line)
+
+
+_SYNC_WARP_CALL = re.compile(r"\b__(?:shfl(?:_up|_down|_xor)?|ballot|any|all)_sync\s*\(")
+_LEGACY_WARP_CALL = re.compile(r"\b__(?:shfl(?:_up|_down|_xor)?|ballot|any|all)\s*\(")
+
+
+def _legacy_warp_fallback(text: str, directive, found) -> bool:
+    """Whether `directive`'s branch calls `*_sync` warp functions and the next branch of its group the legacy ones."""
+    following = [d for d in found if d.group == directive.group and d.first > directive.first]
+    if len(following) < 2 or following[0].kind == "endif":
+        return False
+    return bool(_SYNC_WARP_CALL.search(_branch_body(text, directive, following[0]))
+                and _LEGACY_WARP_CALL.search(_branch_body(text, following[0], following[1])))
 
 
 _NVCC_TEST = re.compile(r"\b__NVCC__\b")
@@ -1359,9 +1394,9 @@ RULES: list[Rule] = [
         "`tiled_partition<32>` / `thread_block_tile<32>` is half a wavefront on CDNA; code that treats "
         "it as 'the warp' (ballots, lane masks, one result per warp) is wrong there.",
         "Size tiles with the wavefront (`warpSize`), or check that the tile size is only a grouping choice.",
-        before="auto warp = cg::tiled_partition<32>(block);",
+        before="auto warp = cg::tiled_partition<32>(block);\nif (warp.any(v > 0)) flag[warp.meta_group_rank()] = 1;",
         after="auto warp = cg::tiled_partition<64>(block);  // the wavefront on gfx9xx",
-        pattern=re.compile(r"\b(?:tiled_partition|thread_block_tile)\s*<\s*32\s*>"),
+        check=check_warp_tiles,
     ),
     Rule(
         "mask-32bit", "error", "32-bit lane mask in a warp function",
@@ -1796,8 +1831,9 @@ RULES: list[Rule] = [
         "old-host-compiler escape) is taken. Code under such tests is compiled out on AMD, or an `#else` meant for "
         "other compilers is taken: `__host__ __device__` qualifiers chosen there vanish (device code calling the "
         "helpers stops compiling), or a whole op is built empty. CUDA's version macros are undefined under hipcc "
-        "(torch's hipify makes `CUDA_VERSION` TORCH_HIP_VERSION, about 600), so an old-toolkit escape such as "
-        "`#if CUDA_VERSION < 9000` / `#error` is taken: faiss's ROCm port moved its into the CUDA branch.",
+        "(torch's hipify makes `CUDA_VERSION` TORCH_HIP_VERSION, about 600): an old-toolkit escape such as "
+        "`#if CUDA_VERSION < 9000` / `#error` is taken (faiss's ROCm port moved its into the CUDA branch), and a "
+        "feature under `#if CUDART_VERSION >= 12000` is compiled out, its `#else` stubs built (FBGEMM's fp8 quantize).",
         "Test `defined(__NVCC__) || defined(__HIPCC__)` where the branch is about CUDA-style compilers, and keep "
         "host-compiler and CUDA-toolkit version checks out of `__HIPCC__` builds.",
         before="#ifdef __NVCC__\n#define HD __host__ __device__\n#else\n#define HD\n#endif",

@@ -8,7 +8,7 @@ namespace cg = cooperative_groups;
 __global__ void l2_normalize_kernel(float* x, float* block_sums, float* norm, int n) {
   cg::grid_group grid = cg::this_grid();  // expect: grid-sync
   cg::thread_block block = cg::this_thread_block();
-  cg::thread_block_tile<32> tile = cg::tiled_partition<32>(block);  // expect: warp-tile-32
+  cg::thread_block_tile<32> tile = cg::tiled_partition<32>(block);  // a grouping: 32-lane tiles throughout
   __shared__ float tile_sums[32];
 
   float local = 0.f;

@@ -1,6 +1,9 @@
 // Warp-level top-k over rows of scores: a bitonic network across the 32 lanes of a warp, one row per warp.
 #include <cuda_runtime.h>
+#include <cooperative_groups.h>
 #include "warp_defs.cuh"  // this project's kWarpSize
+
+namespace cg = cooperative_groups;
 
 #if CUDA_VERSION < 9000  // expect: compiler-guard
 #error "CUDA >= 9.0 is required"
@@ -38,6 +41,12 @@ __global__ void row_topk(const float* scores, int cols, int k, float* top_scores
     top_scores[row * k + lane] = key;
     top_index[row * k + lane] = index;
   }
+}
+
+// How many lanes of each 32-lane tile hold a score above the threshold: the tile's vote taken as the warp's.
+__device__ int tile_hits(cg::thread_block block, float key, float threshold) {
+  auto tile = cg::tiled_partition<32>(block);  // expect: warp-tile-32
+  return __popc(tile.ballot(key > threshold));
 }
 
 void launch_row_topk(const float* scores, int rows, int cols, int k, float* top_scores, int* top_index,
