@@ -7,6 +7,8 @@ from tiletune.cli import main
 from tiletune.kernels import _tilelang
 
 pytest.importorskip("tilelang", reason="TileLang is not installed or cannot be imported: pip install -e '.[test]'")
+# one worker lowers for all of this module's tests (the README's `-n auto --dist loadgroup`)
+pytestmark = pytest.mark.xdist_group("lowering")
 
 KERNELS = ["rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope_fwd", "rope_bwd", "rope_pairs_fwd", "rope_pairs_bwd",
            "linear_fwd", "linear_dgrad", "linear_wgrad", "lora_linear_fwd", "lora_linear_dgrad",
