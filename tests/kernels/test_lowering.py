@@ -7,8 +7,6 @@ from tiletune.cli import main
 from tiletune.kernels import _tilelang
 
 pytest.importorskip("tilelang", reason="TileLang is not installed or cannot be imported: pip install -e '.[test]'")
-# one worker lowers for all of this module's tests (the README's `-n auto --dist loadgroup`)
-pytestmark = pytest.mark.xdist_group("lowering")
 
 KERNELS = ["rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope_fwd", "rope_bwd", "rope_pairs_fwd", "rope_pairs_bwd",
            "linear_fwd", "linear_dgrad", "linear_wgrad", "lora_linear_fwd", "lora_linear_dgrad",
@@ -27,7 +25,7 @@ def kernels_for(target: str) -> list[str]:
     return KERNELS if target in PRIMARY_TARGETS else [k for k in KERNELS if k not in VARLEN]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module")  # lowered once: the README's `--dist loadfile` keeps this module on one worker
 def lowered(tmp_path_factory):
     out = tmp_path_factory.mktemp("lowered")
     others = [t for t in _tilelang.KNOWN_TARGETS if t not in PRIMARY_TARGETS]
