@@ -718,6 +718,7 @@ _TILE_SIZE = re.compile(r"\b(?:tiled_partition|thread_block_tile)\s*<\s*(\d+)\s*
 _TILE_VOTE = re.compile(r"(?:\.|->)\s*(?:ballot|any|all|match_any|match_all)\s*\(")
 
 
+@functools.lru_cache(maxsize=4)  # three rules ask it of one file
 def _logical_32_lane_groups(text: str) -> bool:
     """Whether the file's warp-level code works in 32-lane groups that a 64-lane wavefront holds two of: it
     shuffles, every shuffle names a width of at most 32 or goes through a cooperative-groups tile of at most 32
@@ -790,18 +791,18 @@ def _directive_hit(text: str, directive, detail: str) -> Hit:
     return Hit(directive.first + 1, len(line) - len(line.lstrip()) + 1, detail)
 
 
-def _guards_compiling_out(text: str, test: re.Pattern, true_alone: bool = False) -> Iterable[Hit]:
+def _guards_compiling_out(text: str, test: re.Pattern, true_alone: bool = False, skip=None) -> Iterable[Hit]:
     """Each `#if` / `#elif` whose condition matches `test` where hipcc compiles a branch of its group out because
     of it: its own (a false test) or, when it is true on AMD, the `#elif` / `#else` after it. A true test with
     nothing after it only keeps its code, which is then compiled on AMD: flagged only with `true_alone` (a branch
     meant for another compiler, taken). A condition that also names an AMD macro
     (`defined(__NVCC__) || defined(__HIPCC__)`) is a port already made; a group where AMD loses only a trap
     (`#if __CUDA_ARCH__ < 800` / `assert(false);` / `#else` the real code) costs nothing. `text` keeps the
-    branches hipcc compiles out (`Rule.reads_dead_code`)."""
+    branches hipcc compiles out (`Rule.reads_dead_code`). `skip(directive, found)` leaves more directives alone."""
     found = directives(text)
     for directive in found:
         if (directive.kind in ("else", "endif") or directive.enclosed_dead or not test.search(directive.condition)
-                or _AMD_MACRO.search(directive.condition)):
+                or _AMD_MACRO.search(directive.condition) or (skip is not None and skip(directive, found))):
             continue
         value = on_amd(directive.condition)
         later = [d for d in found if d.group == directive.group and d.first > directive.first and d.kind != "endif"]
@@ -855,11 +856,11 @@ def check_compiler_guards(text: str) -> Iterable[Hit]:
     gcc = list(_guards_compiling_out(text, _GCC_VERSION_TEST, true_alone=True))
     # a CUDA-version test hipcc answers (a `__CUDA_ARCH__` test in it is cuda-arch-guard's), except the one choice
     # that goes AMD's way: `*_sync` warp functions for CUDA >= 9 with an `#else` of the legacy ones HIP has
-    found = directives(text)
-    decided = {directive.first + 1 for directive in found if directive.kind in ("if", "elif")
-               and _CUDA_VERSION_TEST.search(directive.condition) and not _ARCH_TEST.search(directive.condition)
-               and on_amd(directive.condition) is not None and not _legacy_warp_fallback(text, directive, found)}
-    cuda = [hit for hit in _guards_compiling_out(text, _CUDA_VERSION_TEST, true_alone=True) if hit.line in decided]
+    def undecided(directive, found) -> bool:
+        return (bool(_ARCH_TEST.search(directive.condition)) or on_amd(directive.condition) is None
+                or _legacy_warp_fallback(text, directive, found))
+
+    cuda = list(_guards_compiling_out(text, _CUDA_VERSION_TEST, true_alone=True, skip=undecided))
     return sorted({hit.line: hit for hit in cuda + gcc + nvcc}.values(), key=lambda hit: hit.line)
 
 
