@@ -32,7 +32,7 @@
 #           then `tiletune verify` of every kernel on 2 quantized decoder layers of the 8B
 #   qlora70b: `tiletune bench` of the QLoRA step on the Llama-3-70B shape, all 80 layers built and quantized on the
 #           GPU tensor by tensor: tiletune's QLoRA without kernels (the baseline) and with every kernel under
-#           `gradient_checkpointing: auto` with offload within BUDGET_GIB (default 38)
+#           `gradient_checkpointing: auto` with offload within each of BUDGETS_GIB (default 38); STEPS timed (default 3)
 #   dpo:    `tiletune bench` of the DPO step (examples/bench/llama3_8b_dpo.yaml): TRL's fused head, LLaMA-Factory's
 #           full logits, Liger's layer kernels, Liger's kernels with its fused linear DPO loss, every kernel; ORPO and
 #           KTO with and without the kernels
@@ -94,7 +94,7 @@ engine)
         --variants baseline,rms_norm+rope+swiglu+linear_cross_entropy+lora_linear --out "$OUT/bench-fastest" 2>&1 | tail -8 ;;
 qlora)
     python3 -m pytest -q -m gpu tests/kernels/test_quant_linear.py tests/kernels/test_quant_lora_linear.py \
-        tests/train/test_tiled_mlp.py tests/train/test_host_embedding.py tests/train/test_recompute.py 2>&1 \
+        tests/train/test_tiled_mlp.py tests/train/test_host_tables.py tests/train/test_recompute.py 2>&1 \
         | tee "$OUT/gpu_tests_qlora.txt" | tail -2
     [ "${KERNELS:-1}" = 1 ] && python3 benchmarks/kernel_bench.py --only quant --rounds 3 --out "$OUT/kernels-quant" 2>&1 \
         | grep -v Warning | tail -14
@@ -187,9 +187,11 @@ families-bench)
     done ;;
 qlora70b)
     Q=quantization_bit=4
-    python3 -m tiletune bench "$CONFIG" --model-preset llama3-70b --steps 3 --warmup 1 --repeats 1 \
-        --variants "baseline:$Q,all:$Q:gradient_checkpointing=auto:gradient_checkpointing_offload=true:gradient_checkpointing_budget=${BUDGET_GIB:-38}" \
-        --out "$OUT/bench-qlora-70b" 2>&1 | tail -8 ;;
+    PLANNED=""; for GIB in ${BUDGETS_GIB:-38}; do
+        PLANNED="$PLANNED,all:$Q:gradient_checkpointing=auto:gradient_checkpointing_offload=true:gradient_checkpointing_budget=$GIB"
+    done
+    python3 -m tiletune bench "$CONFIG" --model-preset llama3-70b --steps "${STEPS:-3}" --warmup 1 --repeats 1 \
+        --variants "baseline:$Q$PLANNED" --out "$OUT/bench-qlora-70b" 2>&1 | tail -8 ;;
 bench)
     python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --out "$OUT/bench" "$@" 2>&1 | tail -20 ;;
 speed)

@@ -87,6 +87,13 @@ def autocast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     return tuple(t.to(dtype) if t is not None else None for t in tensors)
 
 
+def head_weight(head: nn.Module) -> torch.Tensor:
+    """The lm_head's weight on the device the loss runs on: a head kept in host memory
+    (`tiletune.train.host_tables`) hands over the copy its forward sent ahead."""
+    fetch = getattr(head, "fetch_weight", None)
+    return fetch() if fetch is not None else head.weight
+
+
 def innermost(func: Callable) -> Callable:
     """The function under every functools.wraps decorator layer."""
     while hasattr(func, "__wrapped__"):

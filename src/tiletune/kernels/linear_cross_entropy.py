@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from tiletune.kernels._tilelang import accumulate_dtype
-from tiletune.kernels.binding import Binding, Site
+from tiletune.kernels.binding import Binding, Site, head_weight
 from tiletune.kernels.customop import Signature, make_custom_op
 from tiletune.kernels.registry import Impl, Op, add, define
 
@@ -150,7 +150,7 @@ def _lm_head_forward(site: Site, impl: str, strict: bool, current: Callable) -> 
         hidden = outputs.last_hidden_state
         shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].to(hidden.device)
         divisor = num_items if num_items is not None else (shifted != IGNORE_INDEX).sum()
-        loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), getattr(self, head).weight,
+        loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head_weight(getattr(self, head)),
                                     shifted.reshape(-1), float(divisor), impl, strict, softcap)  # fmt: skip
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                       hidden_states=outputs.hidden_states, attentions=outputs.attentions)  # fmt: skip

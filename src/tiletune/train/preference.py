@@ -278,15 +278,20 @@ def fused_label_log_probs(causal_lm, labels, head: LogprobHead, shareable: bool,
     from `linear_logprobs` on the backbone's last hidden states (`args`, `kwargs`: the backbone's inputs); 0 where
     the label is -100. The logits never exist. With `shareable`, a [chosen; rejected] batch runs each pair's prompt
     once (train/shared_prompt.py)."""
+    from tiletune.kernels.binding import head_weight
     from tiletune.kernels.linear_logprobs import linear_logprobs
     from tiletune.kernels.registry import note_fallback
     from tiletune.train.shared_prompt import pair_layout, shared_log_probs
 
     softcap = float(getattr(causal_lm.config.get_text_config(), "final_logit_softcapping", None) or 0.0)
-    weight = causal_lm.get_output_embeddings().weight
+    output = causal_lm.get_output_embeddings()
+    fetched: list[torch.Tensor] = []  # the weight, fetched once when the backbone has run (it may wait on the host)
 
     def lm_head(hidden, targets):
-        return linear_logprobs(hidden.to(weight.device), weight, targets, head.impl, head.strict, softcap)
+        if not fetched:
+            fetched.append(head_weight(output))
+        weight = fetched[0]
+        return linear_logprobs(hidden.to(weight.device), weight, targets.to(weight.device), head.impl, head.strict, softcap)
 
     if shareable:
         extra = sorted(key for key, value in kwargs.items()  # peft passes the ones it does not use as None
@@ -295,10 +300,10 @@ def fused_label_log_probs(causal_lm, labels, head: LogprobHead, shareable: bool,
                   else pair_layout(kwargs["input_ids"], kwargs.get("attention_mask"), labels))  # fmt: skip
         if not isinstance(layout, str):
             logp, stats = shared_log_probs(causal_lm, layout, labels.shape[1], lm_head)
-            return logp, stats, labels[:, 1:].to(weight.device) != -100
+            return logp, stats, labels[:, 1:].to(logp.device) != -100
         note_fallback("pref_shared_prompt", "shared", layout)
     hidden = causal_lm.base_model(*args, **{**kwargs, "use_cache": False}).last_hidden_state[:, :-1]
-    labels = labels[:, 1:].to(weight.device)
+    labels = labels[:, 1:].to(hidden.device)
     logp, stats = lm_head(hidden.reshape(-1, hidden.size(-1)), labels.reshape(-1))
     return logp.view(labels.shape), stats.view(*labels.shape, -1), labels != -100
 

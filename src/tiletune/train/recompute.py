@@ -25,8 +25,10 @@ come back during their backward). The other layers share the budget less that on
 
 When even every layer recomputed does not fit (a budget below the weights plus one layer's working set,
 or a long sequence), the planner pulls `levers_for(model)`, cheapest first, and probes again after each: the frozen
-input embedding table to host memory (`tiletune.train.host_embedding`: a CPU gather and a 64 MiB copy per
-step at 8,192 tokens), then the MLPs in 2, 4, ... chunks of tokens (`tiletune.train.tiled_mlp`: one more
+input embedding table to host memory (`tiletune.train.host_tables`: a CPU gather and a 64 MiB copy per
+step at 8,192 tokens), the frozen lm_head to host memory (copied back on a side stream during each forward, held
+on the GPU from the forward's start to the loss; its cost hides behind the forward, so it is pulled as soon as
+the budget makes any layer recompute, not only when nothing else fits), then the MLPs in 2, 4, ... chunks of tokens (`tiletune.train.tiled_mlp`: one more
 MLP forward per layer; the fewest chunks that fit). A probe that itself runs out of memory (its two spared
 layers at a long sequence) counts as not fitting; once no lever is left it runs again with every layer
 recomputed.
@@ -45,7 +47,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from tiletune.errors import UserError
-from tiletune.train.host_embedding import embedding_to_host, why_not_on_host
+from tiletune.train.host_tables import embedding_to_host, head_to_host, why_head_not_on_host, why_not_on_host
 from tiletune.train.tiled_mlp import chunks_of, mlp_chunks, tile_mlp
 
 log = logging.getLogger("tiletune")
@@ -264,15 +266,20 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
                               offload_inputs, probe_loss)  # fmt: skip
         base = probe.base(model, len(layers), spare * offload_inputs) if probe else None
         if budget is None or (base is not None and base <= budget * (1 - MARGIN)):
-            break
-        if levers:
+            eager = [lever for lever in levers if lever.eager]
+            if not eager or not spare or not _recomputes(probe, base, len(layers), budget, offload_inputs):
+                break
+            lever = eager[0]  # the budget makes some layer recompute: a near-free lever spares part of that
+            levers.remove(lever)
+        elif levers:
             lever = levers.pop(0)
-            lever.pull(model)
-            pulled[lever.name] = lever.summary(model)
         elif spare and probe is None:  # the probe's spared layers alone do not fit: recompute them too
             spare = 0
+            continue
         else:
             break
+        lever.pull(model)
+        pulled[lever.name] = lever.summary(model)
     if probe is None:
         raise UserError(f"the step at batch {batch} x {seq} tokens runs out of GPU memory even with every layer "
                         f"recomputed{' and ' + ', '.join(pulled.values()) if pulled else ''}; lower per_device_train_batch_size "
@@ -327,12 +334,22 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
 
 @dataclass(frozen=True)
 class Lever:
-    """A way to lower the step's memory at some cost in time, pulled only when recomputation is not enough."""
+    """A way to lower the step's memory at some cost in time, pulled when recomputation is not enough, or, when
+    `eager` (its cost hides behind other work), as soon as the budget makes any layer recompute."""
 
     name: str
     why_not: Callable  # model -> the reason it cannot be pulled, or None
     pull: Callable  # model -> None
     summary: Callable  # model -> what was done, for the plan's summary
+    eager: bool = False
+
+
+def _recomputes(probe: _ProbeResult, base: int, layers: int, budget: int, offload_inputs: bool) -> bool:
+    """Whether a plan within `budget` recomputes some layer's matmuls: not every layer can be spared (a spared
+    layer also holds its input when the recomputed ones' wait on the host)."""
+    keep, selective = probe.spared_bytes(layers, probe.on_gpu)
+    extra = probe.input_bytes if offload_inputs else 0
+    return base + layers * (min(keep, selective) + extra) > budget * (1 - MARGIN)
 
 
 def _mlp_lever(chunks: int) -> Lever:
@@ -357,14 +374,17 @@ def _mlp_lever(chunks: int) -> Lever:
 
 def levers_for(model) -> list[Lever]:
     """What the planner may pull for `model`, cheapest first: the input embeddings to the host (a CPU gather and
-    one copy per step: a few ms), then the MLPs in 2, 4, ... chunks of tokens up to twice as many as keep a chunk's
-    intermediate within the hidden states (each costs one more MLP forward per layer and step, and over a
-    quantized base one more dequantization of its weights per chunk: the fewest that fit)."""
+    one copy per step: a few ms), the lm_head to the host (one copy per step beside the decoder's forward: eager), then the
+    MLPs in 2, 4, ... chunks of tokens up to twice as many as keep a chunk's intermediate within the hidden states
+    (each costs one more MLP forward per layer and step, and over a quantized base one more dequantization of its
+    weights per chunk: the fewest that fit)."""
     from tiletune.patch.sites import causal_lm
 
     most = 2 * mlp_chunks(causal_lm(model)[0].config)
     chunks = [2**i for i in range(1, most.bit_length()) if 2**i <= most]
     return [Lever("embedding on host", why_not_on_host, embedding_to_host, lambda model: "the input embeddings in host memory"),
+            Lever("lm_head on host", why_head_not_on_host, head_to_host,
+                  lambda model: "the lm_head in host memory (copied in during each forward)", eager=True),
             *map(_mlp_lever, chunks)]
 
 

@@ -122,12 +122,12 @@ def _run(cfg: TuneConfig, dry_run: bool, held: ExitStack) -> dict:
         trainer.save_metrics("eval", eval_metrics)
         metrics.update(eval_metrics)
     if do_predict and splits.predict is not None and main_process:
-        from tiletune.train.host_embedding import embedding_to_device
+        from tiletune.train.host_tables import tables_to_device
         from tiletune.train.predict import run_predict
 
         if do_train and cfg.checkpointing != "off":
             set_checkpointing(model, enabled=False)
-            embedding_to_device(model)  # `gradient_checkpointing: auto` may have left it on the host
+            tables_to_device(model)  # `gradient_checkpointing: auto` may have left them on the host
         predict_metrics = run_predict(cfg, model, tokenizer, template, splits.predict, output_dir)
         _merge_all_results(output_dir, predict_metrics)
         print(json.dumps(predict_metrics, indent=2))
