@@ -58,6 +58,8 @@ class TuneConfig:
     gradient_checkpointing_budget: float | None = None
     # with "auto": layers that would be recomputed may keep their activations in pinned host memory instead
     gradient_checkpointing_offload: bool = False
+    # GiB of pinned host memory those activations may take (null: half of the host memory free when planning)
+    gradient_checkpointing_host_budget: float | None = None
     use_reentrant_gc: bool = True
     infer_dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
     print_param_status: bool = False
@@ -408,6 +410,13 @@ def _check_values(cfg: TuneConfig, source: str) -> None:
         raise UserError(f"{source}: gradient_checkpointing_budget is read only with gradient_checkpointing=auto; set that too")
     if cfg.gradient_checkpointing_offload and cfg.checkpointing != "auto":
         raise UserError(f"{source}: gradient_checkpointing_offload is read only with gradient_checkpointing=auto; set that too")
+    host_budget = cfg.gradient_checkpointing_host_budget
+    if host_budget is not None and (host_budget <= 0 or not math.isfinite(host_budget)):
+        raise UserError(f"{source}: gradient_checkpointing_host_budget={host_budget} must be a positive number of GiB "
+                        "(or null for half of the free host memory)")  # fmt: skip
+    if host_budget is not None and not cfg.gradient_checkpointing_offload:
+        raise UserError(f"{source}: gradient_checkpointing_host_budget is read only with gradient_checkpointing_offload=true; "
+                        "set that too")  # fmt: skip
     if cfg.quantization_bit not in (None, 4, 8):
         raise UserError(f"{source}: quantization_bit={cfg.quantization_bit} is not supported; use 4 (nf4 or fp4) or 8 "
                         "(int8 per output channel)")

@@ -108,11 +108,24 @@ def test_plan_on_cpu_measures_saved_activations_and_fits_the_budget():
     ({"gradient_checkpointing": "auto", "gradient_checkpointing_budget": -3}, "positive number of GiB"),
     ({"gradient_checkpointing_budget": 20}, "only with gradient_checkpointing=auto"),
     ({"gradient_checkpointing_offload": True}, "offload is read only with gradient_checkpointing=auto"),
+    ({"gradient_checkpointing": "auto", "gradient_checkpointing_host_budget": 40}, "only with gradient_checkpointing_offload"),
+    ({"gradient_checkpointing": "auto", "gradient_checkpointing_offload": True, "gradient_checkpointing_host_budget": 0},
+     "host_budget=0.0 must be a positive number of GiB"),
     ({"gradient_checkpointing": "sometimes"}, "allowed: bool or one of 'auto' or null"),
 ])  # fmt: skip
 def test_config_refuses_contradictions(raw, message):
     with pytest.raises(UserError, match=message):
         build_config({"model_name_or_path": "x", **raw})
+
+
+def test_host_budget_is_half_the_free_memory_unless_set(monkeypatch):
+    from tiletune.train import recompute
+
+    monkeypatch.setattr(recompute, "_host_available_bytes", lambda: 100 * 2**30)
+    assert recompute._host_budget_bytes(None) == 50 * 2**30
+    assert recompute._host_budget_bytes(80) == 80 * 2**30
+    with pytest.raises(UserError, match="host_budget=120 GiB is more than the 100.0 GiB of host memory free"):
+        recompute._host_budget_bytes(120)
 
 
 def test_checkpointing_follows_llamafactory_keys_unless_set():

@@ -155,7 +155,8 @@ def run(job: dict) -> dict:
 
         rows, probe_loss = recompute_probe(cfg, batch)
         plan = plan_recomputation(model, rows, seq, compute_dtype(cfg), cfg.gradient_checkpointing_budget,
-                                  cfg.use_reentrant_gc, cfg.gradient_checkpointing_offload, probe_loss)
+                                  cfg.use_reentrant_gc, cfg.gradient_checkpointing_offload, probe_loss,
+                                  host_budget_gib=cfg.gradient_checkpointing_host_budget)
     dtype = compute_dtype(cfg)
     model.train()
     if cfg.stage in preference.STAGES:

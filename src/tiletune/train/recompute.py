@@ -55,7 +55,7 @@ log = logging.getLogger("tiletune")
 GIB = 2**30
 MARGIN = 0.05  # of the budget, left for the allocator's fragmentation and what the probe cannot see
 TREATMENTS = ("keep", "selective", "offload", "recompute", "recompute_device")
-HOST_SHARE = 0.5  # of the host memory available at planning time, the most offloaded tensors may take
+HOST_SHARE = 0.5  # of the host memory available at planning time, what offloaded tensors may take by default
 
 
 @dataclass
@@ -227,14 +227,16 @@ def _selective_contexts():
 
 
 def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_gib: float | None,
-                       use_reentrant: bool, offload: bool = False, probe_loss: Callable | None = None) -> RecomputePlan:  # fmt: skip
+                       use_reentrant: bool, offload: bool = False, probe_loss: Callable | None = None,
+                       host_budget_gib: float | None = None) -> RecomputePlan:  # fmt: skip
     """Probe one step at (batch, seq), choose each layer's treatment within the budget, and apply it.
 
     The probe's loss is the LM loss on its random tokens, or `probe_loss(model, tokens)` where the stage's step
     computes another (a preference stage's log-prob head: `train.preference.recompute_probe`).
 
     With `offload`, layers that would be recomputed may have their saved tensors (and, under re-entrant
-    checkpointing, their inputs) wait in pinned host memory instead; GPU only. When the step does not fit
+    checkpointing, their inputs) wait in pinned host memory instead, at most `host_budget_gib` of it (None:
+    HOST_SHARE of the host memory free now); GPU only. When the step does not fit
     the budget even with every layer recomputed, the levers of `levers_for` are pulled one by one, cheapest
     first, until it does.
     """
@@ -300,7 +302,8 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
         plan.host_link_gb_s = _host_link_bytes_per_s(device, min(plan.offload_bytes, 256 * 2**20)) / 1e9
         copy_ms = plan.offload_bytes / (plan.host_link_gb_s * 1e9) * 1e3
         offload_every = max(1, math.ceil(copy_ms / max(probe.forward_ms, 1e-3))) if spare else 0
-        max_offloaded = int(_host_available_bytes() * HOST_SHARE) // max(plan.offload_bytes, 1)
+        host_bytes = _host_budget_bytes(host_budget_gib)
+        max_offloaded = host_bytes // max(plan.offload_bytes, 1)
     if budget < plan.base_bytes:
         raise UserError(
             f"gradient_checkpointing_budget={budget / GIB:.1f} GiB is below the {plan.base_bytes / GIB:.1f} GiB this step "
@@ -315,8 +318,7 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
     else:
         plan.treatments = ["recompute"] * len(layers)
     if plan.offload_inputs:
-        host_room = (int(_host_available_bytes() * HOST_SHARE) - plan.treatments.count("offload") * plan.offload_bytes) \
-            // max(probe.input_bytes, 1)  # fmt: skip
+        host_room = (host_bytes - plan.treatments.count("offload") * plan.offload_bytes) // max(probe.input_bytes, 1)
         spared = {"keep": keep_bytes + extra, "selective": selective_bytes + extra}
         in_flight = plan.offload_bytes if "offload" in plan.treatments else 0
         try:
@@ -542,6 +544,18 @@ def _host_available_bytes() -> int:
     import psutil
 
     return psutil.virtual_memory().available
+
+
+def _host_budget_bytes(host_budget_gib: float | None) -> int:
+    """The pinned host memory offloaded tensors may take: the user's gradient_checkpointing_host_budget, or
+    HOST_SHARE of what is free now."""
+    available = _host_available_bytes()
+    if host_budget_gib is None:
+        return int(available * HOST_SHARE)
+    if host_budget_gib * GIB > available:
+        raise UserError(f"gradient_checkpointing_host_budget={host_budget_gib:g} GiB is more than the {available / GIB:.1f} "
+                        "GiB of host memory free now; lower it, or leave it null for half of what is free")  # fmt: skip
+    return int(host_budget_gib * GIB)
 
 
 def _memory_hooks(layer, index: int, held: dict[int, int], device):

@@ -159,7 +159,8 @@ def _plan_recomputation(cfg: TuneConfig, model):
         model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
     rows, probe_loss = recompute_probe(cfg, cfg.train_arg("per_device_train_batch_size", 8))
     plan = plan_recomputation(model, rows, cfg.cutoff_len, compute_dtype(cfg), cfg.gradient_checkpointing_budget,
-                              cfg.use_reentrant_gc, cfg.gradient_checkpointing_offload, probe_loss)
+                              cfg.use_reentrant_gc, cfg.gradient_checkpointing_offload, probe_loss,
+                              host_budget_gib=cfg.gradient_checkpointing_host_budget)
     print(plan.summary())
     return plan
 
