@@ -188,10 +188,10 @@ families-bench)
 qlora70b)
     Q=quantization_bit=4
     PLANNED=""; for GIB in ${BUDGETS_GIB:-38}; do
-        PLANNED="$PLANNED,all:$Q:gradient_checkpointing=auto:gradient_checkpointing_offload=true:gradient_checkpointing_budget=$GIB"
+        PLANNED="$PLANNED,all:gradient_checkpointing=auto:gradient_checkpointing_offload=true:gradient_checkpointing_budget=$GIB"
     done
-    python3 -m tiletune bench "$CONFIG" --model-preset llama3-70b --steps "${STEPS:-3}" --warmup 1 --repeats 1 \
-        --variants "baseline:$Q$PLANNED" --out "$OUT/bench-qlora-70b" 2>&1 | tail -8 ;;
+    python3 -m tiletune bench "$CONFIG" $Q --model-preset llama3-70b --steps "${STEPS:-3}" --warmup 1 --repeats 1 \
+        --variants "baseline$PLANNED" --out "$OUT/bench-qlora-70b" 2>&1 | tail -8 ;;
 bench)
     python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --out "$OUT/bench" "$@" 2>&1 | tail -20 ;;
 speed)
