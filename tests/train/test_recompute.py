@@ -161,6 +161,7 @@ def test_recomputed_inputs_go_to_the_host_up_to_its_room_then_stay_on_the_device
     five = ["recompute"] * 5
     assert place_recomputed_inputs(five, 3, 10, 20, spared) == ["recompute"] * 3 + ["recompute_device"] * 2
     assert place_recomputed_inputs(five, 9, 10, 0, spared) == five  # room for all: nothing on the device
+    assert place_recomputed_inputs(five, 9, 10, -5, spared) == five  # within the budget, not its margin: as above
     mixed = ["recompute"] * 4 + ["selective", "keep"]
     # 1 input on the device (10) + selective (15) + keep (25) = 50 > 45: the selective layer gives way
     assert place_recomputed_inputs(mixed, 3, 10, 45, spared) == ["recompute"] * 3 + ["recompute_device"] * 2 + ["keep"]

@@ -114,17 +114,27 @@ def head_on_host(model: nn.Module) -> bool:
     return hasattr(model.get_output_embeddings(), HOST_DEVICE)
 
 
-def tables_to_device(model: nn.Module) -> None:
-    """Undo `embedding_to_host` and `head_to_host` (no-op for a table on its device)."""
+def embedding_to_device(model: nn.Module) -> None:
+    """Undo `embedding_to_host` (no-op when the table is on its device)."""
+    embedding = model.get_input_embeddings()
+    if hasattr(embedding, HOST_DEVICE):
+        _back_to_device(embedding)
+
+
+def head_to_device(model: nn.Module) -> None:
+    """Undo `head_to_host` (no-op when the head is on its device)."""
     head = model.get_output_embeddings()
     if head is not None and hasattr(head, HOST_DEVICE):
         head.__dict__.pop("_tiletune_prefetch_hook").remove()
         head.__dict__.pop("_tiletune_prefetched", None)
         del head.fetch_weight
         _back_to_device(head)
-    embedding = model.get_input_embeddings()
-    if hasattr(embedding, HOST_DEVICE):
-        _back_to_device(embedding)
+
+
+def tables_to_device(model: nn.Module) -> None:
+    """Undo `embedding_to_host` and `head_to_host` (no-op for a table on its device)."""
+    head_to_device(model)
+    embedding_to_device(model)
 
 
 def _to_pinned_host(module: nn.Module) -> torch.device:

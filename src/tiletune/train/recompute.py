@@ -47,8 +47,9 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from tiletune.errors import UserError
-from tiletune.train.host_tables import embedding_to_host, head_to_host, why_head_not_on_host, why_not_on_host
-from tiletune.train.tiled_mlp import chunks_of, mlp_chunks, tile_mlp
+from tiletune.train.host_tables import (embedding_to_device, embedding_to_host, head_to_device, head_to_host,
+                                        why_head_not_on_host, why_not_on_host)
+from tiletune.train.tiled_mlp import chunks_of, mlp_chunks, tile_mlp, untile_mlp
 
 log = logging.getLogger("tiletune")
 
@@ -142,7 +143,7 @@ def place_recomputed_inputs(treatments: list[str], host_room: int, input_bytes: 
         for rank, index in enumerate(recomputed):
             treatments[index] = "recompute" if rank < host_room else "recompute_device"
         on_device = treatments.count("recompute_device") * input_bytes + sum(spared_bytes.get(t, 0) for t in treatments)
-        if on_device <= free_bytes:
+        if on_device <= max(free_bytes, 0):  # below 0: the step fits the budget, not its margin; nothing more on the GPU
             return treatments
         spared = [i for i, t in enumerate(treatments) if t in ("keep", "selective")]
         if not spared:
@@ -263,10 +264,16 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
     levers = [lever for lever in levers_for(model) if on_gpu and budget is not None and lever.why_not(model) is None]
     pulled: dict[str, str] = {}  # lever name -> what it did (a lever pulled again replaces its entry)
     spare = min(2, len(layers))
+    before = None  # (probe, base, pulled, lever, its undo) from before the lever just pulled
     while True:
         probe = _probe_spared(model, layers, spare, batch, seq, dtype, device, use_reentrant, activation_offload,
                               offload_inputs, probe_loss)  # fmt: skip
         base = probe.base(model, len(layers), spare * offload_inputs) if probe else None
+        if before is not None and not _lowered(before[1], base):  # the peak is elsewhere: the lever only costs time
+            probe, base, pulled, lever, undo = before
+            undo()
+            levers = [other for other in levers if other.name != lever.name]  # more of it would not help either
+        before = None
         if budget is None or (base is not None and base <= budget * (1 - MARGIN)):
             eager = [lever for lever in levers if lever.eager]
             if not eager or not spare or not _recomputes(probe, base, len(layers), budget, offload_inputs):
@@ -280,7 +287,7 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
             continue
         else:
             break
-        lever.pull(model)
+        before = (probe, base, dict(pulled), lever, lever.pull(model))
         pulled[lever.name] = lever.summary(model)
     if probe is None:
         raise UserError(f"the step at batch {batch} x {seq} tokens runs out of GPU memory even with every layer "
@@ -312,6 +319,10 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
         )
     extra = probe.input_bytes if plan.offload_inputs else 0
     free = int(budget * (1 - MARGIN)) - plan.base_bytes
+    if free < 0:
+        log.warning("the step needs %.1f GiB with every layer recomputed: within gradient_checkpointing_budget=%.1f GiB "
+                    "but not its %d%% margin for fragmentation, so the peak may pass the budget", plan.base_bytes / GIB,
+                    budget / GIB, round(MARGIN * 100))  # fmt: skip
     if spare:
         plan.treatments = choose_treatments(len(layers), keep_bytes + extra, selective_bytes + extra, free,
                                             offload_every, plan.offload_bytes, max_offloaded)  # fmt: skip
@@ -337,13 +348,19 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
 @dataclass(frozen=True)
 class Lever:
     """A way to lower the step's memory at some cost in time, pulled when recomputation is not enough, or, when
-    `eager` (its cost hides behind other work), as soon as the budget makes any layer recompute."""
+    `eager` (its cost hides behind other work), as soon as the budget makes any layer recompute. One that does
+    not lower the probed peak (the peak is where it does not reach) is undone."""
 
     name: str
     why_not: Callable  # model -> the reason it cannot be pulled, or None
-    pull: Callable  # model -> None
+    pull: Callable  # model -> a callable that undoes it
     summary: Callable  # model -> what was done, for the plan's summary
     eager: bool = False
+
+
+def _lowered(before: int | None, after: int | None) -> bool:
+    """Whether a lever lowered the probed peak, from `before` to `after` bytes (None: the probe ran out of memory)."""
+    return after is not None and (before is None or after < before - 2**20)
 
 
 def _recomputes(probe: _ProbeResult, base: int, layers: int, budget: int, offload_inputs: bool) -> bool:
@@ -365,11 +382,22 @@ def _mlp_lever(chunks: int) -> Lever:
             return "the model has no dense MLP"
         return f"the MLPs run in {chunks} or more chunks already" if min(map(chunks_of, mlps)) >= chunks else None
 
-    def pull(model) -> None:
+    def pull(model) -> Callable:
         from tiletune.patch import layer_modules
 
-        for mlp in layer_modules(model, "mlp"):
+        mlps = layer_modules(model, "mlp")
+        previous = [chunks_of(mlp) for mlp in mlps]
+        for mlp in mlps:
             tile_mlp(mlp, chunks)
+
+        def undo() -> None:
+            for mlp, count in zip(mlps, previous, strict=True):
+                if count:
+                    tile_mlp(mlp, count)
+                else:
+                    untile_mlp(mlp)
+
+        return undo
 
     return Lever("chunked MLP", why_not, pull, lambda model: f"the MLPs in {chunks} chunks of tokens")
 
@@ -384,10 +412,21 @@ def levers_for(model) -> list[Lever]:
 
     most = 2 * mlp_chunks(causal_lm(model)[0].config)
     chunks = [2**i for i in range(1, most.bit_length()) if 2**i <= most]
-    return [Lever("embedding on host", why_not_on_host, embedding_to_host, lambda model: "the input embeddings in host memory"),
-            Lever("lm_head on host", why_head_not_on_host, head_to_host,
+    return [Lever("embedding on host", why_not_on_host, _undoable(embedding_to_host, embedding_to_device),
+                  lambda model: "the input embeddings in host memory"),
+            Lever("lm_head on host", why_head_not_on_host, _undoable(head_to_host, head_to_device),
                   lambda model: "the lm_head in host memory (copied in during each forward)", eager=True),
             *map(_mlp_lever, chunks)]
+
+
+def _undoable(do: Callable, undo: Callable) -> Callable:
+    """A Lever.pull from a function of the model and the one that undoes it."""
+
+    def pull(model) -> Callable:
+        do(model)
+        return functools.partial(undo, model)
+
+    return pull
 
 
 def _probe_spared(model, layers, spare: int, batch, seq, dtype, device, use_reentrant, offload=None,
