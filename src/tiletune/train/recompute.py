@@ -29,7 +29,8 @@ input embedding table to host memory (`tiletune.train.host_tables`: a CPU gather
 step at 8,192 tokens), the frozen lm_head to host memory (copied back on a side stream during each forward, held
 on the GPU from the forward's start to the loss; its cost hides behind the forward, so it is pulled as soon as
 the budget makes any layer recompute, not only when nothing else fits), then the MLPs in 2, 4, ... chunks of tokens (`tiletune.train.tiled_mlp`: one more
-MLP forward per layer; the fewest chunks that fit). A probe that itself runs out of memory (its two spared
+MLP forward per layer; the fewest chunks that fit). A lever whose probe shows no lower peak is undone, with
+the rest of its kind (the peak is where it does not reach). A probe that itself runs out of memory (its two spared
 layers at a long sequence) counts as not fitting; once no lever is left it runs again with every layer
 recomputed.
 """
