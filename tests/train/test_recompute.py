@@ -153,7 +153,6 @@ def test_bench_variant_with_overrides_records_the_plan(tmp_path):
     assert plan["treatments"] == ["keep", "keep"] and runs[0]["recompute"] is None
 
 
-@pytest.mark.gpu
 def test_recomputed_inputs_go_to_the_host_up_to_its_room_then_stay_on_the_device():
     """The host holds 3 layers' inputs; 2 more stay on the device (10 each), within the free bytes; when they do
     not fit, spared layers are recomputed instead, lowest first; when nothing is left to give way, a clear error."""
@@ -172,12 +171,11 @@ def test_recomputed_inputs_go_to_the_host_up_to_its_room_then_stay_on_the_device
     assert plan.predicted_peak_bytes == 50 + 10 + 25 + 10  # the device-held input and the kept layer (with its input)
 
 
+@pytest.mark.gpu
 def test_levers_are_pulled_in_order_when_recomputation_is_not_enough():
     """A budget that makes layers recompute moves the lm_head to the host (its copy hides behind the forward); one
     below the all-recomputed step moves the input embeddings there first; one below what both save also chunks
     the MLPs; each plan's step stays within its budget and computes the same loss."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
     from _gpu_step import measured_step
 
     from tiletune.train.recompute import MARGIN
