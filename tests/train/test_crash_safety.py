@@ -5,7 +5,6 @@ cleanly. The killed runs are `tiletune train` subprocesses on the tiny Llama of 
 import errno
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -215,12 +214,13 @@ def test_a_second_run_in_the_same_output_dir_is_refused_and_a_dead_runs_lock_is_
     assert not (out / LOCK_NAME).exists()
 
 
-# Kill moments, seeded, among the 36 writes of a run: a save makes 8 (staging cleanup, adapter, training_args,
-# optimizer, scheduler, RNG state, manifest, rename), from checkpoint-6 on a 9th deletes the oldest, the last
-# 2 are the final adapter's. 10 kills inside a write (5 of them tear a checkpoint file), 9 before one, and
-# the oldest checkpoint half deleted: 20.
-KILLS = [f"{n}:{mode}" for n, mode in zip(random.Random(22).sample(range(1, 37), 19), ["inside"] * 10 + ["before"] * 9)]
-KILLS.append("25:inside")
+# Kill moments among the 36 writes of a run: a save makes 8 (staging cleanup, adapter, training_args, optimizer,
+# scheduler, RNG state, manifest, rename), from checkpoint-6 on a 9th deletes the oldest, the last 2 are the final
+# adapter's. Each kind of write once, in the second save (writes 9-16, the first save's checkpoint intact beside it),
+# inside it (a file torn, a folder half deleted, a rename or manifest just done) or before it; the first save's
+# adapter torn (no complete checkpoint yet), the oldest checkpoint half deleted, the final adapter torn: 12.
+KILLS = ["2:inside", "9:inside", "10:inside", "11:before", "12:inside", "13:before", "14:inside", "15:inside",
+         "16:before", "16:inside", "25:inside", "35:inside"]
 
 
 @pytest.mark.parametrize("kill", KILLS)
