@@ -4,11 +4,14 @@ The model (a preset, random init, built quantized on the GPU tensor by tensor) i
 tiletune kernel; for each sequence length, longest last, the process is capped at CAP GiB
 (torch.cuda.set_per_process_memory_fraction, so going over is an out-of-memory error as on a card of that
 size), activation checkpointing is planned within the cap (`gradient_checkpointing: auto` with offload
-of the saved layer inputs to host memory), and one warm-up step and one timed step run on random tokens,
-batch 1. Writes long_context.json (per length: fits or the error, step seconds, peak GiB, the plan) and
-prints a table; the longest length that fits is the answer.
+of the saved layer inputs to host memory), and one warm-up step and one timed step run on random tokens
+(`--steps 1`: the timed step alone), batch 1. `--host-budget` sets the pinned host memory the offloaded inputs
+may take (gradient_checkpointing_host_budget; a 70B at 90k tokens needs more than the default half of a 128 GiB
+host). Writes long_context.json (per length: fits or the error, step seconds, peak GiB, the plan) and prints a
+table; the longest length that fits is the answer.
 
     python benchmarks/qlora_long_context.py --preset llama3-8b --cap 24 --seqs 32768,65536,98304 --out DIR
+    python benchmarks/qlora_long_context.py --preset llama3-70b --cap 79 --seqs 98304 --host-budget 96 --steps 1
 """
 
 from __future__ import annotations
@@ -30,16 +33,18 @@ from tiletune.train.recompute import plan_recomputation
 GIB = 2**30
 
 
-def one_length(model, seq: int, cap_gib: float, optimizer) -> dict:
-    """Plan within the cap at `seq` tokens, then a warm-up and a timed step; peak memory of the timed one."""
+def one_length(model, seq: int, cap_gib: float, optimizer, host_gib: float | None, steps: int) -> dict:
+    """Plan within the cap at `seq` tokens (the offloaded inputs within `host_gib` of pinned host memory), then
+    `steps` steps (the last one timed: with 1, it includes the kernels' first compile at this length); peak memory
+    of the last."""
     device = torch.device("cuda")
     vocab = model.get_base_model().config.vocab_size
     ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0)).to(device)
     torch.cuda.empty_cache()
     try:
-        plan = plan_recomputation(model, 1, seq, torch.bfloat16, cap_gib, True, True)
+        plan = plan_recomputation(model, 1, seq, torch.bfloat16, cap_gib, True, True, host_budget_gib=host_gib)
         times = []
-        for _ in range(2):
+        for _ in range(steps):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
@@ -64,6 +69,9 @@ def main() -> None:
     parser.add_argument("--config", default="examples/bench/llama3_8b_lora.yaml")
     parser.add_argument("--cap", type=float, default=24.0, help="GiB the process may allocate")
     parser.add_argument("--seqs", default="32768,65536,98304")
+    parser.add_argument("--host-budget", type=float, default=None,
+                        help="GiB of pinned host memory the offloaded inputs may take (default: half of what is free)")
+    parser.add_argument("--steps", type=int, default=2, help="steps per length, the last timed (1: no warm-up)")
     parser.add_argument("--out", default="benchmarks/results/qlora-long-context")
     args = parser.parse_args()
     cfg = load_config(args.config, ["quantization_bit=4", "gradient_checkpointing=auto",
@@ -76,10 +84,11 @@ def main() -> None:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    result = {"preset": args.preset, "cap_gib": args.cap, "rows": rows, "environment": run_stamp(),
+    result = {"preset": args.preset, "cap_gib": args.cap, "host_budget_gib": args.host_budget, "steps": args.steps,
+              "rows": rows, "environment": run_stamp(),
               "kernels": report.to_dict()["ops"] if report else None}
     for seq in sorted(int(s) for s in args.seqs.split(",")):
-        rows.append(one_length(model, seq, args.cap, optimizer))
+        rows.append(one_length(model, seq, args.cap, optimizer, args.host_budget, args.steps))
         with open(os.path.join(args.out, "long_context.json"), "w") as handle:  # after each length: a timeout keeps the rest
             json.dump(result, handle, indent=1)
     print(f"| {args.preset} QLoRA, cap {args.cap:g} GiB | fits | step s | peak GiB |\n|---|---|---|---|")
