@@ -125,6 +125,10 @@ CLASSES: dict[str, ChangeClass] = {
     "runtime-workaround": ChangeClass((), False, "a valid runtime call pattern restructured around a ROCm runtime defect (one hipMemUnmap over several maps)"),
     "hipify-name-clash": ChangeClass((), False, "a file renamed because torch's hipify would write its HIP copy over a hand-written HIP file"),
     "op-schema-guard": ChangeClass((), False, "a torch operator schema registered only off ROCm, whose CUDA kernel the HIP build does not compile"),
+    # round 12's classes, defined by its labellers (before the round was scored)
+    "bf16-conversion": ChangeClass(("bf16-type", "bf16-arithmetic"), False,
+                                   "a float converted implicitly to bf16 (a `const bf16 scale` argument, `{ 0.0f }`): HIP's bf16 types had no implicit constructor (before ROCm 6.2)"),
+    "half2-member-type": ChangeClass((), False, "code reading `__half2`'s x / y as `unsigned short`, which ROCm 6.0 made `__half` members"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).
