@@ -73,6 +73,9 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
      "host-warp-size"),
     ("constexpr __half2_raw neg_inf = {0xFC00, 0xFC00};", "half-raw-bits"),
     ("half2 sum = __halves2half2(lo, hi);\natomicAdd(out + i, sum);", "missing-intrinsic"),
+    ("frag = __ldlu(reinterpret_cast<const float4 *>(row + i));", "missing-intrinsic"),
+    ("__stcs(out + i, v);", "missing-intrinsic"),
+    ("float4 v = __ldcs(reinterpret_cast<const float4*>(src) + i);", "missing-intrinsic"),
     ("__half2 acc;\nfor (int i = 0; i < n; ++i) {\n  acc = {};\n}", "half-brace-assign"),
     ("auto tile = cg::tiled_partition<32>(cg::this_thread_block());\nif (tile.any(v > 0.f)) hit[tile.meta_group_rank()] = 1;",
      "warp-tile-32"),  # the tile's vote taken as the warp's
@@ -89,7 +92,7 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("static constexpr int kN = kBytes == 4 ? 4 : std::min(8, kNItems);", "constexpr-std-minmax"),
     ("static constexpr int kSmem = kEven\n    ? 0\n    : std::max({sizeof(A), sizeof(B)});", "constexpr-std-minmax"),
     ("#include <cuda/std/type_traits>", "libcudacxx"),
-    ("__global__ void k(float* x);\nvoid f(float* x) { k<<<4, 1024>>>(x); }", "launch-bounds"),
+    ("__global__ void k(float* x);\nvoid f(float* x) { k<<<4, 512>>>(x); }", "launch-bounds"),
     (("__global__ void k(float* x);\nvoid f(float* x, int n) {\n  dim3 block(std::min(n, kMaxThreads));\n"
       "  k<<<1, block>>>(x);\n}\nconstexpr int kMaxThreads = 512;"), "launch-bounds"),
     ("template <typename Ktraits> __device__ void f(float* x) {\n  Ktraits::BlockLoadT(smem).Load(x, v);\n}",
@@ -142,6 +145,8 @@ def test_rule_variants_fire(code, rule):
       "void launch(at::Tensor* output) {\n  k<<<1, 64>>>(output->data_ptr<float>());\n}"), "dependent-template-name"),
     ("__global__ __launch_bounds__(1024) void k(float* x);\nvoid f(float* x) { k<<<4, 1024>>>(x); }", "launch-bounds"),
     ("__global__ void k(float* x);\nvoid f(float* x, int n) { k<<<4, 256>>>(x); k<<<4, n>>>(x); }", "launch-bounds"),
+    # hip-clang's default bound is 1024: a 1024-thread launch without bounds is what it compiled for
+    ("__global__ void k(float* x);\nvoid f(float* x) { k<<<4, 1024>>>(x); }", "launch-bounds"),
     (("__global__ void k(float* x);\n__global__ void __launch_bounds__(512) k(float* x) {}\n"  # bounded where defined
       "void f(float* x) { k<<<4, 512>>>(x); }"), "launch-bounds"),
     ("__global__ void k(float* x);\nconstexpr int kCols = 1024;\nvoid f(float* x) { k<<<4, kCols / 8>>>(x); }",
@@ -234,6 +239,7 @@ def test_rule_variants_stay_silent(code, rule):
     "__device__ int pick(int n) { int warp_size = n < 32 ? n : 32; return warp_size; }",  # device code: warp-size rules
     "__half_raw zero = {0x0000};",  # zero is zero as a value and as bits
     "float2 v = make_float2(0.f, 1.f);\natomicAdd(&acc, v.x);",  # atomicAdd on a float: HIP has it
+    "__half2 v = __ldcs(reinterpret_cast<const __half2*>(src) + i);",  # HIP declares the half forms
     "__half2 acc = {};\nfloat f;\nf = {};",  # value-initialised where declared; a float takes `= {}`
     # constructors return nothing, whatever stands before their name
     "template <typename T>\nclass Runner {\npublic:\n    Runner(int n) : n_(n) { setup(); }\n    int n_;\n};",

@@ -510,7 +510,8 @@ def check_bf16(text: str) -> Iterable[Hit]:
 
 # ---- launch bounds: kernels launched with more threads than the compiler assumes without them ----
 
-LAUNCH_BOUNDS_DEFAULT = 256  # early hip-clang's default maximum work-group size
+LAUNCH_BOUNDS_DEFAULT = 1024  # hip-clang's default maximum work-group size (ROCm 5.2's hipcc; ROCm 3.x's: 256)
+LAUNCH_BOUNDS_FLOOR = 256  # smaller blocks: registers rarely what limits them
 _KERNEL = re.compile(r"\b__global__\b")
 _BLOCK_SIZE_NAME = re.compile(r"block_?size|threads|block_?dim", re.IGNORECASE)
 _NAME = re.compile(r"\b[A-Za-z_]\w*\b")
@@ -590,8 +591,8 @@ def _most_threads(name: str, text: str, constants: dict[str, str]) -> int:
 
 def check_launch_bounds(text: str) -> Iterable[Hit]:
     """Flag each kernel without `__launch_bounds__` (on any of its declarations) that this file launches
-    with more than 256 threads, once, where it is first declared; a runtime block size counts by the
-    block-size constant it is capped with."""
+    with more than 256 threads but fewer than hip-clang's default 1024, once, where it is first declared; a
+    runtime block size counts by the block-size constant it is capped with."""
     kernels = [(kernel.start(), *_kernel_name(text, kernel.end())) for kernel in _KERNEL.finditer(text)]
     bounded = {name for _, name, has_bounds in kernels if has_bounds}
     constants = source_constants(text)
@@ -600,7 +601,7 @@ def check_launch_bounds(text: str) -> Iterable[Hit]:
             continue
         bounded.add(name)  # reported once
         most = _most_threads(name, text, constants)
-        if most > LAUNCH_BOUNDS_DEFAULT:
+        if LAUNCH_BOUNDS_FLOOR < most < LAUNCH_BOUNDS_DEFAULT:
             yield Hit(*_position(text, offset), f"`{name}` is launched with up to {most} threads")
 
 
@@ -1078,18 +1079,25 @@ def check_host_warp_size(text: str) -> Iterable[Hit]:
 
 # ---- CUDA intrinsics and overloads HIP does not have --------------------------------------------
 
-_MISSING_INTRINSIC = re.compile(r"\b(?:__dp4a|__dp2a_(?:lo|hi)|__nanosleep|__reduce_\w+_sync|"
+_MISSING_INTRINSIC = re.compile(r"\b(?:__dp4a|__dp2a_(?:lo|hi)|__nanosleep|__reduce_\w+_sync|__ldlu|__ldcv|__st(?:wb|cg|cs|wt)|"
                                 r"__v(?:add|sub|abs|absdiff|avg|hadd|max|min|neg|sad|cmp(?:eq|ne|lt|le|gt|ge)|"
                                 r"set(?:eq|ne|lt|le|gt|ge))(?:s|u|ss|us)?[24])\s*\(")
+# cache-hinted loads HIP declares for __half / __half2 only (amd_hip_fp16.h); CUDA has them for every type
+_HALF_ONLY_LOAD = re.compile(r"\b__ld(?:cs|cg|ca)\s*\(")
+_NON_HALF_TYPE = re.compile(r"\b(?:float|double|u?int|u?long|u?short|u?char|longlong|ulonglong|bfloat16|nv_bfloat16)\d?\b")
 _HALF_TYPE = r"(?:__)?half2?"
 
 
 def check_missing_intrinsics(text: str) -> Iterable[Hit]:
-    """Flag calls of CUDA intrinsics HIP lacks, and `atomicAdd` on half or half2 (HIP has no such overload):
+    """Flag calls of CUDA intrinsics HIP lacks (the cache-hinted `__ldcs` / `__ldcg` / `__ldca` where a cast
+    names a non-half type: HIP has them for half only), and `atomicAdd` on half or half2 (HIP has no such overload):
     its value a variable declared `half` / `half2` in the file or a `__halves2half2(...)`, or its address cast
     to a half pointer."""
     for call in _MISSING_INTRINSIC.finditer(text):
         yield Hit(*_position(text, call.start()))
+    for call in _HALF_ONLY_LOAD.finditer(text):
+        if _NON_HALF_TYPE.search(_balanced_args(text, call.end() - 1)):
+            yield Hit(*_position(text, call.start()), "HIP has this load for __half / __half2 only")
     halves = set(re.findall(rf"\b{_HALF_TYPE}\s+(\w+)\s*[=;,)]", text))
     for call in re.finditer(r"\batomicAdd\s*\(", text):
         arguments = _split_top_level(_balanced_args(text, call.end() - 1))
@@ -1482,13 +1490,15 @@ RULES: list[Rule] = [
         check=check_launch_bounds_min_blocks,
     ),
     Rule(
-        "launch-bounds", "warning", "kernel launched with more than 256 threads has no `__launch_bounds__`",
+        "launch-bounds", "warning", "kernel launched with 257-1023 threads has no `__launch_bounds__`",
         "Without `__launch_bounds__`, hip-clang compiles a kernel for a default maximum work-group size "
-        "(clang's `--gpu-max-threads-per-block`): 256 threads in ROCm's compilers up to at least ROCm 3.7 "
-        "and in some still in use (llama.cpp forces 1024 because of them), 1024 in current clang. Launched "
-        "with more threads than it was compiled for, the kernel fails to launch or computes wrong results; "
-        "with the 1024 default, registers are budgeted for 1024 threads whatever the real block is. ROCm "
-        "ports (apex's sync batch norm) state the block size they launch with.",
+        "(clang's `--gpu-max-threads-per-block`): 1024 threads in current clang (ROCm 5.2's hipcc writes "
+        "`.max_flat_workgroup_size: 1024` for a kernel without bounds; ROCm 3.x's compilers assumed 256, and a "
+        "larger launch failed). So the launch works, but registers are budgeted for 1024 threads: on CDNA "
+        "(wave64, four SIMDs a CU) 16 waves share a CU's register file, at most 128 VGPRs a wave, where a "
+        "512-thread block could have 256; a register-heavy kernel spills or runs fewer waves. At 1024 there is "
+        "nothing to gain; up to 256, registers rarely limit. ROCm ports (apex's sync batch norm) state the "
+        "block size they launch with.",
         "Add `__launch_bounds__(MAX_THREADS)` with the largest block the kernel is launched with (nvcc "
         "accepts it too, so keep one source).",
         before="#define MAX_BLOCK_SIZE 512\n__global__ void norm_kernel(float* x);\n"
@@ -1757,12 +1767,15 @@ RULES: list[Rule] = [
     Rule(
         "missing-intrinsic", "error", "CUDA intrinsic HIP does not have",
         "HIP lacks CUDA's SIMD-within-a-word and dot-product intrinsics (`__dp4a`, `__dp2a_lo`, `__vsubss4`, "
-        "`__vabsdiffs4`, ...), `__nanosleep`, the `__reduce_*_sync` warp reductions and `atomicAdd` on `__half` / "
-        "`__half2` (only `unsafeAtomicAdd(__half2*, __half2)`, gfx90a and later): the port does not compile.",
+        "`__vabsdiffs4`, ...), `__nanosleep`, the `__reduce_*_sync` warp reductions, the cache-hinted loads and "
+        "stores `__ldlu`, `__ldcv`, `__stwb`, `__stcg`, `__stcs`, `__stwt` (and `__ldcs` / `__ldcg` / `__ldca` but "
+        "for `__half` / `__half2`), and `atomicAdd` on `__half` / `__half2` (only `unsafeAtomicAdd(__half2*, "
+        "__half2)`, gfx90a and later): the port does not compile.",
         "Write a small polyfill under `USE_ROCM`: `__builtin_amdgcn_sdot4` (gfx9xx: gfx906, gfx90a, gfx942) or "
         "`__builtin_amdgcn_sudot4` (gfx11) for `__dp4a`, `__builtin_elementwise_sub_sat` on a char4 for "
-        "`__vsubss4`, a shuffle reduction for `__reduce_add_sync`, an atomicCAS loop on the 32-bit word for a half "
-        "atomicAdd.",
+        "`__vsubss4`, a shuffle reduction for `__reduce_add_sync`, a plain load or store for a cache hint "
+        "(`*ptr`; `__builtin_nontemporal_load` / `_store` for a streaming one), an atomicCAS loop on the 32-bit "
+        "word for a half atomicAdd.",
         before="acc = __dp4a(a, b, acc);",
         after="acc = __builtin_amdgcn_sdot4(a, b, acc, false);  // gfx9xx; __dp4a on CUDA",
         check=check_missing_intrinsics,
