@@ -89,16 +89,23 @@ def demo_tokenizer(tokenizer_dir):
 
 
 @pytest.fixture(scope="session")
-def demo_adapter(tmp_path_factory) -> Path:
-    """The README demo's LoRA adapter (examples/demo.yaml trained without prediction, about 10 s)."""
+def demo_adapter(tmp_path_factory, worker_id) -> Path:
+    """The README demo's LoRA adapter (examples/demo.yaml trained without prediction, about a minute on 2 cores),
+    trained once per test run: under pytest-xdist the first worker to ask trains it in the run's shared temp dir
+    while the others wait on a lock, then all read it."""
+    from filelock import FileLock
+
     from tiletune.config import load_config
     from tiletune.train.trainer import run_train
 
-    out = tmp_path_factory.mktemp("demo-adapter")
-    examples = REPO / "examples"
-    overrides = [f"output_dir={out}", f"model_name_or_path={examples / 'tiny-llama'}", f"dataset_dir={examples / 'data'}",
-                 "do_predict=false", "plot_loss=false"]  # fmt: skip
-    run_train(load_config(examples / "demo.yaml", overrides))
+    root = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    out = root / "demo-adapter"
+    with FileLock(str(root / "demo-adapter.lock")):
+        if not (out / "adapter_model.safetensors").is_file():
+            examples = REPO / "examples"
+            overrides = [f"output_dir={out}", f"model_name_or_path={examples / 'tiny-llama'}",
+                         f"dataset_dir={examples / 'data'}", "do_predict=false", "plot_loss=false"]  # fmt: skip
+            run_train(load_config(examples / "demo.yaml", overrides))
     return out
 
 
