@@ -24,15 +24,15 @@ compute in both directions (a layer's tensors go out during the forward of the n
 come back during their backward). The other layers share the budget less that one layer in flight.
 
 When even every layer recomputed does not fit (a budget below the weights plus one layer's working set,
-or a long sequence), the planner pulls `levers_for(model)`, cheapest first, and probes again after each: the frozen
-input embedding table to host memory (`tiletune.train.host_tables`: a CPU gather and a 64 MiB copy per
-step at 8,192 tokens), the frozen lm_head to host memory (copied back on a side stream during each forward, held
-on the GPU from the forward's start to the loss; its cost hides behind the forward, so it is pulled as soon as
-the budget makes any layer recompute, not only when nothing else fits), then the MLPs in 2, 4, ... chunks of tokens (`tiletune.train.tiled_mlp`: one more
-MLP forward per layer; the fewest chunks that fit). A lever whose probe shows no lower peak is undone, with
-the rest of its kind (the peak is where it does not reach). A probe that itself runs out of memory (its two spared
-layers at a long sequence) counts as not fitting; once no lever is left it runs again with every layer
-recomputed.
+or a long sequence), the planner pulls `levers_for(model)`, cheapest first, and probes again after each: the
+frozen input embedding table to host memory (`tiletune.train.host_tables`: a CPU gather and a 64 MiB copy per
+step at 8,192 tokens), the frozen lm_head to host memory (copied back on a side stream during each forward,
+held on the GPU from the forward's start to the loss; its cost hides behind the forward, so it is pulled as
+soon as the budget makes any layer recompute, not only when nothing else fits), then the MLPs in 2, 4, ...
+chunks of tokens (`tiletune.train.tiled_mlp`: one more MLP forward per layer; the fewest chunks that fit). A
+lever whose probe shows no lower peak is undone, with the rest of its kind (the peak is where it does not
+reach). A probe that itself runs out of memory (its two spared layers at a long sequence) counts as not
+fitting; once no lever is left it runs again with every layer recomputed.
 """
 
 from __future__ import annotations
@@ -405,10 +405,10 @@ def _mlp_lever(chunks: int) -> Lever:
 
 def levers_for(model) -> list[Lever]:
     """What the planner may pull for `model`, cheapest first: the input embeddings to the host (a CPU gather and
-    one copy per step: a few ms), the lm_head to the host (one copy per step beside the decoder's forward: eager), then the
-    MLPs in 2, 4, ... chunks of tokens up to twice as many as keep a chunk's intermediate within the hidden states
-    (each costs one more MLP forward per layer and step, and over a quantized base one more dequantization of its
-    weights per chunk: the fewest that fit)."""
+    one copy per step: a few ms), the lm_head to the host (one copy per step beside the decoder's forward: eager),
+    then the MLPs in 2, 4, ... chunks of tokens up to twice as many as keep a chunk's intermediate within the
+    hidden states (each costs one more MLP forward per layer and step, and over a quantized base one more
+    dequantization of its weights per chunk: the fewest that fit)."""
     from tiletune.patch.sites import causal_lm
 
     most = 2 * mlp_chunks(causal_lm(model)[0].config)
