@@ -89,24 +89,33 @@ def demo_tokenizer(tokenizer_dir):
 
 
 @pytest.fixture(scope="session")
-def demo_adapter(tmp_path_factory, worker_id) -> Path:
-    """The README demo's LoRA adapter (examples/demo.yaml trained without prediction, about a minute on 2 cores),
-    trained once per test run: under pytest-xdist the first worker to ask trains it in the run's shared temp dir
-    while the others wait on a lock, then all read it."""
+def demo_run(tmp_path_factory, worker_id) -> Path:
+    """The README's main job, `tiletune train examples/demo.yaml` from the repository root (train, predict, plot;
+    about a minute on 2 cores), run once per test run into a folder of its own: under pytest-xdist the first
+    worker to ask runs it in the run's shared temp dir while the others wait on a lock, then all read it."""
+    from click.testing import CliRunner
     from filelock import FileLock
 
-    from tiletune.config import load_config
-    from tiletune.train.trainer import run_train
+    from tiletune.cli import main
 
     root = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
-    out = root / "demo-adapter"
-    with FileLock(str(root / "demo-adapter.lock")):
-        if not (out / "adapter_model.safetensors").is_file():
-            examples = REPO / "examples"
-            overrides = [f"output_dir={out}", f"model_name_or_path={examples / 'tiny-llama'}",
-                         f"dataset_dir={examples / 'data'}", "do_predict=false", "plot_loss=false"]  # fmt: skip
-            run_train(load_config(examples / "demo.yaml", overrides))
+    out = root / "demo-run"
+    with FileLock(str(root / "demo-run.lock")):
+        if not (out / "predict_results.json").is_file():
+            cwd = os.getcwd()
+            os.chdir(REPO)  # the demo names its files relative to the repository root
+            try:
+                result = CliRunner().invoke(main, ["train", str(REPO / "examples" / "demo.yaml"), f"output_dir={out}"])
+            finally:
+                os.chdir(cwd)
+            assert result.exit_code == 0, result.output
     return out
+
+
+@pytest.fixture(scope="session")
+def demo_adapter(demo_run) -> Path:
+    """The README demo's LoRA adapter (the folder `demo_run` trained)."""
+    return demo_run
 
 
 @pytest.fixture
