@@ -1079,7 +1079,8 @@ def check_host_warp_size(text: str) -> Iterable[Hit]:
 
 # ---- CUDA intrinsics and overloads HIP does not have --------------------------------------------
 
-_MISSING_INTRINSIC = re.compile(r"\b(?:__dp4a|__dp2a_(?:lo|hi)|__nanosleep|__reduce_\w+_sync|__ldlu|__ldcv|__st(?:wb|cg|cs|wt)|"
+_MISSING_INTRINSIC = re.compile(r"\b(?:__dp4a|__dp2a_(?:lo|hi)|__nanosleep|__reduce_\w+_sync|"
+                                r"__ldlu|__ldcv|__st(?:wb|cg|cs|wt)|"
                                 r"__v(?:add|sub|abs|absdiff|avg|hadd|max|min|neg|sad|cmp(?:eq|ne|lt|le|gt|ge)|"
                                 r"set(?:eq|ne|lt|le|gt|ge))(?:s|u|ss|us)?[24])\s*\(")
 # cache-hinted loads HIP declares for __half / __half2 only (amd_hip_fp16.h); CUDA has them for every type
