@@ -365,11 +365,12 @@ def _lowered(before: int | None, after: int | None) -> bool:
 
 
 def _recomputes(probe: _ProbeResult, base: int, layers: int, budget: int, offload_inputs: bool) -> bool:
-    """Whether a plan within `budget` recomputes some layer's matmuls: not every layer can be spared (a spared
-    layer also holds its input when the recomputed ones' wait on the host)."""
+    """Whether the plan `choose_treatments` makes within `budget` recomputes some layer's matmuls (a spared layer
+    also holds its input when the recomputed ones' wait on the host)."""
     keep, selective = probe.spared_bytes(layers, probe.on_gpu)
     extra = probe.input_bytes if offload_inputs else 0
-    return base + layers * (min(keep, selective) + extra) > budget * (1 - MARGIN)
+    free = int(budget * (1 - MARGIN)) - base
+    return "recompute" in choose_treatments(layers, keep + extra, selective + extra, free)
 
 
 def _mlp_lever(chunks: int) -> Lever:
