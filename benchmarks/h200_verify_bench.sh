@@ -93,7 +93,7 @@ engine)
     python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --steps 5 --warmup 2 --repeats 2 \
         --variants baseline,rms_norm+rope+swiglu+linear_cross_entropy+lora_linear --out "$OUT/bench-fastest" 2>&1 | tail -8 ;;
 qlora)
-    python3 -m pytest -q -m gpu tests/kernels/test_quant_linear.py tests/kernels/test_quant_lora_linear.py \
+    python3 -m pytest -q -m gpu tests/kernels/test_quant_linear.py tests/kernels/test_quant_lora_linear.py tests/kernels/test_linear_cross_entropy.py \
         tests/train/test_tiled_mlp.py tests/train/test_host_tables.py tests/train/test_recompute.py 2>&1 \
         | tee "$OUT/gpu_tests_qlora.txt" | tail -2
     [ "${KERNELS:-1}" = 1 ] && python3 benchmarks/kernel_bench.py --only quant --rounds 3 --out "$OUT/kernels-quant" 2>&1 \

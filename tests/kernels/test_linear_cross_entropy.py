@@ -51,6 +51,50 @@ def test_soft_capped_logits_match_float64(monkeypatch, impl):
     assert float(uncapped) != pytest.approx(float(want), rel=1e-3)  # the cap matters here: the check can fail
 
 
+@pytest.mark.parametrize("token_block, vocab_slice", [(10, 37), (1, 500), (77, 1), (1000, 1000)])
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_streamed_slices_match_cross_entropy_in_float64(token_block, vocab_slice, softcap):
+    """A frozen weight read a vocabulary slice at a time, once per block of tokens (a head in host memory): the
+    online log-normaliser and softmax-weighted rows give the exact loss and d hidden at awkward block sizes."""
+    h, w, y = problem()
+    w.requires_grad_(False)
+    h.data *= 3  # logits big enough that the running maximum moves between slices
+    logits = h @ w.t()
+    want = F.cross_entropy(softcap * torch.tanh(logits / softcap) if softcap else logits, y, ignore_index=-100,
+                           reduction="sum") / 50.0  # fmt: skip
+    (grad,) = torch.autograd.grad(want, h)
+    loss, dhidden, dweight = lce.streamed_forward(h.detach(), w, y, 50.0, softcap, token_block, vocab_slice)
+    assert float(loss) == pytest.approx(float(want), rel=1e-12) and dweight.numel() == 0
+    assert torch.allclose(dhidden, grad, rtol=1e-10, atol=1e-13)
+    assert not torch.allclose(dhidden, grad * 1.001, rtol=1e-6, atol=1e-13)  # the comparison can fail
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_head_in_host_memory_is_streamed_within_two_slices(monkeypatch):
+    """`chunked` with the frozen weight in pinned host memory: the on-device result (loss to float32 rounding,
+    d hidden to bf16's), while the GPU holds far less than the weight (32 slices of 1 MiB, two at a time)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU: run on a CUDA machine (pytest -m gpu)")
+    monkeypatch.setattr(lce, "CHUNK_BYTES", 2**24)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = (torch.randn(32768, 1024, device="cuda", generator=gen) / 32).bfloat16()
+    y = torch.randint(0, 32768, (4096,), device="cuda", generator=gen)
+    y[::7] = -100
+    on_device = lce.chunked_forward(h, w, y, 1000.0, False)
+    host = w.cpu().pin_memory()
+    del w
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    streamed = lce.chunked_forward(h, host, y, 1000.0, False)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < host.numel() * host.element_size() / 2
+    torch.testing.assert_close(streamed[0], on_device[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(streamed[1].float(), on_device[1].float(), rtol=2e-2, atol=1e-5)
+    assert streamed[2].numel() == 0 and streamed[2].device.type == "cuda"
+
+
 def test_frozen_weight_gets_no_gradient():
     h, w, y = problem()
     w.requires_grad_(False)

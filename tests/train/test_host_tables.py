@@ -64,12 +64,16 @@ def test_on_the_gpu_the_step_is_the_same_and_the_tables_stay_on_the_host(fused_l
     assert torch.cuda.memory_allocated() <= before - sum(t.numel() * t.element_size() for t in tables)
     model.to("cuda")  # what the Trainer does: the tables stay where they are
     assert all(t.device.type == "cpu" for t in (model.get_input_embeddings().weight, model.get_output_embeddings().weight))
+    # Stock logits take the whole copy the forward sent ahead: bit for bit. The fused loss reads the head in slices
+    # from the host (its online normaliser sums in another order): float32 rounding on the loss, bf16's on gradients.
+    exact = {"rtol": 0, "atol": 0} if not fused_loss else {"rtol": 1e-5, "atol": 0}
     for _ in range(2):  # the second step takes the copy its own forward sent, not a stale one
         loss, grads = step()
-        torch.testing.assert_close(loss, reference[0], rtol=0, atol=0)
+        torch.testing.assert_close(loss, reference[0], **exact)
         for name, grad in grads.items():
-            torch.testing.assert_close(grad, reference[1][name], rtol=0, atol=0, msg=name)
-        assert "_tiletune_prefetched" not in model.get_output_embeddings().__dict__  # the loss took it
+            torch.testing.assert_close(grad, reference[1][name], **(exact if not fused_loss else {"rtol": 2e-2, "atol": 1e-5}),
+                                       msg=name)  # fmt: skip
+        assert "_tiletune_prefetched" not in model.get_output_embeddings().__dict__  # the loss took it, or none was sent
     tables_to_device(model)  # for generation: back where they were, forward and moves as stock
     assert not embedding_on_host(model) and not head_on_host(model)
     assert model.get_input_embeddings().weight.device.type == "cuda" and model.get_output_embeddings().weight.device.type == "cuda"

@@ -15,6 +15,7 @@ replaced).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import types
@@ -92,6 +93,20 @@ def head_weight(head: nn.Module) -> torch.Tensor:
     (`tiletune.train.host_tables`) hands over the copy its forward sent ahead."""
     fetch = getattr(head, "fetch_weight", None)
     return fetch() if fetch is not None else head.weight
+
+
+HEAD_READ_IN_SLICES = "_tiletune_head_read_in_slices"  # set on the lm_head while such a loss's forward runs
+
+
+@contextlib.contextmanager
+def head_read_in_slices(head: nn.Module):
+    """Within: the loss will read `head.weight` where it lies, a slice at a time, so a head kept in host memory
+    sends no whole copy ahead (`tiletune.train.host_tables`)."""
+    head.__dict__[HEAD_READ_IN_SLICES] = True
+    try:
+        yield
+    finally:
+        head.__dict__.pop(HEAD_READ_IN_SLICES, None)
 
 
 def innermost(func: Callable) -> Callable:

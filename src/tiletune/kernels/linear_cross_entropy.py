@@ -11,6 +11,14 @@ logits exists at a time instead of ``[tokens, vocab]`` (4.2 GB for 8192 tokens o
 vocabulary, and as much again for its gradient). Each chunk's gradient with respect to the hidden states
 (and the weight, when it trains) is computed right away, so the backward only scales what the forward
 kept. A TileLang version of the same loop is future work; this one uses the vendor GEMMs.
+
+A frozen weight on another device than the hidden states (an lm_head waiting in pinned host memory,
+`tiletune.train.host_tables`) is never whole on the GPU: ``chunked`` then reads it a vocabulary slice at a
+time, the next slice's copy in flight on a side stream while this one computes, in one pass per block of
+tokens. Each token's log-normaliser and its softmax-weighted sum of the weight's rows build up online,
+rescaled whenever the running maximum grows, as flash attention builds its output; so the head crosses the
+host link once per block of tokens and the loss holds two slices of it, not the whole (1 GiB at Llama-3-8B,
+2 GiB at 70B).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from tiletune.kernels._tilelang import accumulate_dtype
-from tiletune.kernels.binding import Binding, Site, head_weight
+from tiletune.kernels.binding import Binding, Site, head_read_in_slices
 from tiletune.kernels.customop import Signature, make_custom_op
 from tiletune.kernels.registry import Impl, Op, add, define
 
@@ -47,7 +55,7 @@ def logit_gradient(logits: Tensor, log_norm: Tensor, labels: Tensor, scale: Tens
     """d/d(raw logits) of `sum_i scale_i·(log_norm_i - logit_i[label_i])`: (softmax - one-hot) x scale (x the cap's
     slope). `scale` is 0 where the label is -100."""
     grad = torch.exp(logits - log_norm[:, None])
-    grad[torch.arange(len(labels), device=labels.device), labels.clamp(min=0)] -= 1.0
+    grad.scatter_add_(1, labels.clamp(min=0)[:, None], -(labels >= 0).to(grad.dtype)[:, None])
     grad *= scale[:, None]
     if slope is not None:
         grad *= slope
@@ -93,8 +101,80 @@ def reference_forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: f
 
 def chunked_forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, weight_grad: bool,
                     softcap: float = 0.0):  # fmt: skip
-    """The same, `CHUNK_BYTES` of float32 logits at a time."""
+    """The same, `CHUNK_BYTES` of float32 logits at a time; a frozen weight on another device (the host) is read in
+    vocabulary slices (`streamed_forward`)."""
+    if weight.device != hidden.device:
+        if not weight_grad:
+            return streamed_forward(hidden, weight, labels, divisor, softcap)
+        weight = weight.to(hidden.device)
     return _forward(hidden, weight, labels, divisor, weight_grad, softcap, chunk_tokens(weight))
+
+
+def streamed_forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, softcap: float = 0.0,
+                     token_block: int | None = None, vocab_slice: int | None = None):  # fmt: skip
+    """(loss, d hidden, an empty tensor) for a frozen `weight` anywhere, read `vocab_slice` rows at a time (default:
+    `CHUNK_BYTES` of float32 logits) once per `token_block` tokens (default: a `CHUNK_BYTES` float32 accumulator of
+    d hidden), the two accumulating online over the slices."""
+    acc = accumulate_dtype(hidden)
+    token_block = token_block or max(1, CHUNK_BYTES // (4 * hidden.shape[1]))
+    dhidden = torch.empty_like(hidden)
+    loss = torch.zeros((), dtype=acc, device=hidden.device)
+    for start in range(0, hidden.shape[0], token_block):
+        h, y = hidden[start : start + token_block], labels[start : start + token_block]
+        run_max = torch.full((len(h),), -torch.inf, dtype=acc, device=h.device)
+        run_sum = torch.zeros_like(run_max)
+        label_logit = torch.zeros_like(run_max)
+        label_row = torch.zeros(h.shape, dtype=weight.dtype, device=h.device)  # each token's label's weight row
+        weighted = torch.zeros(h.shape, dtype=acc, device=h.device)  # sum over the vocabulary of exp(z - max)·slope·row
+        for first, rows in _device_slices(weight, h.device, vocab_slice or max(1, CHUNK_BYTES // (4 * len(h)))):
+            logits, slope = capped_logits(h, rows, softcap)
+            local = y - first
+            hit = (local >= 0) & (local < len(rows))
+            local = local.clamp(0, len(rows) - 1)
+            label_logit = torch.where(hit, logits.gather(1, local[:, None])[:, 0], label_logit)
+            label_row = torch.where(hit[:, None], rows[local], label_row)
+            new_max = torch.maximum(run_max, logits.amax(dim=1))
+            rescale = torch.exp(run_max - new_max)
+            probs = logits.sub_(new_max[:, None]).exp_()
+            run_sum = run_sum * rescale + probs.sum(dim=1)
+            if slope is not None:
+                probs *= slope
+            weighted.mul_(rescale[:, None]).add_(probs.to(rows.dtype) @ rows)
+            run_max = new_max
+        valid = (y != IGNORE_INDEX).to(acc)
+        loss += ((run_max + run_sum.log() - label_logit) * valid).sum()
+        label_term = label_row.to(acc)
+        if softcap:
+            label_term *= (1 - (label_logit / softcap).square())[:, None]  # the cap's slope at the label
+        dhidden[start : start + token_block] = ((weighted / run_sum[:, None] - label_term)
+                                                * (valid / divisor)[:, None]).to(hidden.dtype)  # fmt: skip
+    return loss / divisor, dhidden, hidden.new_empty(0, dtype=weight.dtype)
+
+
+def _device_slices(weight: Tensor, device: torch.device, rows: int):
+    """(first row, the next `rows` rows of `weight` on `device`) in order. From another device (pinned host memory)
+    the next slice's copy runs on a side stream while the caller computes with this one."""
+    starts = range(0, weight.shape[0], rows)
+    if weight.device == device:
+        yield from ((first, weight[first : first + rows]) for first in starts)
+        return
+    copier, compute = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+
+    def send(first: int):
+        with torch.cuda.stream(copier):
+            piece = weight[first : first + rows].to(device, non_blocking=True)
+            arrived = torch.cuda.Event()
+            arrived.record(copier)
+        return first, piece, arrived
+
+    pending = send(0)
+    for following in [*starts[1:], None]:
+        first, piece, arrived = pending
+        if following is not None:
+            pending = send(following)
+        compute.wait_event(arrived)
+        piece.record_stream(compute)  # allocated on the copy stream, freed after this slice's work on this one
+        yield first, piece
 
 
 def reference_backward(dloss: Tensor, dhidden: Tensor, dweight: Tensor):
@@ -110,7 +190,7 @@ linear_cross_entropy_op = make_custom_op(Signature(
     backward_inputs="Tensor dhidden, Tensor dweight", backward_outputs="(Tensor, Tensor)",
     fake=lambda hidden, weight, labels, divisor, weight_grad, softcap: (
         hidden.new_empty((), dtype=accumulate_dtype(hidden)), torch.empty_like(hidden),
-        weight.new_empty(weight.shape if weight_grad else (0,))),
+        weight.new_empty(weight.shape) if weight_grad else hidden.new_empty(0, dtype=weight.dtype)),
     backward_fake=lambda dloss, dhidden, dweight: (torch.empty_like(dhidden), torch.empty_like(dweight)),
     save=lambda inputs, outputs, needs: outputs[1:],  # the gradients, computed in the forward
     judged_on=lambda grads, saved: saved,  # its implementations take any inputs
@@ -146,12 +226,14 @@ def _lm_head_forward(site: Site, impl: str, strict: bool, current: Callable) -> 
             return current(self, input_ids=input_ids, labels=labels, **kwargs)
         num_items = kwargs.pop("num_items_in_batch", None)
         kwargs.pop("logits_to_keep", None)
-        outputs = getattr(self, body)(input_ids=input_ids, **kwargs)
+        head_module = getattr(self, head)
+        with head_read_in_slices(head_module):  # a head in host memory stays there: `chunked` streams it
+            outputs = getattr(self, body)(input_ids=input_ids, **kwargs)
         hidden = outputs.last_hidden_state
         shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].to(hidden.device)
         divisor = num_items if num_items is not None else (shifted != IGNORE_INDEX).sum()
-        loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head_weight(getattr(self, head)),
-                                    shifted.reshape(-1), float(divisor), impl, strict, softcap)  # fmt: skip
+        loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head_module.weight, shifted.reshape(-1),
+                                    float(divisor), impl, strict, softcap)  # fmt: skip
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                       hidden_states=outputs.hidden_states, attentions=outputs.attentions)  # fmt: skip
 

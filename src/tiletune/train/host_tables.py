@@ -8,11 +8,13 @@ and over a 4-bit base they are a fifth of the 8B's weights). Both can wait in pi
   the CPU and copies them to the device (8,192 tokens x 4,096 in bf16: 64 MiB, about a millisecond over the
   host link, plus the gather).
 - The output head is read whole by the loss, once per forward (tiletune's fused losses compute their
-  gradients in the forward; stock's logits keep the weight until their backward). When the forward starts
-  (a pre-hook on the input embeddings), a copy of it leaves on a side stream, so the copy (1 GiB at
-  Llama-3-8B: about 20 ms over a 50 GB/s link) runs beside the decoder layers' forward; the loss takes it
-  (`tiletune.kernels.binding.head_weight`) and drops it when done, so the GPU holds the head only from the
-  forward's start to the loss, not through the backward's peak.
+  gradients in the forward; stock's logits keep the weight until their backward). The fused cross-entropy
+  (`linear_cross_entropy`, `chunked`) reads it from the host itself, a vocabulary slice at a time beside its
+  GEMMs, so the GPU never holds it whole. For the other losses (stock logits, the preference stages' log-probs),
+  when the forward starts (a pre-hook on the input embeddings), a copy of it leaves on a side stream, so the copy
+  (1 GiB at Llama-3-8B: about 20 ms over a 50 GB/s link) runs beside the decoder layers' forward; the loss
+  takes it (`tiletune.kernels.binding.head_weight`) and drops it when done, so the GPU holds the head only from
+  the forward's start to the loss, not through the backward's peak.
 
 The modules stay in the model (state dict, export and `get_input_embeddings` see them); moving the model
 (`model.to`) leaves them on the host; `tables_to_device` puts them back (generation wants the whole model on
@@ -24,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+
+from tiletune.kernels.binding import HEAD_READ_IN_SLICES
 
 HOST_DEVICE = "_tiletune_host_device"  # where a module on the host computes; its presence marks the module
 
@@ -84,6 +88,8 @@ def head_to_host(model: nn.Module) -> None:
     stream = torch.cuda.Stream(device)
 
     def prefetch(module, args) -> None:
+        if head.__dict__.get(HEAD_READ_IN_SLICES):
+            return
         with torch.cuda.stream(stream):
             weight = head.weight.to(device, non_blocking=True)
             arrived = torch.cuda.Event()

@@ -406,7 +406,8 @@ def _mlp_lever(chunks: int) -> Lever:
 
 def levers_for(model) -> list[Lever]:
     """What the planner may pull for `model`, cheapest first: the input embeddings to the host (a CPU gather and
-    one copy per step: a few ms), the lm_head to the host (one copy per step beside the decoder's forward: eager),
+    one copy per step: a few ms), the lm_head to the host (one copy per step, read in slices beside the fused
+    loss's GEMMs or sent whole beside the decoder's forward: eager),
     then the MLPs in 2, 4, ... chunks of tokens up to twice as many as keep a chunk's intermediate within the
     hidden states (each costs one more MLP forward per layer and step, and over a quantized base one more
     dequantization of its weights per chunk: the fewest that fit)."""
@@ -417,7 +418,8 @@ def levers_for(model) -> list[Lever]:
     return [Lever("embedding on host", why_not_on_host, _undoable(embedding_to_host, embedding_to_device),
                   lambda model: "the input embeddings in host memory"),
             Lever("lm_head on host", why_head_not_on_host, _undoable(head_to_host, head_to_device),
-                  lambda model: "the lm_head in host memory (copied in during each forward)", eager=True),
+                  lambda model: "the lm_head in host memory (copied in during each forward, in slices by the fused loss)",
+                  eager=True),
             *map(_mlp_lever, chunks)]
 
 
