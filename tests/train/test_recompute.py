@@ -1,6 +1,7 @@
 """`gradient_checkpointing: auto`: the plan within a budget, the treatments' numerics, config and bench wiring."""
 
 import dataclasses
+import functools
 import gc
 import json
 
@@ -103,6 +104,46 @@ def test_plan_on_cpu_measures_saved_activations_and_fits_the_budget():
         plan_recomputation(model, batch=2, seq=32, dtype=torch.float32, budget_gib=base / 2 / 2**30, use_reentrant=False)
 
 
+def test_a_stack_of_alike_layers_is_probed_on_its_first_few_and_restored(monkeypatch):
+    """Eight alike layers: the probe runs PROBE_LAYERS of them (the others never run while planning), the model gets
+    its whole stack back, and the plan is the one a probe of every layer gives."""
+    from tiletune.train import recompute
+
+    model = _model(layers=8)
+    _, layers = decoder_layers(model)
+    assert recompute.probe_depth(layers) == recompute.PROBE_LAYERS == 4
+    calls = [0] * 8
+    for index, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda *args, i=index: calls.__setitem__(i, calls[i] + 1))
+    plan = plan_recomputation(model, batch=2, seq=32, dtype=torch.float32, budget_gib=None, use_reentrant=False)
+    assert calls[4:] == [0] * 4 and all(calls[:4])
+    assert decoder_layers(model)[1] is layers and len(layers) == 8 and len(plan.treatments) == 8
+    budget = (plan.base_bytes + 2.5 * plan.keep_bytes) / 0.95 / 2**30
+    subset = plan_recomputation(model, batch=2, seq=32, dtype=torch.float32, budget_gib=budget, use_reentrant=False)
+    monkeypatch.setattr(recompute, "PROBE_LAYERS", 8)  # a probe of the whole stack
+    whole = plan_recomputation(model, batch=2, seq=32, dtype=torch.float32, budget_gib=budget, use_reentrant=False)
+    assert subset.treatments == whole.treatments == ["recompute"] * 6 + ["keep"] * 2
+    assert (subset.base_bytes, subset.keep_bytes) == (whole.base_bytes, whole.keep_bytes)
+
+
+def test_unlike_layers_are_all_probed():
+    """Gemma 3's sliding and global attention layers (or any layer with other shapes) are not extrapolated."""
+    from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+
+    from tiletune.train.recompute import probe_depth
+
+    config = Gemma3TextConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=6, head_dim=8,
+                              num_attention_heads=4, num_key_value_heads=2, sliding_window_pattern=3)  # fmt: skip
+    gemma = Gemma3ForCausalLM(config)
+    assert len({layer.self_attn.is_sliding for layer in gemma.model.layers}) == 2
+    assert probe_depth(gemma.model.layers) == 6
+    llama = _model(layers=6)
+    _, layers = decoder_layers(llama)
+    assert probe_depth(layers) == 4
+    layers[5].mlp.down_proj.weight.requires_grad_(True)  # trained in one layer only: its gradients differ
+    assert probe_depth(layers) == 6
+
+
 @pytest.mark.parametrize("raw,message", [
     ({"gradient_checkpointing": "auto", "disable_gradient_checkpointing": True}, "contradicts"),
     ({"gradient_checkpointing": "auto", "gradient_checkpointing_budget": -3}, "positive number of GiB"),
@@ -172,6 +213,41 @@ def test_recomputed_inputs_go_to_the_host_up_to_its_room_then_stay_on_the_device
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("inputs_on_host", [False, True], ids=["inputs-on-gpu", "inputs-on-host"])
+def test_on_the_gpu_a_probe_of_four_layers_predicts_the_whole_stack(monkeypatch, inputs_on_host):
+    """12 alike layers at 8,192 tokens: the all-recomputed peak extrapolated from a probe of 4 layers is within 2% of
+    a probe of all 12 (a recomputed layer adds its input, or nothing while it waits on the host), and a plan from
+    the short probe keeps its step within the budget."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU: run on a CUDA machine (pytest -m gpu)")
+    from _gpu_step import measured_step
+
+    from tiletune.patch import apply_kernels
+    from tiletune.train import recompute
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)  # fmt: skip
+    cfg = build_config({"model_name_or_path": "x", "finetuning_type": "lora", "lora_target": "q_proj,v_proj",
+                        "gradient_checkpointing": "auto"})  # fmt: skip
+    torch.manual_seed(0)
+    model = prepare_for_training(cfg, LlamaForCausalLM(config).to("cuda", torch.bfloat16))
+    apply_kernels(model, {"linear_cross_entropy": "chunked"})
+    tokens = torch.randint(0, 32000, (1, 8192), device="cuda")
+    plan = functools.partial(plan_recomputation, model, 1, 8192, torch.bfloat16, use_reentrant=True, offload=inputs_on_host)
+    short = plan(budget_gib=None)
+    monkeypatch.setattr(recompute, "PROBE_LAYERS", 12)
+    whole = plan(budget_gib=None)
+    assert short.base_bytes == pytest.approx(whole.base_bytes, rel=0.02), (short.to_dict(), whole.to_dict())
+    assert short.keep_bytes == pytest.approx(whole.keep_bytes, rel=0.02)
+    monkeypatch.setattr(recompute, "PROBE_LAYERS", 4)
+    budget = (short.base_bytes + 5 * short.keep_bytes) / (1 - recompute.MARGIN) / 2**30
+    planned = plan(budget_gib=budget)
+    assert "recompute" in planned.treatments and "keep" in planned.treatments, planned.summary()
+    _, peak = measured_step(model, tokens)
+    assert peak <= budget * 2**30, (peak / 2**30, planned.summary())
+
+
+@pytest.mark.gpu
 def test_levers_are_pulled_in_order_when_recomputation_is_not_enough():
     """A budget that makes layers recompute moves the lm_head to the host (its copy hides behind the forward); one
     below the all-recomputed step moves the input embeddings there first; one below what both save also chunks
@@ -200,7 +276,7 @@ def test_levers_are_pulled_in_order_when_recomputation_is_not_enough():
     unconstrained = plan_recomputation(model, 1, 8192, torch.bfloat16, budget_gib=None, use_reentrant=True)
     assert unconstrained.levers == []
     reference, _ = measured_step(model, tokens)
-    head = "the lm_head in host memory (copied in during each forward)"
+    head = "the lm_head in host memory (copied in during each forward, in slices by the fused loss)"
     embedding = "the input embeddings in host memory"
     some_recomputed = (unconstrained.base_bytes + 2 * unconstrained.keep_bytes) / (1 - MARGIN) / 2**30
     embedding_first = (unconstrained.base_bytes - table // 2) / (1 - MARGIN) / 2**30

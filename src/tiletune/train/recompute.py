@@ -12,7 +12,10 @@ Each decoder layer gets one of four treatments:
 
 A probe step on the training shape (batch x cutoff_len random tokens, the kernels already patched in)
 measures what one layer holds under ``keep`` and under ``selective``, and the step's peak with every
-other layer recomputed. The plan then gives as many layers as the budget allows a treatment that
+other layer recomputed. When every decoder layer is alike (a Llama's, a Qwen's; not Gemma 3's mix of sliding and
+global attention, nor DeepSeek's dense first layers) the probe runs the first PROBE_LAYERS of them and adds what
+each other recomputed layer holds (its input, unless that waits on the host, and its gradients): a 70B's probes at
+90k tokens take seconds, not a whole step's minutes each. The plan then gives as many layers as the budget allows a treatment that
 recomputes no matmul (the cheaper of the two in memory), upgrades ``selective`` layers to ``keep`` with
 what is left, and recomputes the rest. The layers spared are the last ones: the backward reaches them
 first, so their memory is free again before any recomputed layer runs its forward a second time.
@@ -37,6 +40,7 @@ fitting; once no lever is left it runs again with every layer recomputed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -244,7 +248,8 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
     """
     from tiletune.patch import decoder_layers
 
-    _, layers = decoder_layers(model)
+    path, layers = decoder_layers(model)
+    depth = probe_depth(layers)
     device = next(layers.parameters()).device  # not the model's first parameter: the embeddings may be on the host
     on_gpu = device.type == "cuda"
     if offload and not on_gpu:
@@ -267,9 +272,10 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
     spare = min(2, len(layers))
     before = None  # (probe, base, pulled, lever, its undo) from before the lever just pulled
     while True:
-        probe = _probe_spared(model, layers, spare, batch, seq, dtype, device, use_reentrant, activation_offload,
-                              offload_inputs, probe_loss)  # fmt: skip
-        base = probe.base(model, len(layers), spare * offload_inputs) if probe else None
+        with _first_layers(model, path, depth) as probed:
+            probe = _probe_spared(model, probed, spare, batch, seq, dtype, device, use_reentrant, activation_offload,
+                                  offload_inputs, probe_loss)  # fmt: skip
+        base = probe.base(model, spare * offload_inputs, layers[depth:], offload_inputs) if probe else None
         if before is not None and not _lowered(before[1], base):  # the peak is elsewhere: the lever only costs time
             probe, base, pulled, lever, undo = before
             undo()
@@ -294,7 +300,7 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
         raise UserError(f"the step at batch {batch} x {seq} tokens runs out of GPU memory even with every layer "
                         f"recomputed{' and ' + ', '.join(pulled.values()) if pulled else ''}; lower per_device_train_batch_size "
                         "or cutoff_len")  # fmt: skip
-    keep_bytes, selective_bytes = probe.spared_bytes(len(layers), on_gpu)
+    keep_bytes, selective_bytes = probe.spared_bytes()
     plan = RecomputePlan([], 0, base, keep_bytes, selective_bytes, "cuda memory" if on_gpu else "saved tensors (CPU)",
                          input_bytes=probe.input_bytes, layer_forward_ms=probe.forward_ms, levers=list(pulled.values()))  # fmt: skip
     if budget is None:  # on the CPU, with no budget given, memory is not what limits: recompute nothing
@@ -367,7 +373,7 @@ def _lowered(before: int | None, after: int | None) -> bool:
 def _recomputes(probe: _ProbeResult, base: int, layers: int, budget: int, offload_inputs: bool) -> bool:
     """Whether the plan `choose_treatments` makes within `budget` recomputes some layer's matmuls (a spared layer
     also holds its input when the recomputed ones' wait on the host)."""
-    keep, selective = probe.spared_bytes(layers, probe.on_gpu)
+    keep, selective = probe.spared_bytes()
     extra = probe.input_bytes if offload_inputs else 0
     free = int(budget * (1 - MARGIN)) - base
     return "recompute" in choose_treatments(layers, keep + extra, selective + extra, free)
@@ -433,6 +439,51 @@ def _undoable(do: Callable, undo: Callable) -> Callable:
     return pull
 
 
+PROBE_LAYERS = 4  # the decoder layers a probe step runs when every layer is alike: two recomputed, two spared
+
+
+def probe_depth(layers) -> int:
+    """How many of `layers` (the first) a probe step runs: PROBE_LAYERS when every layer is alike (class, attention
+    kind, parameter names, shapes, dtypes and trainability), the others' memory added by arithmetic; otherwise all."""
+    first = _layer_signature(layers[0])
+    if len(layers) > PROBE_LAYERS and all(_layer_signature(layer) == first for layer in layers[1:]):
+        return PROBE_LAYERS
+    return len(layers)
+
+
+KIND_ATTRIBUTES = ("attention_type", "layer_type", "sliding_window", "is_sliding")  # what tells layers' kinds apart
+
+
+def _layer_signature(layer) -> tuple:
+    kinds = tuple((name, attribute, getattr(module, attribute)) for name, module in layer.named_modules()
+                  for attribute in KIND_ATTRIBUTES if hasattr(module, attribute))  # fmt: skip
+    params = tuple((name, param.shape, param.dtype, param.requires_grad) for name, param in layer.named_parameters())
+    return type(layer), kinds, params
+
+
+@contextlib.contextmanager
+def _first_layers(model, path: str, count: int):
+    """Within: the decoder stack at `path` is its first `count` layers (the ModuleList they run in)."""
+    owner_path, _, name = path.rpartition(".")
+    owner = model.get_submodule(owner_path)
+    every = getattr(owner, name)
+    if count >= len(every):
+        yield every
+        return
+    setattr(owner, name, every[:count])
+    try:
+        yield getattr(owner, name)
+    finally:
+        setattr(owner, name, every)
+
+
+def _unprobed_bytes(layer, input_bytes: int, input_on_host: bool) -> int:
+    """What a recomputed layer the probe did not run adds to the step's peak: its input, unless it waits on the host,
+    and its trainable parameters' gradients."""
+    grads = sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
+    return grads + (0 if input_on_host else input_bytes)
+
+
 def _probe_spared(model, layers, spare: int, batch, seq, dtype, device, use_reentrant, offload=None,
                   offload_inputs: bool = False, probe_loss: Callable | None = None) -> _ProbeResult | None:  # fmt: skip
     """`_probe` with the last `spare` layers spared (the last kept, the one below selective), the rest
@@ -453,23 +504,27 @@ def _probe_spared(model, layers, spare: int, batch, seq, dtype, device, use_reen
 @dataclass
 class _ProbeResult:
     held: dict[int, int]  # bytes each spared layer holds
-    peak: int  # the step's peak (bytes)
+    peak: int  # the step's peak (bytes; GPU)
     peak_below: int  # the peak after the backward has left the spared layers (GPU)
     input_bytes: int  # one layer's input
     forward_ms: float  # the last layer's forward
     on_gpu: bool
+    depth: int  # the decoder layers the probe ran
 
-    def spared_bytes(self, layers: int, on_gpu: bool) -> tuple[int, int]:
+    def spared_bytes(self) -> tuple[int, int]:
         """What the kept and the selective layer held (0, 0 when none was spared)."""
-        keep = self.held.get(layers - 1, 0)
-        return keep, self.held.get(layers - 2, keep) if on_gpu else keep
+        keep = self.held.get(self.depth - 1, 0)
+        return keep, self.held.get(self.depth - 2, keep) if self.on_gpu else keep
 
-    def base(self, model, layers: int, spared_inputs_offloaded: int) -> int:
+    def base(self, model, spared_inputs_offloaded: int, unprobed_layers=(), inputs_on_host: bool = False) -> int:
         """The step's peak with every layer recomputed, optimizer state included, less the inputs of
-        `spared_inputs_offloaded` spared layers (held in the probe; on the host once recomputed)."""
-        keep, selective = self.spared_bytes(layers, self.on_gpu)
+        `spared_inputs_offloaded` spared layers (held in the probe; on the host once recomputed), plus what each of
+        `unprobed_layers` (recomputed, their inputs on the host or not) adds on a GPU."""
+        keep, selective = self.spared_bytes()
         # on a GPU: the peak while the spared layers were held, less them, or the peak after their backward
-        peak = max(self.peak - keep - selective, self.peak_below) if self.on_gpu else self.peak
+        peak = max(self.peak - keep - selective, self.peak_below) if self.on_gpu else _parameter_bytes(model)
+        if self.on_gpu:
+            peak += sum(_unprobed_bytes(layer, self.input_bytes, inputs_on_host) for layer in unprobed_layers)
         return _optimizer_state_bytes(model) + peak - spared_inputs_offloaded * self.input_bytes
 
 
@@ -507,8 +562,7 @@ def _probe(model, layers, spare: int, batch: int, seq: int, dtype: torch.dtype, 
     finally:
         for hook in hooks:
             hook.remove()
-    peak = _parameter_bytes(model)
-    peak_below = 0
+    peak = peak_below = 0  # on the CPU the base is the whole model's parameters (`base`): nothing to measure
     if on_gpu:
         peak_below = torch.cuda.max_memory_allocated(device)
         peak = max(peaks.get("above", peak_below), peak_below)
@@ -519,7 +573,7 @@ def _probe(model, layers, spare: int, batch: int, seq: int, dtype: torch.dtype, 
     if on_gpu:
         end.synchronize()  # recorded in the forward; elapsed_time needs it complete
     forward_ms = start.elapsed_time(end) if on_gpu else (end - start) * 1e3
-    return _ProbeResult(held, peak, peak_below, int(timing["input_bytes"]), forward_ms, on_gpu)
+    return _ProbeResult(held, peak, peak_below, int(timing["input_bytes"]), forward_ms, on_gpu, len(layers))
 
 
 def _split_peak_hook(peaks: dict, device):
