@@ -30,6 +30,9 @@
 #           the kernel timings
 #   qlora-long: benchmarks/qlora_long_context.py: the longest sequence (of SEQS) an 8B QLoRA step trains in 24 GiB,
 #           then `tiletune verify` of every kernel on 2 quantized decoder layers of the 8B
+#   qlora-long70b: the same on the Llama-3-70B shape within CAP GiB (default 79: an 80 GB card), SEQS (default
+#           "90112,98304") tried longest first until one fits, one step each, offloaded inputs within HOST_GIB
+#           (default: the host's free memory less 10 GiB)
 #   qlora70b: `tiletune bench` of the QLoRA step on the Llama-3-70B shape, all 80 layers built and quantized on the
 #           GPU tensor by tensor: tiletune's QLoRA without kernels (the baseline) and with every kernel under
 #           `gradient_checkpointing: auto` with offload within each of BUDGETS_GIB (default 38); STEPS timed (default 3)
@@ -57,11 +60,11 @@
 #   dpo-fast: the DPO step with the fastest set (no `linear`), then with pref_shared_prompt, alone and under `auto`
 #           within BUDGET_GIB
 #   packing: benchmarks/packing_throughput.py (unpacked / neat_packing stock / neat_packing with kernels)
-#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo|dpo-fast|packing|pending OUT_DIR [bench args...]
+#   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora-long70b|qlora70b|families|families-bench|moe|library|library-bench|dpo|dpo-fast|packing|pending OUT_DIR [bench args...]
 # (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
 set -u
-PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo|dpo-fast|packing|pending OUT_DIR [bench args]}
-OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora70b|families|families-bench|moe|library|library-bench|dpo|dpo-fast|packing|pending OUT_DIR [bench args]}
+PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora-long70b|qlora70b|families|families-bench|moe|library|library-bench|dpo|dpo-fast|packing|pending OUT_DIR [bench args]}
+OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora-long70b|qlora70b|families|families-bench|moe|library|library-bench|dpo|dpo-fast|packing|pending OUT_DIR [bench args]}
 shift 2
 mkdir -p "$OUT"  # parts tee their logs into it before any tool creates it
 CONFIG=examples/bench/llama3_8b_lora.yaml
@@ -185,6 +188,11 @@ families-bench)
             --repeats "${REPEATS:-1}" --variants "baseline,liger,$FAST,$AUTO=@liger,$AUTO=@baseline" \
             --out "$OUT/bench-$PRESET" 2>&1 | tail -8
     done ;;
+qlora-long70b)
+    # Q3 at 70B: longest first (a step at 90k tokens takes minutes), the host's free memory less 10 GiB for the inputs
+    HOST_GIB=${HOST_GIB:-$(free -g | awk '/Mem:/ {print $7 - 10}')}
+    python3 benchmarks/qlora_long_context.py --preset llama3-70b --cap "${CAP:-79}" --seqs "${SEQS:-90112,98304}" \
+        --longest-first --host-budget "$HOST_GIB" --steps 1 --out "$OUT/long-context-70b" 2>&1 | grep -v Warning | tail -8 ;;
 qlora70b)
     Q=quantization_bit=4
     PLANNED=""; for GIB in ${BUDGETS_GIB:-38}; do
@@ -216,5 +224,5 @@ offload)
     for GIB in ${LEAN_GIB:-17.5 18.7}; do SET="$SET,$FAST:$AUTO:$OFF:gradient_checkpointing_budget=$GIB"; done
     python3 -m tiletune bench "$CONFIG" "$@" --model-preset llama3-8b --steps 5 --warmup 2 --variants "$SET" \
         --out "$OUT/offload-${SPEED_NAME:-lora-qv}" 2>&1 | tail -20 ;;
-*) echo "unknown part $PART (verify, golden, attention, lora, bench, speed, offload, engine, qlora, qlora-long, qlora70b, families, families-bench, moe, library, library-bench, dpo, dpo-fast, packing or pending)"; exit 2 ;;
+*) echo "unknown part $PART (verify, golden, attention, lora, bench, speed, offload, engine, qlora, qlora-long, qlora-long70b, qlora70b, families, families-bench, moe, library, library-bench, dpo, dpo-fast, packing or pending)"; exit 2 ;;
 esac

@@ -11,7 +11,8 @@ host). Writes long_context.json (per length: fits or the error, step seconds, pe
 table; the longest length that fits is the answer.
 
     python benchmarks/qlora_long_context.py --preset llama3-8b --cap 24 --seqs 32768,65536,98304 --out DIR
-    python benchmarks/qlora_long_context.py --preset llama3-70b --cap 79 --seqs 98304 --host-budget 96 --steps 1
+    python benchmarks/qlora_long_context.py --preset llama3-70b --cap 79 --seqs 90112,98304 --longest-first \
+        --host-budget 100 --steps 1
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def main() -> None:
     parser.add_argument("--host-budget", type=float, default=None,
                         help="GiB of pinned host memory the offloaded inputs may take (default: half of what is free)")
     parser.add_argument("--steps", type=int, default=2, help="steps per length, the last timed (1: no warm-up)")
+    parser.add_argument("--longest-first", action="store_true",
+                        help="try the lengths longest first and stop at the first that fits (a 70B step at 90k "
+                             "tokens takes minutes: one call cannot afford every length)")
     parser.add_argument("--out", default="benchmarks/results/qlora-long-context")
     args = parser.parse_args()
     cfg = load_config(args.config, ["quantization_bit=4", "gradient_checkpointing=auto",
@@ -87,10 +91,12 @@ def main() -> None:
     result = {"preset": args.preset, "cap_gib": args.cap, "host_budget_gib": args.host_budget, "steps": args.steps,
               "rows": rows, "environment": run_stamp(),
               "kernels": report.to_dict()["ops"] if report else None}
-    for seq in sorted(int(s) for s in args.seqs.split(",")):
+    for seq in sorted((int(s) for s in args.seqs.split(",")), reverse=args.longest_first):
         rows.append(one_length(model, seq, args.cap, optimizer, args.host_budget, args.steps))
         with open(os.path.join(args.out, "long_context.json"), "w") as handle:  # after each length: a timeout keeps the rest
             json.dump(result, handle, indent=1)
+        if args.longest_first and rows[-1]["fits"]:
+            break
     print(f"| {args.preset} QLoRA, cap {args.cap:g} GiB | fits | step s | peak GiB |\n|---|---|---|---|")
     for row in rows:
         print(f"| {row['seq']:,} tokens | {'yes' if row['fits'] else 'no: ' + row['error'][:80]} | "
