@@ -43,11 +43,13 @@ RAW = "https://raw.githubusercontent.com/{repo}/{commit}/{path}"
 
 @dataclass(frozen=True)
 class ChangeClass:
-    """A kind of human change: the rules that fit it, and whether a translator's rewrite covers it."""
+    """A kind of human change: the rules that fit it, whether a translator's rewrite covers it, and whether a
+    translation that leaves the lines as written does (the humans' edit only undid another tool's rewrite)."""
 
     rules: tuple[str, ...]
     translation_covers: bool
     what: str
+    kept_covers: bool = False
 
 
 WARP_RULES = ("warp-size-define", "warp-size-literal", "warp-lane-loop", "lane-indexed-warp-array",
@@ -129,6 +131,20 @@ CLASSES: dict[str, ChangeClass] = {
     "bf16-conversion": ChangeClass(("bf16-type", "bf16-arithmetic"), False,
                                    "a float converted implicitly to bf16 (a `const bf16 scale` argument, `{ 0.0f }`): HIP's bf16 types had no implicit constructor (before ROCm 6.2)"),
     "half2-member-type": ChangeClass((), False, "code reading `__half2`'s x / y as `unsigned short`, which ROCm 6.0 made `__half` members"),
+    # round 13's classes, defined by its labellers (before the round was scored)
+    "half-host-operator": ChangeClass(("device-only-math",), False, "a `__half` operator (device-only in HIP) used in host code"),
+    "constexpr-device-call": ChangeClass(("device-only-math", "constexpr-std-minmax"), False,
+                                         "a `constexpr __device__` function called from host code (nvcc's relaxed constexpr; hip-clang rejects it)"),
+    "stdlib-host-call": ChangeClass(("device-std-clamp",), False, "a host-only standard-library member (`std::optional::value()`) called in device code"),
+    "hcc-platform-macro": ChangeClass(("compiler-guard",), False,
+                                      "a test of `__HIP_PLATFORM_HCC__`, which ROCm 6.0 and torch >= 2.3 no longer define: the AMD branch compiles out"),
+    "hipify-kernel-launch": ChangeClass((), False, "a `<<<>>>` launch torch's hipify rewrote into broken code, rewritten by hand",
+                                        kept_covers=True),
+    "driver-api-gap": ChangeClass((), False, "a CUDA driver call with no HIP counterpart (cuFuncSetCacheConfig, cuStreamGetCtx)"),
+    "ptx-module": ChangeClass((), False, "a module built from PTX by the driver, loaded from an AMD code object instead"),
+    "warp-lds-sync": ChangeClass((), False, "a `__syncwarp` added to a warp-synchronous shared-memory loop"),
+    "pragma-placement": ChangeClass((), False, "a `#pragma unroll` with no loop after it (clang rejects it)"),
+    "missing-runtime-feature": ChangeClass((), False, "a CUDA runtime feature HIP lacks (`cudaStreamLegacy`), emulated"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).
@@ -221,7 +237,8 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
         lines = sorted({*range(first, last + 1), *sites})  # a change made once covers its sites too
         before = "\n".join(original_lines[n - 1] for n in lines)
         after = "\n".join(line for n in lines for line in translated_of[n])
-        rewritten = kind.translation_covers and after.strip() != before.strip() and not cuda_names(after)
+        rewritten = ((kind.translation_covers and after.strip() != before.strip() and not cuda_names(after))
+                     or (kind.kept_covers and after.strip() == before.strip()))  # fmt: skip
         result.covered += bool(flagged or rewritten)
         result.by_translation += bool(rewritten)
         if not (flagged or rewritten):
