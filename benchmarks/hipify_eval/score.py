@@ -133,7 +133,7 @@ CLASSES: dict[str, ChangeClass] = {
     "half2-member-type": ChangeClass((), False, "code reading `__half2`'s x / y as `unsigned short`, which ROCm 6.0 made `__half` members"),
     # round 13's classes, defined by its labellers (before the round was scored)
     "half-host-operator": ChangeClass(("device-only-math",), False, "a `__half` operator (device-only in HIP) used in host code"),
-    "constexpr-device-call": ChangeClass(("device-only-math", "constexpr-std-minmax"), False,
+    "constexpr-device-call": ChangeClass(("device-only-math", "constexpr-std-minmax", "constexpr-device-only"), False,
                                          "a `constexpr __device__` function called from host code (nvcc's relaxed constexpr; hip-clang rejects it)"),
     "stdlib-host-call": ChangeClass(("device-std-clamp",), False, "a host-only standard-library member (`std::optional::value()`) called in device code"),
     "hcc-platform-macro": ChangeClass(("compiler-guard",), False,

@@ -117,6 +117,17 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("static_assert(32 == WARP_SIZE);", "warp-size-assert"),
     ("#define CC_AMPERE 800\n#define HAS_BF16_MATH (__CUDA_ARCH__ >= CC_AMPERE)", "cuda-arch-guard"),  # false on AMD
     ("#if CUDA_VERSION < 8000\n#error \"CUDA >= 8.0 is required\"\n#endif", "compiler-guard"),  # taken under hipcc
+    (("template <typename T> constexpr __device__ T log2(T n) { return n <= 1 ? 0 : 1 + log2(n / 2); }\n"
+      "template <int N> struct Bits { static constexpr int value = log2(N); };"), "constexpr-device-only"),
+    (("template <typename T> constexpr inline __device__ T round_up(T n) { return (n + 255) / 256 * 256; }\n"
+      "template <typename T> size_t smem_bytes(int n) { return round_up(n * sizeof(T)); }"), "constexpr-device-only"),
+    (("template <int N, typename T> struct sorter { template <int M> __device__ void merge(T* v); };\n"
+      "template <int N, typename T> struct filtered : public sorter<N, T> {\n"
+      "  __device__ void add(T* v) { this->merge<N>(v); }\n};"), "dependent-template-name"),
+    (("__device__ unsigned poll(const unsigned* flag) {\n  unsigned v;\n#ifdef __HIP_PLATFORM_HCC__\n"  # gone in ROCm 6.0
+      "  v = __builtin_nontemporal_load(flag);\n#else\n"
+      "  asm volatile(\"ld.volatile.global.u32 %0, [%1];\" : \"=r\"(v) : \"l\"(flag));\n#endif\n  return v;\n}"),
+     "compiler-guard"),
     (("#if CUDART_VERSION >= 12000\nat::Tensor quantize_fp8(at::Tensor x) { return fp8_kernel(x); }\n#else\n"
       "at::Tensor quantize_fp8(at::Tensor x) { throw std::runtime_error(\"CUDA >= 12 only\"); }\n#endif"),
      "compiler-guard"),  # AMD builds the stub
@@ -161,6 +172,22 @@ def test_rule_variants_fire(code, rule):
     ("__device__ float2 f(bf162 v) {\n#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800\n  assert(false);\n#else\n"
      "  return __bfloat1622float2(v);\n#endif\n}", "cuda-arch-guard"),
     ("#if defined(__NVCC__) || defined(__HIPCC__)\n#define HD __host__ __device__\n#endif", "compiler-guard"),
+    (("template <typename T> struct Reduce {\n  void operator()(T* x, int n) {\n    if constexpr (sizeof(T) == 2)\n"
+      "    {\n      run(x, n);\n    }\n  }\n};"), "missing-return"),  # `if constexpr (...) {` opens no function
+    (("template <typename T> constexpr __host__ __device__ T log2(T n) { return n <= 1 ? 0 : 1 + log2(n / 2); }\n"
+      "template <int N> struct Bits { static constexpr int value = log2(N); };"), "constexpr-device-only"),
+    (("template <typename T> constexpr __device__ T log2(T n) { return n <= 1 ? 0 : 1 + log2(n / 2); }\n"
+      "template <int N> __global__ void k(float* x) { x[log2(N)] = 1; }"), "constexpr-device-only"),  # device code
+    (("template <int N, typename T> struct filtered : public sorter<N, T> {\n"  # its own member template
+      "  template <int M> __device__ void merge(T* v);\n  __device__ void add(T* v) { this->merge<N>(v); }\n};"),
+     "dependent-template-name"),
+    (("template <int N, typename T> struct plain {\n"  # no dependent base: found in the class itself
+      "  template <int M> __device__ void merge(T* v);\n  __device__ void add(T* v) { this->merge<N>(v); }\n};"),
+     "dependent-template-name"),
+    ("#if defined(__HIP_PLATFORM_HCC__) || defined(__HIP_PLATFORM_AMD__)\n#include <hip/hip_fp16.h>\n#endif",
+     "compiler-guard"),  # the hcc-era macro beside the current one
+    ("__device__ float ld(const float* p) {\n#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)\n"
+     "  return __ldg(p);\n#else\n  return *p;\n#endif\n}", "cuda-arch-guard"),  # hipcc's device pass named: ported
     ("void f(void* p, char* q) { char* r = (char*)p + 4; q = r + 1; }", "void-pointer-arith"),  # cast first
     ("template <typename T> __global__ void k(const float* x, float* y) { y[0] = __ldg(&x[0]); }", "ldg-torch-half"),
     ("while (!__hip_atomic_load(&f, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT));", "scoped-atomic"),

@@ -14,9 +14,11 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-DEFINED_ON_AMD = {"USE_ROCM", "__HIP_PLATFORM_AMD__", "__HIP_PLATFORM_HCC__", "__HIPCC__", "__HIP__"}
-# Never defined by hipcc, nor renamed by any translator (torch's hipify renames __CUDACC__, not these).
-UNDEFINED_ON_AMD = {"__CUDA_ARCH__", "__NVCC__"}
+DEFINED_ON_AMD = {"USE_ROCM", "__HIP_PLATFORM_AMD__", "__HIPCC__", "__HIP__"}
+# Never defined by hipcc, nor renamed by any translator (torch's hipify renames __CUDACC__, not these); and the
+# hcc-era platform macro, which hip_common.h still defined up to ROCm 5.7 and ROCm 6.0 dropped (as torch 2.3 dropped
+# it from its extension flags).
+UNDEFINED_ON_AMD = {"__CUDA_ARCH__", "__NVCC__", "__HIP_PLATFORM_HCC__"}
 _DIRECTIVE = re.compile(r"^\s*#\s*(if|ifdef|ifndef|elif|else|endif)\b(.*)$")
 # CUDA's version macros are undefined under hipcc (0 in a comparison); torch's hipify renames CUDA_VERSION to
 # TORCH_HIP_VERSION (major * 100 + minor, ~600), which compares the same against CUDA's versions (>= 9000).

@@ -435,8 +435,17 @@ def _template_scopes(text: str) -> Iterable[tuple[int, int, set[str]]]:
 def _dependent_hits(text: str, start: int, end: int, parameters: set[str]) -> Iterable[Hit]:
     scope = text[:end]
     dependent = "|".join(map(re.escape, sorted(parameters)))
+    # a class template deriving from a base that names its parameters: `this->member<N>(...)` may be the base's
+    head = text[start : text.find("{", start) + 1]
+    dependent_base = re.search(rf"\b(?:class|struct)\s+\w+[^{{;]*?:[^{{;]*\b(?:{dependent})\b", head)
     for match in _MEMBER_TEMPLATE_CALL.finditer(scope, start):
         obj, arrow, member = match.groups()
+        if obj == "this":
+            declared_here = re.search(rf"[\w>&*]\s+{re.escape(member)}\s*\(", text[start:end])  # a member of its own
+            if dependent_base and not declared_here:
+                yield Hit(*_position(text, match.start(3)), f"write `this->template {member}<...>(...)`: "
+                          "a member template of a dependent base")  # fmt: skip
+            continue
         declaration = rf"\b(?:{dependent})\b(?:[\w:<>*&]|,\s*)*?[>\s&*]\s*{re.escape(obj)}\s*[;,)=({{\[]"
         if re.search(declaration, text[start : match.start()]):
             yield Hit(*_position(text, match.start(3)), f"write `{obj}{arrow}template {member}<...>(...)`")
@@ -452,7 +461,8 @@ def _dependent_hits(text: str, start: int, end: int, parameters: set[str]) -> It
 
 def check_dependent_names(text: str) -> Iterable[Hit]:
     """Flag, inside a template, `obj.member<...>(` without `template` where `obj` is declared there with a
-    type naming a template parameter, `Param::name var` without `typename`, and `Param::Type(args).f()`."""
+    type naming a template parameter, `this->member<...>(` in a class template whose base names its parameters
+    (and which declares no `member` itself), `Param::name var` without `typename`, and `Param::Type(args).f()`."""
     hits = {}
     for start, end, parameters in _template_scopes(text):
         for hit in _dependent_hits(text, start, end, parameters):
@@ -773,7 +783,9 @@ def check_warp_size_definitions(text: str) -> Iterable[Hit]:
 _ARCH_TEST = re.compile(r"__CUDA_ARCH__\s*(?:[<>]=?|==|!=)|defined\s*\(?\s*__CUDA_ARCH__\b")
 
 
-_AMD_MACRO = re.compile(rf"\b(?:{'|'.join(sorted(DEFINED_ON_AMD))})\b")
+# A condition naming one of these is a port already made (`__HIP_DEVICE_COMPILE__`: hipcc's device pass; the hcc-era
+# `__HIP_PLATFORM_HCC__` beside a current one too, but alone it is compiler-guard's).
+_AMD_MACRO = re.compile(rf"\b(?:{'|'.join(sorted(DEFINED_ON_AMD | {'__HIP_DEVICE_COMPILE__'}))})\b")
 
 
 # A branch that only traps: `assert(false);`, `__trap();`, llama.cpp's `NO_DEVICE_CODE;` (nothing lost without it).
@@ -850,7 +862,8 @@ def check_compiler_guards(text: str) -> Iterable[Hit]:
     """Flag an `#if` / `#elif` testing `__NVCC__` (nvcc's own macro: hipcc never defines it), the GCC version
     (hipcc's clang says 4) or the CUDA toolkit's version (undefined under hipcc; torch's hipify makes `CUDA_VERSION`
     TORCH_HIP_VERSION, about 600) where hipcc compiles a branch of its group out because of it: a `#if CUDART_VERSION
-    >= 12000` around a whole fp8 section builds its stubs on AMD, a `#if CUDA_VERSION < 8000` / `#error` stops the build."""
+    >= 12000` around a whole fp8 section builds its stubs on AMD, a `#if CUDA_VERSION < 8000` / `#error` stops the build;
+    and `__HIP_PLATFORM_HCC__` alone (the hcc-era platform macro ROCm 6.0 no longer defines): its AMD branch is lost."""
     nvcc = list(_guards_compiling_out(text, _NVCC_TEST))
     # an old-compiler or old-toolkit escape (`#if __GNUC__ < 6`, `#if CUDA_VERSION < 8000` / `#error`) is the trap
     # when hipcc takes it, even with nothing after it
@@ -862,7 +875,8 @@ def check_compiler_guards(text: str) -> Iterable[Hit]:
                 or _legacy_warp_fallback(text, directive, found))
 
     cuda = list(_guards_compiling_out(text, _CUDA_VERSION_TEST, true_alone=True, skip=undecided))
-    return sorted({hit.line: hit for hit in cuda + gcc + nvcc}.values(), key=lambda hit: hit.line)
+    hcc = list(_guards_compiling_out(text, _HCC_TEST))  # an AMD branch of the hcc era, compiled out from ROCm 6.0
+    return sorted({hit.line: hit for hit in cuda + gcc + nvcc + hcc}.values(), key=lambda hit: hit.line)
 
 
 _SYNC_WARP_CALL = re.compile(r"\b__(?:shfl(?:_up|_down|_xor)?|ballot|any|all)_sync\s*\(")
@@ -879,6 +893,7 @@ def _legacy_warp_fallback(text: str, directive, found) -> bool:
 
 
 _NVCC_TEST = re.compile(r"\b__NVCC__\b")
+_HCC_TEST = re.compile(r"\b__HIP_PLATFORM_HCC__\b")
 _GCC_VERSION_TEST = re.compile(r"\b__GNUC__\s*(?:[<>]=?|==|!=)")
 _CUDA_VERSION_TEST = re.compile(r"\b(?:CUDA_VERSION|CUDART_VERSION|__CUDACC_VER_MAJOR__)\s*(?:[<>]=?|==|!=)")
 
@@ -908,7 +923,8 @@ def check_capture_info_arity(text: str) -> Iterable[Hit]:
 
 # ---- functions: where each is defined, what it returns, whether it runs on the device ---------------
 
-_CONTROL = {"if", "for", "while", "switch", "catch", "return", "sizeof", "decltype", "alignof", "do", "else", "new"}
+_CONTROL = {"if", "for", "while", "switch", "catch", "return", "sizeof", "decltype", "alignof", "do", "else", "new",
+            "constexpr", "consteval"}  # `if constexpr (...)`
 _ATTRIBUTES = {"__launch_bounds__", "__attribute__", "alignas", "__align__", "__declspec"}
 _CALLABLE_HEAD = re.compile(r"(~?\w+)\s*(?:<(?:[^<>;{}]|<[^<>;{}]*>)*>)?\s*\(")
 _AFTER_PARAMETERS = re.compile(r"^(?:\s|const\b|noexcept\b|override\b|final\b|mutable\b|&|->[^;{}]*)*$|^\s*:")
@@ -1045,6 +1061,27 @@ def check_host_math(text: str) -> Iterable[Hit]:
         for call in _CUDA_HOST_MATH.finditer(text, function.body_start, function.body_end):
             if call.group(1) != function.name:
                 yield Hit(*_position(text, call.start()), f"`{call.group(1)}` in host function `{function.name}`")
+
+
+def check_constexpr_device_calls(text: str) -> Iterable[Hit]:
+    """Flag a call of the file's own `constexpr __device__` function (no `__host__`) from host code: the body of a
+    function not compiled for the device, or an initialiser outside every function (a `static constexpr` member)."""
+    every = functions(text)
+    device_only = {f.name for f in every if f.device and "constexpr" in f.before_name and "__host__" not in f.before_name}
+    if not device_only:
+        return
+    device_bodies = [(f.body_start, f.body_end) for f in every if f.device]
+    bodies = [(f.body_start, f.body_end) for f in every]
+    call = re.compile(rf"(?<![\w.>:])({'|'.join(map(re.escape, sorted(device_only)))})\s*(?:<[^<>;(){{}}]*>)?\s*\(")
+    for match in call.finditer(text):
+        at = match.start()
+        if any(start <= at < end for start, end in device_bodies):
+            continue
+        in_body = any(start <= at < end for start, end in bodies)
+        statement = text[max(text.rfind(";", 0, at), text.rfind("{", 0, at), text.rfind("}", 0, at)) + 1 : at]
+        if not in_body and not re.search(r"(?<![=!<>])=(?!=)|\breturn\b", statement):
+            continue  # its own definition or a declaration, not a call in an initialiser
+        yield Hit(*_position(text, at), f"`{match.group(1)}` is `constexpr __device__`: host code cannot call it")
 
 
 # ---- C10_WARP_SIZE on the host ------------------------------------------------------------------
@@ -1616,6 +1653,20 @@ RULES: list[Rule] = [
         check=check_host_math,
     ),
     Rule(
+        "constexpr-device-only", "error", "`constexpr __device__` function called from host code",
+        "nvcc lets host code call a `constexpr __device__` function (torch's extension flags pass "
+        "`--expt-relaxed-constexpr`), so helpers such as `log2` / `roundUp256` used both in kernels and in a "
+        "`static constexpr` member or a host function that sizes shared memory compile there. hip-clang keeps "
+        "`__device__` strict: 'reference to __device__ function in __host__ function' (torchaudio's CTC decoder port "
+        "marked them `__host__ __device__`).",
+        "Mark the helper `constexpr __host__ __device__` (one definition both sides evaluate).",
+        before="template <typename T> constexpr __device__ T log2(T n) { return n <= 1 ? 0 : 1 + log2(n / 2); }\n"
+               "template <int N> struct Bits { static constexpr int value = log2(N); };",
+        after="template <typename T> constexpr __host__ __device__ T log2(T n) { return n <= 1 ? 0 : 1 + log2(n / 2); }\n"
+              "template <int N> struct Bits { static constexpr int value = log2(N); };",
+        check=check_constexpr_device_calls,
+    ),
+    Rule(
         "missing-return", "error", "function with a return type ends without `return`",
         "Falling off the end of a function that returns a value is undefined behaviour. nvcc usually hands "
         "back whatever the return register held; clang (hipcc) treats the path as unreachable and may drop "
@@ -1848,9 +1899,13 @@ RULES: list[Rule] = [
         "helpers stops compiling), or a whole op is built empty. CUDA's version macros are undefined under hipcc "
         "(torch's hipify makes `CUDA_VERSION` TORCH_HIP_VERSION, about 600): an old-toolkit escape such as "
         "`#if CUDA_VERSION < 9000` / `#error` is taken (faiss's ROCm port moved its into the CUDA branch), and a "
-        "feature under `#if CUDART_VERSION >= 12000` is compiled out, its `#else` stubs built (FBGEMM's fp8 quantize).",
-        "Test `defined(__NVCC__) || defined(__HIPCC__)` where the branch is about CUDA-style compilers, and keep "
-        "host-compiler and CUDA-toolkit version checks out of `__HIPCC__` builds.",
+        "feature under `#if CUDART_VERSION >= 12000` is compiled out, its `#else` stubs built (FBGEMM's fp8 quantize). "
+        "An older port's `#ifdef __HIP_PLATFORM_HCC__` fails the same way: ROCm's headers defined that hcc-era macro "
+        "up to 5.7, and ROCm 6.0 (and torch 2.3's extension flags) dropped it, so the AMD branch is silently compiled "
+        "out (torchvision's deform_conv2d lost its 256-thread ROCm launch until #8070).",
+        "Test `defined(__NVCC__) || defined(__HIPCC__)` where the branch is about CUDA-style compilers, keep "
+        "host-compiler and CUDA-toolkit version checks out of `__HIPCC__` builds, and test `__HIP_PLATFORM_AMD__` "
+        "(or `USE_ROCM`) where `__HIP_PLATFORM_HCC__` stood.",
         before="#ifdef __NVCC__\n#define HD __host__ __device__\n#else\n#define HD\n#endif",
         after="#if defined(__NVCC__) || defined(__HIPCC__)\n#define HD __host__ __device__\n#else\n#define HD\n#endif",
         check=check_compiler_guards,
