@@ -123,7 +123,7 @@ CLASSES: dict[str, ChangeClass] = {
     "unsupported-enum": ChangeClass((), False, "a CUDA library enum value with no HIP counterpart, replaced by the nearest one the HIP library has"),
     # round 11's classes, defined by its labellers (before the round was scored)
     "two-phase-lookup": ChangeClass((), False, "an unqualified call in a template to a name declared only later (clang's two-phase lookup rejects it)"),
-    "nodiscard-result": ChangeClass((), False, "a discarded runtime status cast to `(void)`: HIP declares hipError_t [[nodiscard]] in C++17"),
+    "nodiscard-result": ChangeClass(("discarded-status",), False, "a discarded runtime status cast to `(void)`: HIP declares hipError_t [[nodiscard]] in C++17"),
     "runtime-workaround": ChangeClass((), False, "a valid runtime call pattern restructured around a ROCm runtime defect (one hipMemUnmap over several maps)"),
     "hipify-name-clash": ChangeClass((), False, "a file renamed because torch's hipify would write its HIP copy over a hand-written HIP file"),
     "op-schema-guard": ChangeClass((), False, "a torch operator schema registered only off ROCm, whose CUDA kernel the HIP build does not compile"),

@@ -117,6 +117,7 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("static_assert(32 == WARP_SIZE);", "warp-size-assert"),
     ("#define CC_AMPERE 800\n#define HAS_BF16_MATH (__CUDA_ARCH__ >= CC_AMPERE)", "cuda-arch-guard"),  # false on AMD
     ("#if CUDA_VERSION < 8000\n#error \"CUDA >= 8.0 is required\"\n#endif", "compiler-guard"),  # taken under hipcc
+    ("if (cudaMallocHost(&p, n) != cudaSuccess) {\n  cudaGetLastError();  // clear it\n  p = nullptr;\n}", "discarded-status"),
     (("template <typename T> constexpr __device__ T log2(T n) { return n <= 1 ? 0 : 1 + log2(n / 2); }\n"
       "template <int N> struct Bits { static constexpr int value = log2(N); };"), "constexpr-device-only"),
     (("template <typename T> constexpr inline __device__ T round_up(T n) { return (n + 255) / 256 * 256; }\n"
@@ -172,6 +173,7 @@ def test_rule_variants_fire(code, rule):
     ("__device__ float2 f(bf162 v) {\n#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800\n  assert(false);\n#else\n"
      "  return __bfloat1622float2(v);\n#endif\n}", "cuda-arch-guard"),
     ("#if defined(__NVCC__) || defined(__HIPCC__)\n#define HD __host__ __device__\n#endif", "compiler-guard"),
+    ("(void)cudaGetLastError();\ncudaError_t e = cudaGetLastError();\nCHECK(cudaGetLastError());", "discarded-status"),
     (("template <typename T> struct Reduce {\n  void operator()(T* x, int n) {\n    if constexpr (sizeof(T) == 2)\n"
       "    {\n      run(x, n);\n    }\n  }\n};"), "missing-return"),  # `if constexpr (...) {` opens no function
     (("template <typename T> constexpr __host__ __device__ T log2(T n) { return n <= 1 ? 0 : 1 + log2(n / 2); }\n"

@@ -1735,6 +1735,17 @@ RULES: list[Rule] = [
         check=check_scoped_atomics,
     ),
     Rule(
+        "discarded-status", "warning", "`cudaGetLastError();` called only to clear the error",
+        "`cudaGetLastError();` as a statement resets the sticky error after an expected failure (a malloc that may "
+        "fail, peer access already enabled). HIP declares `hipError_t` `[[nodiscard]]` (hip_runtime_api.h, ROCm 5.7 "
+        "to 6.x, in C++17), so the translated `hipGetLastError();` warns 'ignoring return value', an error under "
+        "`-Werror` (llama.cpp's hipGraph port cast eight of them).",
+        "Say the status is dropped on purpose: `(void)cudaGetLastError();` (both compilers accept it).",
+        before="if (cudaMallocHost(&ptr, size) != cudaSuccess) {\n  cudaGetLastError();  // clear the error\n}",
+        after="if (cudaMallocHost(&ptr, size) != cudaSuccess) {\n  (void)cudaGetLastError();  // clear the error\n}",
+        pattern=re.compile(r"^[ \t]*\b(?:cuda|hip)(?:GetLastError|PeekAtLastError)\s*\(\s*\)\s*;", re.MULTILINE),
+    ),
+    Rule(
         "rocblas-branch", "warning", "a hand-written rocBLAS branch beside cuBLAS code",
         "Until torch 2.1, torch's hipify turned cuBLAS into rocBLAS, so ports wrote `#ifdef __HIP_PLATFORM_AMD__` "
         "branches calling `rocblas_gemm_ex` on a `rocblas_handle`. torch >= 2.1's hipify (like hipify-perl and "
