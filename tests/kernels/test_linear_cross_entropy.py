@@ -70,16 +70,17 @@ def test_streamed_slices_match_cross_entropy_in_float64(token_block, vocab_slice
 
 
 @pytest.mark.gpu
-def test_on_the_gpu_a_head_in_host_memory_is_streamed_within_two_slices(monkeypatch):
+def test_on_the_gpu_a_head_in_host_memory_is_streamed_a_slice_at_a_time(monkeypatch):
     """`chunked` with the frozen weight in pinned host memory: the on-device result (loss to float32 rounding,
-    d hidden to bf16's), while the GPU holds far less than the weight (32 slices of 1 MiB, two at a time)."""
+    d hidden to bf16's), while the GPU never holds half the weight (64 slices of 4 MiB of a 256 MiB head, two in
+    flight, beside the block's float32 working set)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU: run on a CUDA machine (pytest -m gpu)")
     monkeypatch.setattr(lce, "CHUNK_BYTES", 2**24)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
-    w = (torch.randn(32768, 1024, device="cuda", generator=gen) / 32).bfloat16()
-    y = torch.randint(0, 32768, (4096,), device="cuda", generator=gen)
+    h = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = (torch.randn(131072, 1024, device="cuda", generator=gen) / 32).bfloat16()
+    y = torch.randint(0, 131072, (2048,), device="cuda", generator=gen)
     y[::7] = -100
     on_device = lce.chunked_forward(h, w, y, 1000.0, False)
     host = w.cpu().pin_memory()
@@ -91,7 +92,8 @@ def test_on_the_gpu_a_head_in_host_memory_is_streamed_within_two_slices(monkeypa
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - before < host.numel() * host.element_size() / 2
     torch.testing.assert_close(streamed[0], on_device[0], rtol=1e-5, atol=0)
-    torch.testing.assert_close(streamed[1].float(), on_device[1].float(), rtol=2e-2, atol=1e-5)
+    error = (streamed[1].float() - on_device[1].float()).norm() / on_device[1].float().norm()
+    assert error < 1e-2, error  # both round d hidden to bf16, in another order
     assert streamed[2].numel() == 0 and streamed[2].device.type == "cuda"
 
 

