@@ -212,6 +212,18 @@ def test_recomputed_inputs_go_to_the_host_up_to_its_room_then_stay_on_the_device
     assert plan.predicted_peak_bytes == 50 + 10 + 25 + 10  # the device-held input and the kept layer (with its input)
 
 
+def _fresh_gpu_shape(intermediate: int, layers: int):
+    """(LlamaConfig, LoRA q,v config with `auto`) of a 1024-wide model for the planner's GPU tests, with the memory an
+    earlier test left freed first: the planner measures the whole device."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)  # fmt: skip
+    cfg = build_config({"model_name_or_path": "x", "finetuning_type": "lora", "lora_target": "q_proj,v_proj",
+                        "gradient_checkpointing": "auto"})  # fmt: skip
+    return config, cfg
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("inputs_on_host", [False, True], ids=["inputs-on-gpu", "inputs-on-host"])
 def test_on_the_gpu_a_probe_of_four_layers_predicts_the_whole_stack(monkeypatch, inputs_on_host):
@@ -225,13 +237,7 @@ def test_on_the_gpu_a_probe_of_four_layers_predicts_the_whole_stack(monkeypatch,
     from tiletune.patch import apply_kernels
     from tiletune.train import recompute
 
-    gc.collect()  # the planner measures the whole device: what an earlier test left must be gone
-    torch.cuda.empty_cache()
-
-    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)  # fmt: skip
-    cfg = build_config({"model_name_or_path": "x", "finetuning_type": "lora", "lora_target": "q_proj,v_proj",
-                        "gradient_checkpointing": "auto"})  # fmt: skip
+    config, cfg = _fresh_gpu_shape(intermediate=4096, layers=12)
     torch.manual_seed(0)
     model = prepare_for_training(cfg, LlamaForCausalLM(config).to("cuda", torch.bfloat16))
     apply_kernels(model, {"linear_cross_entropy": "chunked"})
@@ -259,13 +265,8 @@ def test_levers_are_pulled_in_order_when_recomputation_is_not_enough():
 
     from tiletune.train.recompute import MARGIN
 
-    gc.collect()  # the planner measures the whole device: what an earlier test left must be gone
-    torch.cuda.empty_cache()
     # a wide MLP, so a layer's backward (not the loss's chunk of logits) is the peak: 256 MiB per intermediate
-    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=16384, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)  # fmt: skip
-    cfg = build_config({"model_name_or_path": "x", "finetuning_type": "lora", "lora_target": "q_proj,v_proj",
-                        "gradient_checkpointing": "auto"})  # fmt: skip
+    config, cfg = _fresh_gpu_shape(intermediate=16384, layers=4)
     tokens = torch.randint(0, 32000, (1, 8192), device="cuda")
     table = 32000 * 1024 * 2
 
