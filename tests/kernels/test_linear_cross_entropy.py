@@ -95,6 +95,8 @@ def test_on_the_gpu_a_head_in_host_memory_is_streamed_a_slice_at_a_time(monkeypa
     error = (streamed[1].float() - on_device[1].float()).norm() / on_device[1].float().norm()
     assert error < 1e-2, error  # both round d hidden to bf16, in another order
     assert streamed[2].numel() == 0 and streamed[2].device.type == "cuda"
+    whole = lce.reference_forward(h, host, y, 1000.0, False)  # the reference copies a head in host memory whole
+    torch.testing.assert_close(whole[0], on_device[0], rtol=1e-5, atol=0)
 
 
 def test_frozen_weight_gets_no_gradient():

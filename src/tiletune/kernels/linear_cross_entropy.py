@@ -95,7 +95,9 @@ def _forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, wei
 
 def reference_forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, weight_grad: bool,
                       softcap: float = 0.0):  # fmt: skip
-    """(loss, dloss/dhidden, dloss/dweight or an empty tensor), all tokens at once."""
+    """(loss, dloss/dhidden, dloss/dweight or an empty tensor), all tokens at once; a weight elsewhere (a head in host
+    memory) is copied whole to the hidden states' device."""
+    weight = weight.to(hidden.device)
     return _forward(hidden, weight, labels, divisor, weight_grad, softcap, chunk=max(hidden.shape[0], 1))
 
 
