@@ -520,11 +520,12 @@ class _ProbeResult:
         """The step's peak with every layer recomputed, optimizer state included, less the inputs of
         `spared_inputs_offloaded` spared layers (held in the probe; on the host once recomputed), plus what each of
         `unprobed_layers` (recomputed, their inputs on the host or not) adds on a GPU."""
-        keep, selective = self.spared_bytes()
-        # on a GPU: the peak while the spared layers were held, less them, or the peak after their backward
-        peak = max(self.peak - keep - selective, self.peak_below) if self.on_gpu else _parameter_bytes(model)
-        if self.on_gpu:
+        if self.on_gpu:  # the peak while the spared layers were held, less them, or the peak after their backward
+            keep, selective = self.spared_bytes()
+            peak = max(self.peak - keep - selective, self.peak_below)
             peak += sum(_unprobed_bytes(layer, self.input_bytes, inputs_on_host) for layer in unprobed_layers)
+        else:  # the saved tensors are counted per layer (`held`); the step itself holds the parameters
+            peak = _parameter_bytes(model)
         return _optimizer_state_bytes(model) + peak - spared_inputs_offloaded * self.input_bytes
 
 
