@@ -1,6 +1,9 @@
 """Shared test setup: `gpu` tests run only where torch sees a CUDA or ROCm device."""
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -9,6 +12,11 @@ import torch
 # Tests never reach a hub: fail fast instead of waiting on the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Each test process gets its own datasets cache: a config with `overwrite_cache: true` (force_redownload) would
+# otherwise delete the cache folder another xdist worker is writing the same demo file's dataset into.
+_DATASETS_CACHE = tempfile.mkdtemp(prefix=f"tiletune-datasets-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-")
+os.environ["HF_DATASETS_CACHE"] = _DATASETS_CACHE
+atexit.register(shutil.rmtree, _DATASETS_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
