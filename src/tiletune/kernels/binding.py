@@ -109,6 +109,25 @@ def head_read_in_slices(head: nn.Module):
         head.__dict__.pop(HEAD_READ_IN_SLICES, None)
 
 
+class SideCopy:
+    """`tensor` copied to `device` on the side `stream`, so the copy runs beside the work queued on the current
+    stream; `take()` hands it over once it has arrived. (Host-kept weights: the lm_head's prefetch, the streamed
+    loss's vocabulary slices.)"""
+
+    def __init__(self, tensor: torch.Tensor, device: torch.device, stream: torch.cuda.Stream):
+        with torch.cuda.stream(stream):
+            self.copy = tensor.to(device, non_blocking=True)
+            self.arrived = torch.cuda.Event()
+            self.arrived.record(stream)
+
+    def take(self) -> torch.Tensor:
+        """The copy, for work queued on the current stream from here on."""
+        current = torch.cuda.current_stream(self.copy.device)
+        current.wait_event(self.arrived)
+        self.copy.record_stream(current)  # allocated on the side stream, freed after the work queued on this one
+        return self.copy
+
+
 def innermost(func: Callable) -> Callable:
     """The function under every functools.wraps decorator layer."""
     while hasattr(func, "__wrapped__"):

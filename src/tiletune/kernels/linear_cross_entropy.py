@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from tiletune.kernels._tilelang import accumulate_dtype
-from tiletune.kernels.binding import Binding, Site, head_read_in_slices
+from tiletune.kernels.binding import Binding, SideCopy, Site, head_read_in_slices
 from tiletune.kernels.customop import Signature, make_custom_op
 from tiletune.kernels.registry import Impl, Op, add, define
 
@@ -160,23 +160,13 @@ def _device_slices(weight: Tensor, device: torch.device, rows: int):
     if weight.device == device:
         yield from ((first, weight[first : first + rows]) for first in starts)
         return
-    copier, compute = torch.cuda.Stream(device), torch.cuda.current_stream(device)
-
-    def send(first: int):
-        with torch.cuda.stream(copier):
-            piece = weight[first : first + rows].to(device, non_blocking=True)
-            arrived = torch.cuda.Event()
-            arrived.record(copier)
-        return first, piece, arrived
-
-    pending = send(0)
-    for following in [*starts[1:], None]:
-        first, piece, arrived = pending
-        if following is not None:
-            pending = send(following)
-        compute.wait_event(arrived)
-        piece.record_stream(compute)  # allocated on the copy stream, freed after this slice's work on this one
-        yield first, piece
+    copier = torch.cuda.Stream(device)
+    pending = SideCopy(weight[:rows], device, copier)
+    for first in starts:
+        arrived = pending
+        if first + rows < weight.shape[0]:
+            pending = SideCopy(weight[first + rows : first + 2 * rows], device, copier)
+        yield first, arrived.take()
 
 
 def reference_backward(dloss: Tensor, dhidden: Tensor, dweight: Tensor):

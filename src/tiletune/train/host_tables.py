@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from tiletune.kernels.binding import HEAD_READ_IN_SLICES
+from tiletune.kernels.binding import HEAD_READ_IN_SLICES, SideCopy
 
 HOST_DEVICE = "_tiletune_host_device"  # where a module on the host computes; its presence marks the module
 
@@ -88,24 +88,13 @@ def head_to_host(model: nn.Module) -> None:
     stream = torch.cuda.Stream(device)
 
     def prefetch(module, args) -> None:
-        if head.__dict__.get(HEAD_READ_IN_SLICES):
-            return
-        with torch.cuda.stream(stream):
-            weight = head.weight.to(device, non_blocking=True)
-            arrived = torch.cuda.Event()
-            arrived.record(stream)
-        head._tiletune_prefetched = (weight, arrived)
+        if not head.__dict__.get(HEAD_READ_IN_SLICES):
+            head._tiletune_prefetched = SideCopy(head.weight, device, stream)
 
     def fetch_weight() -> Tensor:
         """The weight on the device: the copy the forward's start sent, or a copy now."""
         prefetched = head.__dict__.pop("_tiletune_prefetched", None)
-        if prefetched is None:
-            return head.weight.to(device, non_blocking=True)
-        weight, arrived = prefetched
-        current = torch.cuda.current_stream(device)
-        current.wait_event(arrived)
-        weight.record_stream(current)  # allocated on the copy stream, freed after the loss's work on this one
-        return weight
+        return head.weight.to(device, non_blocking=True) if prefetched is None else prefetched.take()
 
     head.fetch_weight = fetch_weight
     head.forward = lambda hidden: F.linear(hidden, fetch_weight())
