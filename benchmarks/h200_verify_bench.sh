@@ -50,7 +50,8 @@
 #   moe:    the GPU tests of moe_experts, benchmarks/kernel_bench.py --only moe (grouped GEMM against a dense GEMM over
 #           the same rows and torch's grouped_mm), then `tiletune bench` of MOE_PRESET (default qwen3-30b-a3b;
 #           mixtral-8x7b) on its first LAYERS (default 12) layers: stock (grouped_mm experts), Liger, the fastest dense set, and
-#           that set + moe_experts
+#           that set + moe_experts; MOE_VARIANTS replaces that list (e.g. "baseline,liger,rms_norm,rope,lora_linear,
+#           linear_cross_entropy" to find which op costs the gap to Liger), PROFILE=1 adds `--profile`
 #           (KERNELS=0 skips the GPU tests and the kernel timings)
 #   families: the GPU tests of rms_norm (offset form included) and the gated MLP ops, then `tiletune verify` of every
 #           kernel on 2 decoder layers of each preset in FAMILY_PRESETS (default: qwen3-8b mistral-7b gemma3-12b
@@ -176,7 +177,8 @@ moe)
     MOE_PRESET=${MOE_PRESET:-qwen3-30b-a3b}
     FAST=rms_norm+rope+swiglu+linear_cross_entropy+lora_linear  # the fastest dense set (no `linear`: 1.02x alone)
     python3 -m tiletune bench "$CONFIG" --model-preset "$MOE_PRESET" --layers "${LAYERS:-12}" --steps 5 --warmup 2 \
-        --variants "baseline,liger,$FAST,$FAST+moe_experts" --out "$OUT/bench-$MOE_PRESET" 2>&1 | tail -8 ;;
+        --variants "${MOE_VARIANTS:-baseline,liger,$FAST,$FAST+moe_experts}" ${PROFILE:+--profile} \
+        --out "$OUT/bench-$MOE_PRESET" 2>&1 | tail -8 ;;
 families-bench)
     # per family: stock, Liger, the fastest set, and the fastest set under `auto` at Liger's and at stock's peak (same
     # run). On 2026-12-05 (H100) `all` (with `linear`) was level with Liger, and 4 presets took 4 calls
