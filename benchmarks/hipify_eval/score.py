@@ -135,7 +135,7 @@ CLASSES: dict[str, ChangeClass] = {
     "half-host-operator": ChangeClass(("device-only-math",), False, "a `__half` operator (device-only in HIP) used in host code"),
     "constexpr-device-call": ChangeClass(("device-only-math", "constexpr-std-minmax", "constexpr-device-only"), False,
                                          "a `constexpr __device__` function called from host code (nvcc's relaxed constexpr; hip-clang rejects it)"),
-    "stdlib-host-call": ChangeClass(("device-std-clamp",), False, "a host-only standard-library member (`std::optional::value()`) called in device code"),
+    "stdlib-host-call": ChangeClass(("device-std-clamp", "device-std-throw"), False, "a host-only standard-library member (`std::optional::value()`) called in device code"),
     "hcc-platform-macro": ChangeClass(("compiler-guard",), False,
                                       "a test of `__HIP_PLATFORM_HCC__`, which ROCm 6.0 and torch >= 2.3 no longer define: the AMD branch compiles out"),
     "hipify-kernel-launch": ChangeClass((), False, "a `<<<>>>` launch torch's hipify rewrote into broken code, rewritten by hand",
@@ -145,6 +145,16 @@ CLASSES: dict[str, ChangeClass] = {
     "warp-lds-sync": ChangeClass((), False, "a `__syncwarp` added to a warp-synchronous shared-memory loop"),
     "pragma-placement": ChangeClass((), False, "a `#pragma unroll` with no loop after it (clang rejects it)"),
     "missing-runtime-feature": ChangeClass((), False, "a CUDA runtime feature HIP lacks (`cudaStreamLegacy`), emulated"),
+    # round 14's classes, defined by its labellers (before the round was scored)
+    "cg-missing-api": ChangeClass(("cg-missing-api",), False,
+                                  "a cooperative-groups API HIP lacks (`cg::reduce`, `cg::labeled_partition`), rebuilt from shuffles"),
+    "device-ctad": ChangeClass(("device-ctad",), False, "class template argument deduction (`std::array{...}`) in device code: hip-clang rejects the host-only guide"),
+    "hipify-math-rewrite": ChangeClass((), False, "a `std::min` / `std::max` that torch's hipify rewrites to `::min` / `::max`, absent from a host pass",
+                                       kept_covers=True),
+    "device-link": ChangeClass(("device-link",), False, "a `__device__` function linked from another file (nvcc -rdc) moved into the header: no -fgpu-rdc in the HIP build"),
+    "narrowing-init": ChangeClass(("builtin-index-narrowing",), False, "a braced initialiser narrowing a non-constant (`{threadIdx.x, ...}` into an int): clang rejects it, nvcc warns"),
+    "auto-builtin-index": ChangeClass(("auto-builtin-index",), False,
+                                      "`auto i = blockIdx.y`: before ROCm 6.1 a proxy type whose `+=` does not update `i`, written as `int`"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).

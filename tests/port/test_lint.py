@@ -135,6 +135,21 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     (("constexpr int kLanes = kWarpSize;  // kWarpSize: another header's\n"  # the file's alias of it, on the host
       "void launch(int rows, cudaStream_t s) { dim3 block(kLanes, 8); rows_kernel<<<rows, block, 0, s>>>(); }"),
      "host-warp-size"),
+    ("#ifndef __HIP_PLATFORM_HCC__\n  threads.y = 1;  // CUDA only\n#endif", "compiler-guard"),  # taken from ROCm 6.0
+    ("__global__ void k(std::optional<const Acc<float, 3>> sz, float* o) { o[0] = sz.value()[0][0][0]; }",
+     "device-std-throw"),  # an optional kernel parameter
+    ("__device__ std::pair<int, float> best(int k, float v) { return std::pair(k, v); }", "device-ctad"),
+    ("namespace cooperative = ::cooperative_groups;\n__device__ void f() { cooperative::memcpy_async(g, d, s, n); }",
+     "cg-missing-api"),  # an alias of another name
+    ("__device__ void f(float v) { Pair p{blockIdx.x, v}; }", "builtin-index-narrowing"),
+    ("__device__ Pair f(float v) { return {threadIdx.x, v}; }", "builtin-index-narrowing"),  # the return type's
+    ("__device__ void f(float v) { Pair p = {threadIdx.y, v}; }", "builtin-index-narrowing"),
+    ("__global__ void k(float* x, int n) { auto i = threadIdx.x; while (i < n) { x[i] = 0; i += blockDim.x; } }",
+     "auto-builtin-index"),
+    ("__device__ float lerp(float a, float b, float t);\n__global__ void k(float* x) { x[0] = lerp(x[1], x[2], .5f); }",
+     "device-link"),
+    ("int limit = dh::MaxSharedMemoryOptin(device);", "smem-optin-zero"),  # a project's helper for the opt-in limit
+    ("__global__ void k(int* counts) { atomicMax_block(&counts[0], threadIdx.x); }", "missing-intrinsic"),
 ])
 def test_rule_variants_fire(code, rule):
     assert rule in {f.rule for f in lint_text(code, "snippet.cu")}
@@ -231,6 +246,26 @@ def test_rule_variants_fire(code, rule):
      "compiler-guard"),
     ("constexpr int kLanes = 32;\nvoid launch(int rows) { dim3 block(kLanes, 8); rows_kernel<<<rows, block>>>(); }",
      "host-warp-size"),  # the file's own number, not another header's warp size
+    ("struct P { std::array<float, 4> c; };\nfloat host_sum(const P& p) { return p.c.at(0) + p.c.at(3); }",
+     "device-std-throw"),  # host code may throw
+    ("__device__ float f(const View& v) { return v.at(1); }", "device-std-throw"),  # the project's own at()
+    ("__device__ int f() { constexpr std::array<int, 2> a{1, 2}; return a[0]; }", "device-ctad"),  # arguments given
+    ("auto sizes = std::array{2, 3};\nvoid build() { auto s = std::array{1, 2}; }", "device-ctad"),  # host code
+    ("auto g = cg::tiled_partition<32>(block);\nv += g.shfl_xor(v, 1);\nauto m = g.match_any(label);", "cg-missing-api"),
+    ("__global__ void k() { dim3 at{threadIdx.x, blockIdx.x, 0}; uint32_t u{threadIdx.y}; }", "builtin-index-narrowing"),
+    ("__global__ void k(float* x) { if (threadIdx.x == 0) { x[threadIdx.x] = 0; } }", "builtin-index-narrowing"),
+    # HIP's vector types construct from it (constructor templates; checked with hipcc 5.2)
+    ("__device__ int2 f() { return {threadIdx.x, 0}; }\n__device__ void g() { int4 v = {threadIdx.x, 0, 0, 0}; }",
+     "builtin-index-narrowing"),
+    ("__global__ void k(float* x) { auto i = blockIdx.x * blockDim.x + threadIdx.x; x[i] = 0; }", "auto-builtin-index"),
+    ("__global__ void k(float* x) { auto row = blockIdx.y; x[row] = 1; }", "auto-builtin-index"),  # never changed
+    ("__device__ float lerp(float a, float b, float t);\n__device__ float lerp(float a, float b, float t) { return a; }",
+     "device-link"),  # declared, then defined here
+    ("template __device__ float quantile<float>(const float* v, int n);", "device-link"),  # an explicit instantiation
+    (("template <typename T> struct Smem {\n  __device__ T* get() {\n    extern __device__ void error(void);\n"
+      "    error();\n    return nullptr;\n  }\n};"), "device-link"),  # undefined on purpose: no instantiation links
+    ("__global__ void k(float* x) { x[cg::this_grid().thread_rank()] = 0; }", "grid-sync"),  # an index, no sync
+    ("static_assert(kTile == 32, \"tiles of 32 columns\");", "warp-size-assert"),  # says nothing of warps
 ])
 def test_rule_variants_stay_silent(code, rule):
     found = [f for f in lint_text(code, "snippet.cu") if f.rule in ({rule} if rule else {"libcudacxx"})]

@@ -96,6 +96,9 @@ TORCH_TABLE_GAPS: list[Rewrite] = [
     Rewrite(re.compile(r"\bCUB_NAMESPACE_BEGIN\b"), "BEGIN_HIPCUB_NAMESPACE", "hipify-clang's CUB table"),
     Rewrite(re.compile(r"\bCUB_NAMESPACE_END\b"), "END_HIPCUB_NAMESPACE", "hipify-clang's CUB table"),
     Rewrite(re.compile(r"\bcudaKernelNodeParams\b"), "hipKernelNodeParams", "HIP graph API, missing from torch's table"),
+    Rewrite(re.compile(r"\bnv_bfloat16(2?)\b"), r"__hip_bfloat16\1",
+            "cuda_bf16.h's typedef names `nv_bfloat16` / `nv_bfloat162`, which HIP does not declare; torch's table "
+            "maps only `__nv_bfloat16` / `__nv_bfloat162`"),
     Rewrite(re.compile(r"\bhipFuncSetAttribute\s*\(\s*(?!\(\s*const\s+void\s*\*\s*\))"),
             "hipFuncSetAttribute((const void*)",
             "hipcc only declares `hipFuncSetAttribute(const void*, ...)`: a kernel name does not convert implicitly"),

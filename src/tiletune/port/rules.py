@@ -875,7 +875,9 @@ def check_compiler_guards(text: str) -> Iterable[Hit]:
                 or _legacy_warp_fallback(text, directive, found))
 
     cuda = list(_guards_compiling_out(text, _CUDA_VERSION_TEST, true_alone=True, skip=undecided))
-    hcc = list(_guards_compiling_out(text, _HCC_TEST))  # an AMD branch of the hcc era, compiled out from ROCm 6.0
+    # an AMD branch of the hcc era is compiled out from ROCm 6.0, and an `#ifndef __HIP_PLATFORM_HCC__` branch meant
+    # for CUDA alone is taken
+    hcc = list(_guards_compiling_out(text, _HCC_TEST, true_alone=True))
     return sorted({hit.line: hit for hit in cuda + gcc + nvcc + hcc}.values(), key=lambda hit: hit.line)
 
 
@@ -1117,6 +1119,7 @@ def check_host_warp_size(text: str) -> Iterable[Hit]:
 # ---- CUDA intrinsics and overloads HIP does not have --------------------------------------------
 
 _MISSING_INTRINSIC = re.compile(r"\b(?:__dp4a|__dp2a_(?:lo|hi)|__nanosleep|__reduce_\w+_sync|"
+                                r"atomic(?:Add|Sub|Exch|Min|Max|Inc|Dec|CAS|And|Or|Xor)_block|"
                                 r"__ldlu|__ldcv|__st(?:wb|cg|cs|wt)|"
                                 r"__v(?:add|sub|abs|absdiff|avg|hadd|max|min|neg|sad|cmp(?:eq|ne|lt|le|gt|ge)|"
                                 r"set(?:eq|ne|lt|le|gt|ge))(?:s|u|ss|us)?[24])\s*\(")
@@ -1336,6 +1339,20 @@ def check_constexpr_warp_size(text: str) -> Iterable[Hit]:
             yield Hit(*_position(text, match.start() + match.group(0).find("warpSize")), f"`warpSize` in {what}")
 
 
+_WARP_SIZE_ASSERT = re.compile(
+    rf"\bstatic_assert\s*\(\s*((?:\w+::)*{_WARP_SIZE_NAME}\s*==\s*32[uU]?)\s*[,)]"
+    rf"|\bstatic_assert\s*\(\s*(32[uU]?\s*==\s*(?:\w+::)*{_WARP_SIZE_NAME})\s*[,)]"
+    # another constant held to 32, its message saying why ("relies on block_size == warp_size")
+    r"|\bstatic_assert\s*\(\s*((?:\w+::)*\w+\s*==\s*32[uU]?)\s*,\s*\"[^\"\n]*(?i:warp)")
+
+
+def check_warp_size_asserts(text: str) -> Iterable[Hit]:
+    """Flag a `static_assert` that a warp-size constant is 32, or that another constant is 32 with a message that
+    names the warp; the assertion may span lines (the finding sits on the comparison)."""
+    for match in _WARP_SIZE_ASSERT.finditer(text):
+        yield Hit(*_position(text, match.start(match.lastindex)))
+
+
 def check_device_std_clamp(text: str) -> Iterable[Hit]:
     """Flag `std::clamp(` in a function compiled for the device: libstdc++ 14 asserts its bounds through a host
     function, which hipcc refuses to call from device code (nvcc's own headers never reach that assert)."""
@@ -1345,7 +1362,183 @@ def check_device_std_clamp(text: str) -> Iterable[Hit]:
                 yield Hit(*_position(text, function.body_start + call.start()), f"in `{function.name}`")
 
 
-_GRID_SYNC = re.compile(r"\bthis_grid\s*\(|\bgrid_group\b|\bcudaLaunchCooperativeKernel\w*")
+# Standard-library class templates whose deduction guides are host functions under hip-clang, and members that
+# reach a host-only `__throw_*` helper (bounds-checked access, an empty optional's value).
+_DEDUCED_STD = re.compile(r"\bstd::(?:array|pair|tuple|optional|complex)(?=\s*[{(]|\s+\w+\s*(?:[{(]|=\s*\{))")
+_THROWING_MEMBER = {"array": "at", "vector": "at", "string": "at", "basic_string": "at", "deque": "at", "map": "at",
+                    "unordered_map": "at", "optional": "value"}
+_STD_DECLARATION = re.compile(rf"\bstd::({'|'.join(_THROWING_MEMBER)})\s*<")
+
+
+def check_device_ctad(text: str) -> Iterable[Hit]:
+    """Flag a standard-library class template written without its arguments (`std::array{1, 2}`,
+    `std::pair p(a, b)`) in a function compiled for the device: the deduction goes through a guide hip-clang takes
+    for a host function."""
+    for function in functions(text):
+        if function.device:
+            for use in _DEDUCED_STD.finditer(text, function.body_start, function.body_end):
+                yield Hit(*_position(text, use.start()), f"in `{function.name}`")
+
+
+def _closing_angle(text: str, open_angle: int) -> int | None:
+    """Index of the `>` closing the template argument list that opens at `open_angle`."""
+    depth = 0
+    for index in range(open_angle, min(len(text), open_angle + 2000)):
+        depth += {"<": 1, "(": 1, ">": -1, ")": -1}.get(text[index], 0)
+        if depth == 0:
+            return index
+    return None
+
+
+def _names_declared_as(text: str) -> dict[str, str]:
+    """Variables, parameters and members declared in `text` as one of `_THROWING_MEMBER`'s standard types: name ->
+    the member that throws on them."""
+    declared = {}
+    for match in _STD_DECLARATION.finditer(text):
+        close = _closing_angle(text, match.end() - 1)
+        name = re.match(r">\s*(?:const\s*)?[&*]?\s*(\w+)\s*[;,)={\[]", text[close:]) if close is not None else None
+        if name:
+            declared[name.group(1)] = _THROWING_MEMBER[match.group(1)]
+    return declared
+
+
+def check_device_std_throw(text: str) -> Iterable[Hit]:
+    """Flag `x.at(i)` on a `std::array` / `std::vector` / ... and `x.value()` on a `std::optional`, declared so in the
+    file (member chains count by their last name: `dist.poly.at(1)`), in a function compiled for the device: both
+    reach libstdc++'s host-only `__throw_out_of_range_fmt` / `__throw_bad_optional_access`."""
+    declared = _names_declared_as(text)
+    if not declared:
+        return
+    call = re.compile(rf"\b({'|'.join(map(re.escape, sorted(declared)))})\s*(?:\.|->)\s*(at|value)\s*\(")
+    for function in functions(text):
+        if function.device:
+            for use in call.finditer(text, function.body_start, function.body_end):
+                if declared[use.group(1)] == use.group(2):
+                    yield Hit(*_position(text, use.start()), f"`{use.group(1)}.{use.group(2)}()` in `{function.name}`")
+
+
+# ---- cooperative-groups APIs HIP does not have -------------------------------------------------
+
+_CG_MISSING_HEADER = re.compile(r"^[ \t]*#[ \t]*include[ \t]*[<\"]cooperative_groups/(?:reduce|scan|memcpy_async)\.h[>\"]",
+                                re.MULTILINE)
+_CG_MISSING_NAMES = (r"(?:reduce|inclusive_scan|exclusive_scan|labeled_partition|memcpy_async|wait_prior|wait|"
+                     r"invoke_one|invoke_one_broadcast)\s*[(<]|(?:plus|less|greater|bit_and|bit_or|bit_xor)\s*<")
+
+
+def check_cooperative_groups_api(text: str) -> Iterable[Hit]:
+    """Flag the cooperative-groups headers and calls HIP lacks (checked against ROCm/clr's
+    amd_hip_cooperative_groups.h through ROCm 6.2): `<cooperative_groups/reduce.h>` / `scan.h` / `memcpy_async.h`,
+    `cg::reduce` and its functors (`cg::plus<T>`), the scans, `labeled_partition`, `memcpy_async` / `wait`,
+    `invoke_one`; through the namespace or any alias of it (`namespace cg = cooperative_groups;`)."""
+    aliases = {"cooperative_groups", *re.findall(r"\bnamespace\s+(\w+)\s*=\s*(?:::)?cooperative_groups\s*;", text)}
+    use = re.compile(rf"\b(?:{'|'.join(sorted(aliases))})\s*::\s*(?:{_CG_MISSING_NAMES})")
+    hits = {_position(text, found.start())[0]: found.start() for found in _CG_MISSING_HEADER.finditer(text)}
+    for found in use.finditer(text):
+        hits.setdefault(_position(text, found.start())[0], found.start())
+    for offset in sorted(hits.values()):
+        yield Hit(*_position(text, offset))
+
+
+# ---- the built-in index variables: unsigned, and proxies before ROCm 6.1 ----------------------
+
+_BUILTIN_INDEX = r"(?:threadIdx|blockIdx|blockDim|gridDim)\s*\.\s*[xyz]"
+_INDEX_ELEMENT = re.compile(rf"[{{,]\s*({_BUILTIN_INDEX})\s*(?=[,}}])")
+# types a built-in index initialises without narrowing: unsigned or wider, and HIP's vector types (constructor
+# templates, not aggregates: `int2 v{threadIdx.x, 0}` compiles)
+_TAKES_AN_INDEX = re.compile(r"^(?:dim3|unsigned|uint(?:8|16|32|64)?_t|int64_t|size_t|long|uint|auto|"
+                             r"u?(?:char|short|int|long|longlong)[1-4]|float[1-4]|double[1-4])$")
+_DECLARED_TYPE = re.compile(r"(\w+)\s*(?:<(?:[^<>;]|<[^<>;]*>)*>)?\s*(?:[&*]\s*)?(?:\w+\s*(?:\[[^\]]*\]\s*)?(?:=\s*)?)?$")
+
+
+def _opening_brace(text: str, offset: int) -> int | None:
+    """The `{` of the brace list holding `offset` (None inside parentheses, brackets or past a statement's end)."""
+    depth = 0
+    for index in range(offset, max(-1, offset - 400), -1):
+        char = text[index]
+        if char in ")]}":
+            depth += 1
+        elif char in "([{":
+            if depth == 0:
+                return index if char == "{" else None
+            depth -= 1
+        elif char == ";" and depth == 0:
+            return None
+    return None
+
+
+def check_builtin_index_narrowing(text: str) -> Iterable[Hit]:
+    """Flag a bare built-in index in a braced initialiser (`Reduce({threadIdx.x, gain}, op)`, `Pair p{blockIdx.x}`,
+    `return {threadIdx.x, v};`) unless the type it initialises, where the code names it (before the brace, before
+    the variable, or as the function's return type), takes one without narrowing (`dim3`, `uint32_t`, `int2`):
+    the index is `unsigned int`, and list-initialising an `int` or a `float` from it is an error under clang."""
+    for element in _INDEX_ELEMENT.finditer(text):
+        brace = element.start() if text[element.start()] == "{" else _opening_brace(text, element.start() - 1)
+        if brace is None:
+            continue
+        before = text[max(0, brace - 120) : brace].rstrip()
+        if before.endswith(("(", ",")):
+            declared = None  # a parameter: its type is elsewhere
+        elif before.endswith("return"):
+            function = enclosing_function(text, brace)
+            declared = re.search(r"(\w+)\s*[&*]?\s*$", function.before_name) if function else None
+        else:
+            declared = _DECLARED_TYPE.search(before)
+            if not declared or before.endswith(")") or declared.group(1) in _CONTROL:
+                continue  # a block
+        if declared and _TAKES_AN_INDEX.match(declared.group(1)):
+            continue
+        yield Hit(*_position(text, element.start(1)))
+
+
+def check_auto_builtin_index(text: str) -> Iterable[Hit]:
+    """Flag `auto i = blockIdx.y` (or another built-in index) where `i` is then changed (`i += gridDim.y`, `++i`)."""
+    for declared in re.finditer(rf"\bauto\s+(\w+)\s*=\s*{_BUILTIN_INDEX}\s*[;,)]", text):
+        name = declared.group(1)
+        function = enclosing_function(text, declared.start())
+        end = function.body_end if function else len(text)
+        if re.search(rf"\b{name}\s*(?:[-+*/]=|\+\+|--)|(?:\+\+|--)\s*{name}\b", text[declared.end() - 1 : end]):
+            yield Hit(*_position(text, declared.start()), f"`{name}`")
+
+
+# ---- device functions defined in another translation unit -------------------------------------
+
+_DEVICE_PROTOTYPE = re.compile(r"(?:^|[;{}])\s*((?:template\s*<(?:[^<>]|<[^<>]*>)*>\s*)?"
+                               r"(?:(?:static|inline|extern|__forceinline__|__noinline__)\s+)*__device__\b[^;{}()]*?"
+                               r"\b(\w+)\s*\((?:[^()]|\([^()]*\))*\)\s*(?:const\s*)?;)", re.MULTILINE)
+
+
+def _in_a_body(text: str, offset: int) -> bool:
+    """Whether `offset` lies in a function body: the innermost open brace before it follows a parameter list
+    (`operator T*() {` included, which `functions` does not name)."""
+    depth = 0
+    for index in range(offset - 1, -1, -1):
+        if text[index] == "}":
+            depth += 1
+        elif text[index] == "{":
+            if depth == 0:
+                return bool(re.search(r"\)\s*(?:const\s*|noexcept\s*|override\s*)*$", text[max(0, index - 200) : index]))
+            depth -= 1
+    return False
+
+
+def check_device_declarations(text: str) -> Iterable[Hit]:
+    """Flag a `__device__` function declared without a body that the file never defines: its body is in another
+    translation unit, which nvcc links with relocatable device code (`-rdc`, CUDA_SEPARABLE_COMPILATION) and a HIP
+    build only with `-fgpu-rdc`. Not an explicit instantiation (`template __device__ T f<int>(...);`), nor a
+    declaration inside a function (`extern __device__ void error(void);`: a symbol left undefined on purpose, so a
+    template that must not be instantiated fails to link)."""
+    defined = {function.name for function in functions(text)}
+    for match in _DEVICE_PROTOTYPE.finditer(text):
+        declaration, name = match.group(1), match.group(2)
+        if (name in defined or "__global__" in declaration or _in_a_body(text, match.start(1))
+                or re.match(r"template\s+__device__|template\s*[^<\s]", declaration)):
+            continue
+        yield Hit(*_position(text, match.start(1)), f"`{name}` is defined elsewhere")
+
+
+# `this_grid()` read for an index or a size only (`cg::this_grid().thread_rank()`) needs no co-resident grid
+_GRID_SYNC = re.compile(r"\bthis_grid\s*\((?!\s*\)\s*\.\s*(?:thread_rank|size|num_threads|block_rank|num_blocks|"
+                        r"dim_blocks|block_index|thread_index|is_valid)\s*\()|\bgrid_group\b|\bcudaLaunchCooperativeKernel\w*")
 _COOPERATIVE_LAUNCH = re.compile(r"\b(?:cuda|hip)LaunchCooperativeKernel\w*")
 _DEVICE_SIZED_GRID = re.compile(r"OccupancyMaxActiveBlocksPerMultiprocessor|\bmulti[Pp]rocessorCount\b|MultiProcessorCount\b")
 
@@ -1813,8 +2006,7 @@ RULES: list[Rule] = [
         "64), then assert what it supports: `static_assert(kWarpSize == 32 || kWarpSize == 64)`.",
         before="static_assert(kWarpSize == 32, \"unexpected warp size\");",
         after="static_assert(kWarpSize == 32 || kWarpSize == 64, \"unexpected warp size\");",
-        pattern=re.compile(rf"\bstatic_assert\s*\(\s*(?:\w+::)*{_WARP_SIZE_NAME}\s*==\s*32[uU]?\s*[,)]"
-                           rf"|\bstatic_assert\s*\(\s*32[uU]?\s*==\s*(?:\w+::)*{_WARP_SIZE_NAME}\s*[,)]"),
+        check=check_warp_size_asserts,
     ),
     Rule(
         "device-std-clamp", "error", "`std::clamp` in device code",
@@ -1826,6 +2018,75 @@ RULES: list[Rule] = [
         before="__device__ int8_t to_int8(float x) { return std::clamp(x, -128.f, 127.f); }",
         after="__device__ int8_t to_int8(float x) { return fminf(fmaxf(x, -128.f), 127.f); }",
         check=check_device_std_clamp,
+    ),
+    Rule(
+        "device-std-throw", "error", "a throwing standard-library member in device code",
+        "`std::array::at` / `std::vector::at` check the index and `std::optional::value` the presence through "
+        "libstdc++'s `__throw_out_of_range_fmt` / `__throw_bad_optional_access`, host functions. nvcc accepts the "
+        "constexpr members in device code (--expt-relaxed-constexpr); hip-clang stops with \"reference to __host__ "
+        "function in __host__ __device__ function\" (gsplat's ROCm port, torchao's tiled layout).",
+        "Index without the check (`a[i]`), and test an optional before reading it (`if (o) { ... *o ... }`).",
+        before="struct Params { std::array<float, 6> poly; };\n"
+               "__host__ __device__ float slope(const Params& p) { return p.poly.at(1); }",
+        after="struct Params { std::array<float, 6> poly; };\n"
+              "__host__ __device__ float slope(const Params& p) { return p.poly[1]; }",
+        check=check_device_std_throw,
+    ),
+    Rule(
+        "device-ctad", "error", "class template argument deduction of a standard type in device code",
+        "`std::array{1, 2}` (no template arguments) deduces them through a deduction guide, which hip-clang takes "
+        "for a host function: \"reference to __host__ function '<deduction guide for array>' in __host__ __device__ "
+        "function\" (checked with hipcc 5.2). nvcc accepts it.",
+        "Spell the arguments out: `std::array<int64_t, 3>{...}`, `std::pair<int, float>(a, b)`.",
+        before="__host__ __device__ int rank() { constexpr auto dims = std::array{1, 2, 3}; return dims.size(); }",
+        after="__host__ __device__ int rank() { constexpr auto dims = std::array<int, 3>{1, 2, 3}; return dims.size(); }",
+        check=check_device_ctad,
+    ),
+    Rule(
+        "cg-missing-api", "error", "a cooperative-groups API HIP does not have",
+        "HIP's cooperative groups (amd_hip_cooperative_groups.h, checked through ROCm 6.2) have tiles, shuffles, "
+        "votes, `match_any` and `binary_partition`, but no `<cooperative_groups/reduce.h>` (`cg::reduce`, "
+        "`cg::plus`, `cg::greater`), no scans, no `labeled_partition`, no `memcpy_async` / `wait` and no "
+        "`invoke_one`: the port does not compile.",
+        "Reduce with the tile's own shuffles (`for (int o = g.size() / 2; o > 0; o /= 2) v += g.shfl_xor(v, o);`), "
+        "build a labelled group from `g.match_any(label)`, and copy to shared memory with plain loads.",
+        before="#include <cooperative_groups/reduce.h>\nv = cg::reduce(warp, v, cg::plus<float>());",
+        after="for (int o = warp.size() / 2; o > 0; o /= 2) v += warp.shfl_xor(v, o);",
+        check=check_cooperative_groups_api,
+    ),
+    Rule(
+        "builtin-index-narrowing", "error", "a built-in index narrowed in a braced initialiser",
+        "`threadIdx.x` and its kin are `unsigned int`; list-initialising an `int` or a `float` from one "
+        "(`Reduce({threadIdx.x, gain}, cub::ArgMax())` into a `KeyValuePair<int, float>`) is a narrowing "
+        "conversion, which nvcc and g++ only warn about and clang (hipcc) rejects: \"non-constant-expression cannot "
+        "be narrowed\" (checked with hipcc 5.2).",
+        "Cast it: `{static_cast<int>(threadIdx.x), gain}`.",
+        before="auto best = Reduce(storage).Reduce({threadIdx.x, gain}, cub::ArgMax());",
+        after="auto best = Reduce(storage).Reduce({static_cast<int>(threadIdx.x), gain}, cub::ArgMax());",
+        check=check_builtin_index_narrowing,
+    ),
+    Rule(
+        "auto-builtin-index", "warning", "`auto` copy of a built-in index that is then changed",
+        "Up to ROCm 6.0 HIP's `blockIdx.y` (and its kin) is a proxy object that converts to `unsigned`: `auto i = "
+        "blockIdx.y` copies the proxy, ROCm 5.2 gives it no `+=` (a compile error, checked with hipcc 5.2) and "
+        "ROCm 5.3-6.0 a `+=` that leaves `i` unchanged, so a grid-stride loop never advances. ROCm 6.1 made the "
+        "indices plain `unsigned` properties (ROCm/clr 638f9a7c0, c4ae8be65).",
+        "Declare the type: `for (int i = blockIdx.y; i < n; i += gridDim.y)`.",
+        before="for (auto i = blockIdx.y; i < rows; i += gridDim.y) { ... }",
+        after="for (unsigned i = blockIdx.y; i < rows; i += gridDim.y) { ... }",
+        check=check_auto_builtin_index,
+    ),
+    Rule(
+        "device-link", "warning", "a `__device__` function defined in another file",
+        "The file declares a `__device__` function whose body is in another translation unit. nvcc links such "
+        "calls with relocatable device code (`-rdc=true`, CMake's CUDA_SEPARABLE_COMPILATION); a HIP build links "
+        "device code across files only with `-fgpu-rdc` (slower to build, and torch's extension builder does "
+        "not pass it), else the link stops at an undefined device symbol.",
+        "Define the function in the header (`__device__ inline` or a template), or build with `-fgpu-rdc` and link "
+        "with it too.",
+        before="template <typename T> __device__ T percentile(const T* v, int n);  // defined in algorithms.cu",
+        after="template <typename T> __device__ T percentile(const T* v, int n) { ... }  // in the header",
+        check=check_device_declarations,
     ),
     Rule(
         "missing-intrinsic", "error", "CUDA intrinsic HIP does not have",
@@ -1941,7 +2202,9 @@ RULES: list[Rule] = [
         before="cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);",
         after="#ifdef USE_ROCM\ncudaDeviceGetAttribute(&smem, hipDeviceAttributeMaxSharedMemoryPerBlock, dev);\n#else\n"
               "cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);\n#endif",
-        pattern=re.compile(r"\bcudaDevAttrMaxSharedMemoryPerBlockOptin\b|\bsharedMemPerBlockOptin\b"),
+        # or a project's helper named for it (xgboost's dh::MaxSharedMemoryOptin)
+        pattern=re.compile(r"\bcudaDevAttrMaxSharedMemoryPerBlockOptin\b|\bsharedMemPerBlockOptin\b"
+                           r"|\b\w*(?i:shared_?mem\w*opt_?in)\w*\s*\("),
     ),
     Rule(
         "capture-info-v2", "error", "`cudaStreamGetCaptureInfo` with CUDA 12's six arguments",
