@@ -54,7 +54,7 @@ class ChangeClass:
 
 WARP_RULES = ("warp-size-define", "warp-size-literal", "warp-lane-loop", "lane-indexed-warp-array",
               "block-32-threads", "warp-tile-32", "mask-32bit", "ballot-32bit-result", "popc-32bit", "host-warp-size",
-              "warp-size-assert")
+              "warp-size-assert", "warp-buffer-passed-on")
 CLASSES: dict[str, ChangeClass] = {
     "cub-to-hipcub": ChangeClass((), True, "CUB headers / names replaced by hipCUB"),
     "bf16-header": ChangeClass(("bf16-type",), True, "cuda_bf16.h -> hip/hip_bf16.h"),

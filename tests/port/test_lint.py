@@ -150,6 +150,8 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
      "device-link"),
     ("int limit = dh::MaxSharedMemoryOptin(device);", "smem-optin-zero"),  # a project's helper for the opt-in limit
     ("__global__ void k(int* counts) { atomicMax_block(&counts[0], threadIdx.x); }", "missing-intrinsic"),
+    ("__global__ void k(float* x) {\n  __shared__ float sums[32];\n  x[0] = WarpReduceSum(x[0], sums);\n}",
+     "warp-buffer-passed-on"),
 ])
 def test_rule_variants_fire(code, rule):
     assert rule in {f.rule for f in lint_text(code, "snippet.cu")}
@@ -266,6 +268,9 @@ def test_rule_variants_fire(code, rule):
       "    error();\n    return nullptr;\n  }\n};"), "device-link"),  # undefined on purpose: no instantiation links
     ("__global__ void k(float* x) { x[cg::this_grid().thread_rank()] = 0; }", "grid-sync"),  # an index, no sync
     ("static_assert(kTile == 32, \"tiles of 32 columns\");", "warp-size-assert"),  # says nothing of warps
+    (("template <typename T> __device__ T block_scan(T v, T* partial) { return v + partial[0]; }\n"
+      "__global__ void k(float* x) { __shared__ float partial[32]; x[0] = block_scan(x[0], partial); }"),
+     "warp-buffer-passed-on"),  # the helper is the file's own: the lane-indexed read is judged where it is written
 ])
 def test_rule_variants_stay_silent(code, rule):
     found = [f for f in lint_text(code, "snippet.cu") if f.rule in ({rule} if rule else {"libcudacxx"})]

@@ -408,6 +408,25 @@ def check_per_warp_arrays(text: str) -> Iterable[Hit]:
                 yield Hit(*_position(text, offset), f"`{name}` has one slot per 32-lane warp")
 
 
+_WARP_HELPER = re.compile(r"\b(\w*(?i:shuffle|shfl|warp|prefix_?sum|scan|reduce)\w*)\s*(?:<[^;{}()]*?>)?\s*\(")
+
+
+def check_warp_buffers_passed_on(text: str) -> Iterable[Hit]:
+    """Flag a shared array sized by the warp count (`[32]`) handed to a warp-level helper the file does not define
+    (`ShufflePrefixSum(v, buf)`, `ReduceBestGain(..., buf)`): how many slots the helper fills (one per warp, or one per
+    lane of the first warp, 64 on a 64-lane wavefront) is in another header."""
+    defined = {function.name for function in functions(text)} | set(source_constants(text))
+    for array in _PER_WARP_ARRAY.finditer(text):
+        name, function = array.group(1), enclosing_function(text, array.start())
+        end = function.body_end if function else min(len(text), array.end() + 4000)
+        for call in _WARP_HELPER.finditer(text, array.end(), end):
+            if call.group(1) in defined:
+                continue
+            if re.search(rf"(?:^|,)\s*&?\s*{re.escape(name)}\s*(?:,|$)", _balanced_args(text, call.end() - 1)):
+                yield Hit(*_position(text, array.start()), f"`{name}` goes to `{call.group(1)}`")
+                break
+
+
 # ---- templates: dependent names that hipcc (clang) wants spelled out and nvcc (EDG) guesses -----
 
 _TEMPLATE_HEAD = re.compile(r"\btemplate\s*<((?:[^<>]|<[^<>]*>)*)>")
@@ -1618,6 +1637,18 @@ RULES: list[Rule] = [
         before="__shared__ float warp_sums[32];\nv = warp_sums[lane];",
         after="__shared__ float warp_sums[32];\nv = lane < blockDim.x / warpSize ? warp_sums[lane] : 0.f;",
         check=check_per_warp_arrays,
+    ),
+    Rule(
+        "warp-buffer-passed-on", "warning", "a 32-slot per-warp buffer handed to another file's warp helper",
+        "A shared array sized for the warps of a 1024-thread block at 32 lanes (`[32]`) goes to a helper defined in "
+        "another header. A helper that stores one slot per warp needs 16 on a 64-lane wavefront; one that stores a "
+        "slot per lane of the first warp (a block prefix sum's second pass) writes 64 and runs past the array into "
+        "the next shared variable. LightGBM's ROCm port sized every such buffer by the warp size.",
+        "Size the buffer by the hardware's warp width (`[WARP_SIZE]` with WARP_SIZE 64 on gfx9xx), or read the "
+        "helper and size it for what it writes.",
+        before="__shared__ double partial[32];\nfloat total = ShufflePrefixSum<double>(v, partial);",
+        after="__shared__ double partial[WARP_SIZE];  // 64 on gfx9xx\nfloat total = ShufflePrefixSum<double>(v, partial);",
+        check=check_warp_buffers_passed_on,
     ),
     Rule(
         "block-32-threads", "warning", "32-thread block (half a wavefront)",

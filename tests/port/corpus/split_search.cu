@@ -32,3 +32,13 @@ __global__ void node_quantile(const float* values, const int* order, int n, floa
     dim3 at{threadIdx.x, blockIdx.x, 0};
     out[at.y] = quantile(values, order, n, 0.5);
 }
+
+// histogram prefix sums: the block-wide scan lives in the project's algorithms header
+__global__ void bin_offsets(const double* counts, double* offsets, int n_bins) {
+    __shared__ double warp_partials[32];  // expect: warp-buffer-passed-on
+    double count = threadIdx.x < n_bins ? counts[blockIdx.x * n_bins + threadIdx.x] : 0.0;
+    double offset = BlockExclusivePrefixSum<double>(count, warp_partials);
+    if (threadIdx.x < n_bins) {
+        offsets[blockIdx.x * n_bins + threadIdx.x] = offset;
+    }
+}
