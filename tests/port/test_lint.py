@@ -150,6 +150,13 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
      "device-link"),
     ("int limit = dh::MaxSharedMemoryOptin(device);", "smem-optin-zero"),  # a project's helper for the opt-in limit
     ("__global__ void k(int* counts) { atomicMax_block(&counts[0], threadIdx.x); }", "missing-intrinsic"),
+    ("__device__ __half f(double v) { return __double2half(v); }", "missing-intrinsic"),
+    ("__device__ uint32_t smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }",
+     "missing-intrinsic"),
+    ("struct Pool {\n  CUdeviceptr base = 0;\n  size_t used = 0;\n  void* next() { return (void*) (base + used); }\n};",
+     "void-pointer-arith"),  # a member: void* once CUdeviceptr is hipDeviceptr_t
+    ("void check(void* p, int align) {\n  CUdeviceptr addr = reinterpret_cast<CUdeviceptr>(p);\n"
+     "  if (addr % align != 0) throw 1;\n}", "void-pointer-arith"),
     ("__global__ void k(float* x) {\n  __shared__ float sums[32];\n  x[0] = WarpReduceSum(x[0], sums);\n}",
      "warp-buffer-passed-on"),
 ])
@@ -268,6 +275,7 @@ def test_rule_variants_fire(code, rule):
       "    error();\n    return nullptr;\n  }\n};"), "device-link"),  # undefined on purpose: no instantiation links
     ("__global__ void k(float* x) { x[cg::this_grid().thread_rank()] = 0; }", "grid-sync"),  # an index, no sync
     ("static_assert(kTile == 32, \"tiles of 32 columns\");", "warp-size-assert"),  # says nothing of warps
+    ("CUdeviceptr base = 0;\nvoid* at(size_t off) { return (void*)((char*)(base) + off); }", "void-pointer-arith"),
     (("template <typename T> __device__ T block_scan(T v, T* partial) { return v + partial[0]; }\n"
       "__global__ void k(float* x) { __shared__ float partial[32]; x[0] = block_scan(x[0], partial); }"),
      "warp-buffer-passed-on"),  # the helper is the file's own: the lane-indexed read is judged where it is written

@@ -923,7 +923,8 @@ _CUDA_VERSION_TEST = re.compile(r"\b(?:CUDA_VERSION|CUDART_VERSION|__CUDACC_VER_
 
 def check_void_pointer_arithmetic(text: str) -> Iterable[Hit]:
     """Flag `p + n`, `p - n`, `p += n` in a function where `p` is declared `void*` (a parameter or a local),
-    unless cast first (`(char*)p + n`)."""
+    unless cast first (`(char*)p + n`); and `+`, `-`, `%` on a variable declared `CUdeviceptr` anywhere in the file
+    (a member too), which HIP's driver API declares `void*`."""
     for function in functions(text):
         scope = function_scope(text, function)
         for name in set(re.findall(r"\bvoid\s*\*\s*(?:const\s+)?(\w+)\s*[=;,)]", scope)):
@@ -933,6 +934,11 @@ def check_void_pointer_arithmetic(text: str) -> Iterable[Hit]:
                 before = text[function.body_start : use.start()].rstrip()
                 if not before.endswith((")", ".", ">", "*", "&")):
                     yield Hit(*_position(text, use.start()), f"`{name}` is a `void*` in `{function.name}`")
+    # the driver API's device address: an integer in CUDA, `hipDeviceptr_t` (a `void*`) once translated
+    for name in set(re.findall(r"\bCUdeviceptr\s+(\w+)\s*[=;,){]", text)):
+        for use in re.finditer(rf"(?<![.>\w])\b{name}\s*(?:[+%-](?![-+>=])|[+-]=)", text):
+            if not text[: use.start()].rstrip().endswith(")"):
+                yield Hit(*_position(text, use.start()), f"`{name}` is a CUdeviceptr: `hipDeviceptr_t`, a `void*`, on AMD")
 
 
 def check_capture_info_arity(text: str) -> Iterable[Hit]:
@@ -1137,7 +1143,8 @@ def check_host_warp_size(text: str) -> Iterable[Hit]:
 
 # ---- CUDA intrinsics and overloads HIP does not have --------------------------------------------
 
-_MISSING_INTRINSIC = re.compile(r"\b(?:__dp4a|__dp2a_(?:lo|hi)|__nanosleep|__reduce_\w+_sync|"
+_MISSING_INTRINSIC = re.compile(r"\b(?:__dp4a|__dp2a_(?:lo|hi)|__nanosleep|__reduce_\w+_sync|__double2half|"
+                                r"__cvta_generic_to_\w+|make_bfloat162|"
                                 r"atomic(?:Add|Sub|Exch|Min|Max|Inc|Dec|CAS|And|Or|Xor)_block|"
                                 r"__ldlu|__ldcv|__st(?:wb|cg|cs|wt)|"
                                 r"__v(?:add|sub|abs|absdiff|avg|hadd|max|min|neg|sad|cmp(?:eq|ne|lt|le|gt|ge)|"
@@ -2124,8 +2131,9 @@ RULES: list[Rule] = [
         "HIP lacks CUDA's SIMD-within-a-word and dot-product intrinsics (`__dp4a`, `__dp2a_lo`, `__vsubss4`, "
         "`__vabsdiffs4`, ...), `__nanosleep`, the `__reduce_*_sync` warp reductions, the cache-hinted loads and "
         "stores `__ldlu`, `__ldcv`, `__stwb`, `__stcg`, `__stcs`, `__stwt` (and `__ldcs` / `__ldcg` / `__ldca` but "
-        "for `__half` / `__half2`), and `atomicAdd` on `__half` / `__half2` (only `unsafeAtomicAdd(__half2*, "
-        "__half2)`, gfx90a and later): the port does not compile.",
+        "for `__half` / `__half2`), the block-scope atomics (`atomicAdd_block`, ...), `__double2half`, "
+        "`__cvta_generic_to_shared` and `make_bfloat162` (none in HIP's headers through ROCm 6.2), and `atomicAdd` on "
+        "`__half` / `__half2` (only `unsafeAtomicAdd(__half2*, __half2)`, gfx90a and later): the port does not compile.",
         "Write a small polyfill under `USE_ROCM`: `__builtin_amdgcn_sdot4` (gfx9xx: gfx906, gfx90a, gfx942) or "
         "`__builtin_amdgcn_sudot4` (gfx11) for `__dp4a`, `__builtin_elementwise_sub_sat` on a char4 for "
         "`__vsubss4`, a shuffle reduction for `__reduce_add_sync`, a plain load or store for a cache hint "

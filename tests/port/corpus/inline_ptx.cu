@@ -28,7 +28,7 @@ __device__ __forceinline__ void mma_m16n8k16(float* d, const unsigned* a, const 
 }
 
 __device__ __forceinline__ void copy_async_16(void* smem, const void* gmem) {
-  const unsigned smem_addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const unsigned smem_addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));  // expect: missing-intrinsic
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem));  // expect: inline-asm, ptx-mma
   asm volatile("cp.async.wait_all;\n" ::);  // expect: inline-asm, ptx-mma
 }
