@@ -135,7 +135,7 @@ CLASSES: dict[str, ChangeClass] = {
     "half-host-operator": ChangeClass(("device-only-math",), False, "a `__half` operator (device-only in HIP) used in host code"),
     "constexpr-device-call": ChangeClass(("device-only-math", "constexpr-std-minmax", "constexpr-device-only"), False,
                                          "a `constexpr __device__` function called from host code (nvcc's relaxed constexpr; hip-clang rejects it)"),
-    "stdlib-host-call": ChangeClass(("device-std-clamp", "device-std-throw"), False, "a host-only standard-library member (`std::optional::value()`) called in device code"),
+    "stdlib-host-call": ChangeClass(("device-std-clamp", "device-std-throw", "device-std-printf"), False, "a host-only standard-library member (`std::optional::value()`) called in device code"),
     "hcc-platform-macro": ChangeClass(("compiler-guard",), False,
                                       "a test of `__HIP_PLATFORM_HCC__`, which ROCm 6.0 and torch >= 2.3 no longer define: the AMD branch compiles out"),
     "hipify-kernel-launch": ChangeClass((), False, "a `<<<>>>` launch torch's hipify rewrote into broken code, rewritten by hand",

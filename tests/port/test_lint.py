@@ -151,6 +151,9 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("int limit = dh::MaxSharedMemoryOptin(device);", "smem-optin-zero"),  # a project's helper for the opt-in limit
     ("__global__ void k(int* counts) { atomicMax_block(&counts[0], threadIdx.x); }", "missing-intrinsic"),
     ("__device__ __half f(double v) { return __double2half(v); }", "missing-intrinsic"),
+    ("__device__ __nv_bfloat16 f(int v) { return __int2bfloat16_rn(v); }", "missing-intrinsic"),
+    ("#ifdef __CUDA_BF16_TYPES_EXIST__\ntemplate <> struct IsFloat<__nv_bfloat16> { static constexpr bool value = true; };\n#endif",
+     "compiler-guard"),  # only cuda_bf16.h defines it: the bf16 code is compiled out on AMD
     ("__device__ uint32_t smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }",
      "missing-intrinsic"),
     ("struct Pool {\n  CUdeviceptr base = 0;\n  size_t used = 0;\n  void* next() { return (void*) (base + used); }\n};",

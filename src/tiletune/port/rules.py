@@ -882,7 +882,8 @@ def check_compiler_guards(text: str) -> Iterable[Hit]:
     (hipcc's clang says 4) or the CUDA toolkit's version (undefined under hipcc; torch's hipify makes `CUDA_VERSION`
     TORCH_HIP_VERSION, about 600) where hipcc compiles a branch of its group out because of it: a `#if CUDART_VERSION
     >= 12000` around a whole fp8 section builds its stubs on AMD, a `#if CUDA_VERSION < 8000` / `#error` stops the build;
-    and `__HIP_PLATFORM_HCC__` alone (the hcc-era platform macro ROCm 6.0 no longer defines): its AMD branch is lost."""
+    `__HIP_PLATFORM_HCC__` alone (the hcc-era platform macro ROCm 6.0 no longer defines): its AMD branch is lost; and
+    `__CUDA_BF16_TYPES_EXIST__` / `__CUDA_FP8_TYPES_EXIST__`, which only CUDA's headers define: the bf16 code is lost."""
     nvcc = list(_guards_compiling_out(text, _NVCC_TEST))
     # an old-compiler or old-toolkit escape (`#if __GNUC__ < 6`, `#if CUDA_VERSION < 8000` / `#error`) is the trap
     # when hipcc takes it, even with nothing after it
@@ -897,7 +898,9 @@ def check_compiler_guards(text: str) -> Iterable[Hit]:
     # an AMD branch of the hcc era is compiled out from ROCm 6.0, and an `#ifndef __HIP_PLATFORM_HCC__` branch meant
     # for CUDA alone is taken
     hcc = list(_guards_compiling_out(text, _HCC_TEST, true_alone=True))
-    return sorted({hit.line: hit for hit in cuda + gcc + nvcc + hcc}.values(), key=lambda hit: hit.line)
+    # `#ifdef __CUDA_BF16_TYPES_EXIST__`: a feature HIP has, tested by a macro only CUDA's header defines
+    feature = list(_guards_compiling_out(text, _CUDA_FEATURE_TEST))
+    return sorted({hit.line: hit for hit in cuda + gcc + nvcc + hcc + feature}.values(), key=lambda hit: hit.line)
 
 
 _SYNC_WARP_CALL = re.compile(r"\b__(?:shfl(?:_up|_down|_xor)?|ballot|any|all)_sync\s*\(")
@@ -915,6 +918,7 @@ def _legacy_warp_fallback(text: str, directive, found) -> bool:
 
 _NVCC_TEST = re.compile(r"\b__NVCC__\b")
 _HCC_TEST = re.compile(r"\b__HIP_PLATFORM_HCC__\b")
+_CUDA_FEATURE_TEST = re.compile(r"\b__CUDA_(?:BF16|FP8)_TYPES_EXIST__\b")
 _GCC_VERSION_TEST = re.compile(r"\b__GNUC__\s*(?:[<>]=?|==|!=)")
 _CUDA_VERSION_TEST = re.compile(r"\b(?:CUDA_VERSION|CUDART_VERSION|__CUDACC_VER_MAJOR__)\s*(?:[<>]=?|==|!=)")
 
@@ -1145,6 +1149,7 @@ def check_host_warp_size(text: str) -> Iterable[Hit]:
 
 _MISSING_INTRINSIC = re.compile(r"\b(?:__dp4a|__dp2a_(?:lo|hi)|__nanosleep|__reduce_\w+_sync|__double2half|"
                                 r"__cvta_generic_to_\w+|make_bfloat162|"
+                                r"__(?:u?int|u?short|u?ll)2bfloat16_r[nduz]|__bfloat162(?:u?int|u?short|u?ll)_r[nduz]|"
                                 r"atomic(?:Add|Sub|Exch|Min|Max|Inc|Dec|CAS|And|Or|Xor)_block|"
                                 r"__ldlu|__ldcv|__st(?:wb|cg|cs|wt)|"
                                 r"__v(?:add|sub|abs|absdiff|avg|hadd|max|min|neg|sad|cmp(?:eq|ne|lt|le|gt|ge)|"
@@ -1394,6 +1399,15 @@ _DEDUCED_STD = re.compile(r"\bstd::(?:array|pair|tuple|optional|complex)(?=\s*[{
 _THROWING_MEMBER = {"array": "at", "vector": "at", "string": "at", "basic_string": "at", "deque": "at", "map": "at",
                     "unordered_map": "at", "optional": "value"}
 _STD_DECLARATION = re.compile(rf"\bstd::({'|'.join(_THROWING_MEMBER)})\s*<")
+
+
+def check_device_std_printf(text: str) -> Iterable[Hit]:
+    """Flag `std::printf(` / `std::fprintf(` in a function compiled for the device: `std::printf` names the host
+    C library's function (libstdc++'s `using ::printf`), not the device printf HIP declares."""
+    for function in functions(text):
+        if function.device:
+            for call in re.finditer(r"\bstd::f?printf\s*\(", text[function.body_start : function.body_end]):
+                yield Hit(*_position(text, function.body_start + call.start()), f"in `{function.name}`")
 
 
 def check_device_ctad(text: str) -> Iterable[Hit]:
@@ -2071,6 +2085,16 @@ RULES: list[Rule] = [
         check=check_device_std_throw,
     ),
     Rule(
+        "device-std-printf", "error", "`std::printf` in device code",
+        "`std::printf` is libstdc++'s `using ::printf`: the host C library's function. nvcc accepts it in device code; "
+        "hip-clang stops with \"reference to __host__ function 'printf' in __global__ function\" (checked with hipcc "
+        "5.2): HIP's device printf is the global `printf` (rccl-tests' port made that edit).",
+        "Call `printf(...)` in device code.",
+        before="__global__ void dump(const float* x) { if (threadIdx.x == 0) std::printf(\"%f\\n\", x[0]); }",
+        after="__global__ void dump(const float* x) { if (threadIdx.x == 0) printf(\"%f\\n\", x[0]); }",
+        check=check_device_std_printf,
+    ),
+    Rule(
         "device-ctad", "error", "class template argument deduction of a standard type in device code",
         "`std::array{1, 2}` (no template arguments) deduces them through a deduction guide, which hip-clang takes "
         "for a host function: \"reference to __host__ function '<deduction guide for array>' in __host__ __device__ "
@@ -2132,7 +2156,8 @@ RULES: list[Rule] = [
         "`__vabsdiffs4`, ...), `__nanosleep`, the `__reduce_*_sync` warp reductions, the cache-hinted loads and "
         "stores `__ldlu`, `__ldcv`, `__stwb`, `__stcg`, `__stcs`, `__stwt` (and `__ldcs` / `__ldcg` / `__ldca` but "
         "for `__half` / `__half2`), the block-scope atomics (`atomicAdd_block`, ...), `__double2half`, "
-        "`__cvta_generic_to_shared` and `make_bfloat162` (none in HIP's headers through ROCm 6.2), and `atomicAdd` on "
+        "`__cvta_generic_to_shared`, `make_bfloat162` and the integer <-> bf16 conversions (`__int2bfloat16_rn`, "
+        "`__bfloat162int_rn`: none in HIP's headers through ROCm 6.2), and `atomicAdd` on "
         "`__half` / `__half2` (only `unsafeAtomicAdd(__half2*, __half2)`, gfx90a and later): the port does not compile.",
         "Write a small polyfill under `USE_ROCM`: `__builtin_amdgcn_sdot4` (gfx9xx: gfx906, gfx90a, gfx942) or "
         "`__builtin_amdgcn_sudot4` (gfx11) for `__dp4a`, `__builtin_elementwise_sub_sat` on a char4 for "

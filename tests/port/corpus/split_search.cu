@@ -42,3 +42,9 @@ __global__ void bin_offsets(const double* counts, double* offsets, int n_bins) {
         offsets[blockIdx.x * n_bins + threadIdx.x] = offset;
     }
 }
+
+__global__ void report_best(const float* best_gain, int nodes) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        std::printf("best gain of node 0: %f of %d\n", best_gain[0], nodes);  // expect: device-std-printf
+    }
+}
