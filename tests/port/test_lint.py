@@ -152,6 +152,8 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("__global__ void k(int* counts) { atomicMax_block(&counts[0], threadIdx.x); }", "missing-intrinsic"),
     ("__device__ __half f(double v) { return __double2half(v); }", "missing-intrinsic"),
     ("__device__ __nv_bfloat16 f(int v) { return __int2bfloat16_rn(v); }", "missing-intrinsic"),
+    (("__global__ void k(float* s, float* o) {\n  int group = threadIdx.x / 32;\n  o[group] = s[threadIdx.x];\n"
+      "  blockReduceSum(o[group]);\n}"), "warp-size-literal"),  # another header's helper, by its name
     ("#ifdef __CUDA_BF16_TYPES_EXIST__\ntemplate <> struct IsFloat<__nv_bfloat16> { static constexpr bool value = true; };\n#endif",
      "compiler-guard"),  # only cuda_bf16.h defines it: the bf16 code is compiled out on AMD
     ("__device__ uint32_t smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }",
@@ -279,6 +281,14 @@ def test_rule_variants_fire(code, rule):
     ("__global__ void k(float* x) { x[cg::this_grid().thread_rank()] = 0; }", "grid-sync"),  # an index, no sync
     ("static_assert(kTile == 32, \"tiles of 32 columns\");", "warp-size-assert"),  # says nothing of warps
     ("CUdeviceptr base = 0;\nvoid* at(size_t off) { return (void*)((char*)(base) + off); }", "void-pointer-arith"),
+    # the lanes of an mma fragment layout: the PTX itself is ptx-mma's (an AMD port rewrites the multiply whole)
+    (("__device__ void mma(const unsigned* a, float* c) {\n"
+      "  asm volatile(\"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0}, {%1}, {%2}, {%3};\" : \"+f\"(c[0]) : \"r\"(a[0]));\n}\n"
+      "__global__ void k(const unsigned* a, float* c) {\n  int row = threadIdx.x % 32 / 4;\n  mma(a + row, c);\n}"),
+     "warp-size-literal"),
+    # a block reduction the file writes itself (a lambda), through shared memory: not another header's warp helper
+    (("__global__ void k(float* s, float* o) {\n  auto block_reduce = [&]() { for (int i = 1; i < 4; ++i) s[0] += s[i]; };\n"
+      "  int group = threadIdx.x / 32;\n  o[group] = s[threadIdx.x];\n  block_reduce();\n}"), "warp-size-literal"),
     (("template <typename T> __device__ T block_scan(T v, T* partial) { return v + partial[0]; }\n"
       "__global__ void k(float* x) { __shared__ float partial[32]; x[0] = block_scan(x[0], partial); }"),
      "warp-buffer-passed-on"),  # the helper is the file's own: the lane-indexed read is judged where it is written

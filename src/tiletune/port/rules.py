@@ -1012,15 +1012,19 @@ def functions(text: str) -> tuple[Function, ...]:
 
 
 # Lanes exchange values or vote, or the code asks the hardware's warp width: which threads share a warp shows.
+# (Not PTX `mma` / `ldmatrix`: the 32 lanes of their fragment layouts go with an instruction `ptx-mma` flags, which an
+# AMD port rewrites whole.)
 _WARP_LEVEL_OP = re.compile(
     r"__shfl|__ballot|__activemask|__any\b|__all\b|__match_\w+|__syncwarp|\bwarpSize\b|%laneid|"
     r"\b\w+_sync\s*\(|"  # every warp-collective CUDA call: __any_sync, __reduce_add_sync, wmma::mma_sync, ...
-    r"\b(?:mma|wgmma|ldmatrix|stmatrix|shfl|vote|redux)\.|"  # the same in inline PTX
+    r"\b(?:shfl|vote|redux)\.|"  # the same in inline PTX
     r"\.\s*(?:shfl\w*|ballot|any|all|match_\w+)\s*\(|tiled_partition|thread_block_tile|"  # cooperative groups
-    r"\bWarp(?:Reduce|Scan|Load|Store|Exchange)\b|WarpStriped|WARP_(?:TRANSPOSE|STRIPED)|"  # CUB, layouts by warp
-    # helpers from other headers, by name: WARP_SHFL(...), warpReduceSum(...), BlockReduce(...)
-    r"\b\w*(?i:shfl|shuffle)\w*\s*\(|\b\w*(?i:warp|block)_?(?i:reduce|scan|allreduce|vote|broadcast)\w*\s*[<(]"
+    r"\bWarp(?:Reduce|Scan|Load|Store|Exchange)\b|WarpStriped|WARP_(?:TRANSPOSE|STRIPED)"  # CUB, layouts by warp
 )
+# helpers from other headers, by name: WARP_SHFL(...), warpReduceSum(...), BlockReduce(...); a name the file defines
+# (a function, a macro, a lambda) is judged by its body instead
+_WARP_HELPER_NAME = re.compile(r"\b(\w*(?i:shfl|shuffle)\w*)\s*\(|\b(\w*(?i:warp|block)_?(?i:reduce|scan|allreduce|vote|broadcast)\w*)\s*[<(]")
+_LAMBDA = re.compile(r"\bauto\s+(\w+)\s*=\s*\[")
 _MACRO = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)(.*(?:\\\n.*)*)", re.MULTILINE)
 
 
@@ -1032,8 +1036,16 @@ def lane_blind_functions(text: str) -> tuple[Function, ...]:
     on a thread index (`threadIdx.x / 32`, `% 32`) only lays out data, which a 64-lane wavefront computes alike."""
     defined = functions(text)
     lane_dependent = _explicit_width_shuffles(text, source_constants(text))
-    warp_level = {macro.group(1) for macro in _MACRO.finditer(lane_dependent) if _WARP_LEVEL_OP.search(macro.group(2))}
-    warp_level |= {f.name for f in defined if _WARP_LEVEL_OP.search(lane_dependent, f.body_start, f.body_end)}
+    own_names = {f.name for f in defined} | set(_LAMBDA.findall(text)) | {m.group(1) for m in _MACRO.finditer(text)}
+
+    def warp_level_code(start: int, end: int) -> bool:
+        return bool(_WARP_LEVEL_OP.search(lane_dependent, start, end)) or any(
+            (helper.group(1) or helper.group(2)) not in own_names
+            for helper in _WARP_HELPER_NAME.finditer(lane_dependent, start, end))
+
+    warp_level = {macro.group(1) for macro in _MACRO.finditer(lane_dependent)
+                  if warp_level_code(macro.start(2), macro.end(2))}
+    warp_level |= {f.name for f in defined if warp_level_code(f.body_start, f.body_end)}
     while True:  # callers of warp-level functions are warp-level
         calls = re.compile(rf"\b(?:{'|'.join(map(re.escape, sorted(warp_level)))})\s*(?:<[^;{{}}]*?>)?\s*\(") if warp_level else None
         callers = {f.name for f in defined if f.name not in warp_level and calls and calls.search(text, f.body_start, f.body_end)}
