@@ -33,7 +33,7 @@ from tiletune.port.compile_check import line_map
 from tiletune.port.engines import select_engine
 from tiletune.port.hipify import cuda_names
 from tiletune.port.lint import lint_text
-from tiletune.port.preprocessor import Build
+from tiletune.port.preprocessor import Build, directives, on_amd
 
 HERE = Path(__file__).resolve().parent
 PORTS = HERE / "ports"
@@ -43,13 +43,16 @@ RAW = "https://raw.githubusercontent.com/{repo}/{commit}/{path}"
 
 @dataclass(frozen=True)
 class ChangeClass:
-    """A kind of human change: the rules that fit it, whether a translator's rewrite covers it, and whether a
-    translation that leaves the lines as written does (the humans' edit only undid another tool's rewrite)."""
+    """A kind of human change: the rules that fit it, whether a translator's rewrite covers it, whether a
+    translation that leaves the lines as written does (the humans' edit only undid another tool's rewrite), and
+    whether one that changes what hipcc makes of a conditional directive in the lines does."""
 
     rules: tuple[str, ...]
     translation_covers: bool
     what: str
     kept_covers: bool = False
+    # a preprocessor test the translation renames (`__CUDACC__` -> `__HIPCC__`) so that hipcc answers it otherwise
+    translation_decides_guard: bool = False
 
 
 WARP_RULES = ("warp-size-define", "warp-size-literal", "warp-lane-loop", "lane-indexed-warp-array",
@@ -90,7 +93,8 @@ CLASSES: dict[str, ChangeClass] = {
     "blas-signature": ChangeClass((), True, "a cuBLAS call rewritten for rocBLAS's other arguments (hipBLAS keeps cuBLAS's)"),
     "half-raw-init": ChangeClass(("half-raw-bits",), False, "a __half_raw / __half2_raw braced from bit patterns (HIP reads values)"),
     "half2-brace-assign": ChangeClass(("half-brace-assign",), False, "`h2 = {}` on a __half2 (ambiguous between HIP's assignment operators)"),
-    "compiler-guard": ChangeClass(("compiler-guard",), False, "an `#ifdef __NVCC__` that takes the host-only branch under hipcc"),
+    "compiler-guard": ChangeClass(("compiler-guard",), False, "an `#ifdef __NVCC__` that takes the host-only branch under hipcc",
+                                  translation_decides_guard=True),
     # round 6's classes, defined by its labeller (before the round was scored)
     "version-guard": ChangeClass(("cuda-arch-guard", "compiler-guard"), False,
                                  "a compiler / toolkit version test true under hipcc (`__GNUC__ < 6`) that compiles code out"),
@@ -221,8 +225,8 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
         raise SystemExit(f"{source} is missing: run `score.py --fetch` online (or --from-git) first")
     text = source.read_text(encoding="utf-8")
     build = port.get("hip_build", {})  # the project's HIP build macros, as its build files set them
-    findings = lint_text(text, port["cuda"]["path"], build=Build(frozenset(build.get("defined", ())),
-                                                                 frozenset(build.get("undefined", ()))))
+    hip_build = Build(frozenset(build.get("defined", ())), frozenset(build.get("undefined", ())))
+    findings = lint_text(text, port["cuda"]["path"], build=hip_build)
     translated = engine.translate(source)
     original_lines, translated_lines = text.splitlines(), translated.splitlines()
     back = line_map(text, translated)
@@ -248,7 +252,8 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
         before = "\n".join(original_lines[n - 1] for n in lines)
         after = "\n".join(line for n in lines for line in translated_of[n])
         rewritten = ((kind.translation_covers and after.strip() != before.strip() and not cuda_names(after))
-                     or (kind.kept_covers and after.strip() == before.strip()))  # fmt: skip
+                     or (kind.kept_covers and after.strip() == before.strip())
+                     or (kind.translation_decides_guard and _guard_decided(before, after, hip_build)))  # fmt: skip
         result.covered += bool(flagged or rewritten)
         result.by_translation += bool(rewritten)
         if not (flagged or rewritten):
@@ -269,6 +274,17 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
         else:
             notes.append(f"false finding {port['name']}:{finding.line} [{finding.rule}] {label}")
     return result
+
+
+def _guard_decided(before: str, after: str, build: Build) -> bool:
+    """Whether the translation changes what hipcc makes of a conditional directive in the lines (a known value to
+    the other known value): `#ifdef __CUDACC__`, false under hipcc (which leaves nvcc's macro undefined; the lint
+    leaves it to the translation), becomes `#ifdef __HIPCC__`, true."""
+    tests = ("if", "ifdef", "ifndef", "elif")
+    as_written = Build(build.defined, build.undefined | {"__CUDACC__"})
+    old = [on_amd(d.condition, as_written) for d in directives(before, as_written) if d.kind in tests]
+    new = [on_amd(d.condition, build) for d in directives(after, build) if d.kind in tests]
+    return len(old) == len(new) and any(a is not None and b is not None and a != b for a, b in zip(old, new))
 
 
 def percent(part: int, whole: int) -> str:
