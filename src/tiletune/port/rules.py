@@ -712,14 +712,20 @@ def _warp_width_use(name: str, text: str) -> int | None:
     return None
 
 
-def _template_arguments(text: str, open_angle: int) -> list[str] | None:
-    """The top-level arguments of the template argument list opening at `open_angle`, or None if unclosed."""
+def _closing_angle(text: str, open_angle: int) -> int | None:
+    """Index of the `>` closing the template argument list that opens at `open_angle`, or None if unclosed."""
     depth = 0
     for index in range(open_angle, min(len(text), open_angle + 2000)):
         depth += {"<": 1, "(": 1, ">": -1, ")": -1}.get(text[index], 0)
         if depth == 0:
-            return _split_top_level(text[open_angle + 1 : index])
+            return index
     return None
+
+
+def _template_arguments(text: str, open_angle: int) -> list[str] | None:
+    """The top-level arguments of the template argument list opening at `open_angle`, or None if unclosed."""
+    close = _closing_angle(text, open_angle)
+    return _split_top_level(text[open_angle + 1 : close]) if close is not None else None
 
 
 _DECLARED_NAME = re.compile(r"\b(?:struct|class)\s+(\w+)|(\w+)\s*\(")
@@ -1396,13 +1402,19 @@ def check_warp_size_asserts(text: str) -> Iterable[Hit]:
         yield Hit(*_position(text, match.start(match.lastindex)))
 
 
+def _in_device_code(text: str, pattern: re.Pattern) -> Iterable[tuple[Function, re.Match]]:
+    """Each match of `pattern` in the body of a function compiled for the device, with that function."""
+    for function in functions(text):
+        if function.device:
+            for match in pattern.finditer(text, function.body_start, function.body_end):
+                yield function, match
+
+
 def check_device_std_clamp(text: str) -> Iterable[Hit]:
     """Flag `std::clamp(` in a function compiled for the device: libstdc++ 14 asserts its bounds through a host
     function, which hipcc refuses to call from device code (nvcc's own headers never reach that assert)."""
-    for function in functions(text):
-        if function.device:
-            for call in re.finditer(r"\bstd::clamp\s*\(", text[function.body_start : function.body_end]):
-                yield Hit(*_position(text, function.body_start + call.start()), f"in `{function.name}`")
+    for function, call in _in_device_code(text, re.compile(r"\bstd::clamp\s*\(")):
+        yield Hit(*_position(text, call.start()), f"in `{function.name}`")
 
 
 # Standard-library class templates whose deduction guides are host functions under hip-clang, and members that
@@ -1416,30 +1428,16 @@ _STD_DECLARATION = re.compile(rf"\bstd::({'|'.join(_THROWING_MEMBER)})\s*<")
 def check_device_std_printf(text: str) -> Iterable[Hit]:
     """Flag `std::printf(` / `std::fprintf(` in a function compiled for the device: `std::printf` names the host
     C library's function (libstdc++'s `using ::printf`), not the device printf HIP declares."""
-    for function in functions(text):
-        if function.device:
-            for call in re.finditer(r"\bstd::f?printf\s*\(", text[function.body_start : function.body_end]):
-                yield Hit(*_position(text, function.body_start + call.start()), f"in `{function.name}`")
+    for function, call in _in_device_code(text, re.compile(r"\bstd::f?printf\s*\(")):
+        yield Hit(*_position(text, call.start()), f"in `{function.name}`")
 
 
 def check_device_ctad(text: str) -> Iterable[Hit]:
     """Flag a standard-library class template written without its arguments (`std::array{1, 2}`,
     `std::pair p(a, b)`) in a function compiled for the device: the deduction goes through a guide hip-clang takes
     for a host function."""
-    for function in functions(text):
-        if function.device:
-            for use in _DEDUCED_STD.finditer(text, function.body_start, function.body_end):
-                yield Hit(*_position(text, use.start()), f"in `{function.name}`")
-
-
-def _closing_angle(text: str, open_angle: int) -> int | None:
-    """Index of the `>` closing the template argument list that opens at `open_angle`."""
-    depth = 0
-    for index in range(open_angle, min(len(text), open_angle + 2000)):
-        depth += {"<": 1, "(": 1, ">": -1, ")": -1}.get(text[index], 0)
-        if depth == 0:
-            return index
-    return None
+    for function, use in _in_device_code(text, _DEDUCED_STD):
+        yield Hit(*_position(text, use.start()), f"in `{function.name}`")
 
 
 def _names_declared_as(text: str) -> dict[str, str]:
@@ -1462,11 +1460,9 @@ def check_device_std_throw(text: str) -> Iterable[Hit]:
     if not declared:
         return
     call = re.compile(rf"\b({'|'.join(map(re.escape, sorted(declared)))})\s*(?:\.|->)\s*(at|value)\s*\(")
-    for function in functions(text):
-        if function.device:
-            for use in call.finditer(text, function.body_start, function.body_end):
-                if declared[use.group(1)] == use.group(2):
-                    yield Hit(*_position(text, use.start()), f"`{use.group(1)}.{use.group(2)}()` in `{function.name}`")
+    for function, use in _in_device_code(text, call):
+        if declared[use.group(1)] == use.group(2):
+            yield Hit(*_position(text, use.start()), f"`{use.group(1)}.{use.group(2)}()` in `{function.name}`")
 
 
 # ---- cooperative-groups APIs HIP does not have -------------------------------------------------
