@@ -35,6 +35,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from tiletune.bench.profile import profile_step, profile_table
+
 TOKENS, HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 8192, 4096, 14336, 32, 8, 128
 LINEAR_SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (1024, 4096), "gate/up_proj": (14336, 4096),
                  "down_proj": (4096, 14336)}
@@ -362,6 +364,8 @@ def main() -> None:
     parser.add_argument("--only", choices=list(GROUPS), help="run one group")
     parser.add_argument("--moe-variants", help="comma-separated grouped GEMM configs to sweep (moe_experts.VARIANTS; "
                                                "default: the GPU's moe_experts.CANDIDATES)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after timing, profile each variant once: device ms per kernel category (profile_<gpu>.md)")
     args = parser.parse_args()
     global MOE_VARIANTS
     MOE_VARIANTS = args.moe_variants.split(",") if args.moe_variants else None
@@ -370,7 +374,7 @@ def main() -> None:
     if args.tune:
         print("tuned linear configs (paste into linear.TUNED):")
         tune_linear()
-    rows = []
+    rows, profiles = [], []
     for group, cases in GROUPS.items():
         if args.only and args.only != group:
             continue
@@ -393,6 +397,8 @@ def main() -> None:
                                 f"{how}_vs_cudnn": statistics.median(times[("cudnn", how)]) / med if "cudnn" in variants else None,
                                 f"{how}_vs_liger": statistics.median(times[("liger", how)]) / med if "liger" in variants else None})
                 rows.append(row)
+            if args.profile:
+                profiles.append(f"## {case}\n\n" + profile_table({v: profile_step(fn) for v, fn in variants.items()}))
             print(f"done {case}", flush=True)
     geo = {}
     for kind in ("fwd", "fwd+bwd"):
@@ -408,6 +414,10 @@ def main() -> None:
     stem = os.path.join(args.out, "kernels_" + meta["gpu"].replace(" ", "_").lower())
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows, "geomean": geo, "moe": moe}, f, indent=1)
+    if profiles:
+        with open(stem.replace("kernels_", "profile_", 1) + ".md", "w") as f:
+            f.write("\n\n".join(profiles) + "\n")
+        print("\n\n".join(profiles))
     with open(stem + ".csv", "w", newline="") as f:
         fields = list(dict.fromkeys(k for r in rows for k in r))
         writer = csv.DictWriter(f, fieldnames=fields)

@@ -23,7 +23,10 @@ scheduling (rows per tile, warp split, rasterised or persistent grid, staged sto
 `VARIANTS`, chosen per architecture and shape (`config_for`: TUNED from a GPU sweep, else DEFAULT_CONFIG;
 benchmarks/kernel_bench.py --only moe sweeps CANDIDATES); one kernel source takes them all. Forward: two grouped GEMMs (gate_up,
 down) with the activation between them; backward: two grouped GEMMs for the input gradient (``nn``: the
-weights untransposed) and the activation's derivative. The forward keeps [rows, 2·intermediate] and
+weights untransposed) and the activation's derivative (the routing weight applied there, in float32). The k
+outputs of a token are merged without atomics: put back in (token, k) order and summed by one batched GEMM with
+the routing weights (the hidden states' gradient likewise, the routing weights' gradient by one batched GEMM with
+dy), in float32 with one rounding, the same bits on every run. The forward keeps [rows, 2·intermediate] and
 [rows, hidden] for the backward (Qwen3-30B-A3B at 8,192 tokens: 192 + 256 MiB per layer).
 
 The reference runs the same steps with one PyTorch GEMM per expert (the "eager" loop), in the input dtype
@@ -98,13 +101,43 @@ def _silu_gate(h: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-def _silu_gate_backward(da: Tensor, h: Tensor) -> Tensor:
-    """d[gate, up] of silu(gate)·up, in float32 (float64 for float64), cast to h's dtype."""
+def _silu_gate_backward(da: Tensor, h: Tensor, row_scale: Tensor | None = None) -> Tensor:
+    """d[gate, up] of silu(gate)·up for the upstream gradient da (times `row_scale` [rows], if given), in float32
+    (float64 for float64), cast to h's dtype."""
     acc = torch.promote_types(h.dtype, torch.float32)
     gate, up = h.to(acc).chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
-    da = da.to(acc)
+    da = da.to(acc) if row_scale is None else da.to(acc) * row_scale.to(acc)[:, None]
     return torch.cat([da * up * sig * (1 + gate * (1 - sig)), da * gate * sig], dim=-1).to(h.dtype)
+
+
+def _by_route(rows: Tensor, order: Tensor) -> Tensor:
+    """Rows sorted by expert put back in (token, k) order: row i of the result is route i of the flat top-k index."""
+    out = torch.empty_like(rows)
+    out[order] = rows
+    return out
+
+
+def _combine(o: Tensor, top_k_weights: Tensor, like: Tensor) -> Tensor:
+    """[tokens, hidden]: each token's k expert outputs (`o` in (token, k) order) weighted by its routing weights and
+    summed in one batched GEMM (float32 accumulation, one rounding, no atomics: deterministic), in like's dtype."""
+    tokens, k = top_k_weights.shape
+    return torch.bmm(top_k_weights.reshape(tokens, 1, k).to(o.dtype), o.view(tokens, k, -1)).view_as(like).to(like.dtype)
+
+
+def _sum_routes(d_rows: Tensor, order: Tensor, like: Tensor) -> Tensor:
+    """The hidden states' gradient: each token's k route gradients (rows sorted by expert) summed (float32
+    accumulation, one rounding, deterministic), in like's dtype."""
+    return _by_route(d_rows, order).view(*like.shape[:1], -1, like.shape[-1]).sum(1).to(like.dtype)
+
+
+def _routing_weights_grad(o: Tensor, dy: Tensor, top_k_weights: Tensor) -> Tensor:
+    """d top_k_weights [tokens, k]: each route's output (`o` in (token, k) order) dotted with its token's dy, in one
+    batched GEMM at the wider of o's and the weights' dtypes (float32 weights, as Mixtral's router gives: float32)."""
+    tokens, k = top_k_weights.shape
+    wide = torch.promote_types(o.dtype, top_k_weights.dtype)
+    return torch.bmm(o.view(tokens, k, -1).to(wide), dy.reshape(tokens, -1, 1).to(wide)).view_as(top_k_weights).to(
+        top_k_weights.dtype)
 
 
 def _experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
@@ -114,10 +147,8 @@ def _experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, top_k_
     routing = route(top_k_index, gate_up.shape[0], block_m, BLOCK_M)
     rows = hidden[routing.token]
     h = gemm("nt", rows, gate_up, routing)
-    o = gemm("nt", _silu_gate(h), down, routing)
-    weights = top_k_weights.reshape(-1)[routing.order].to(o.dtype)
-    y = torch.zeros_like(hidden).index_add_(0, routing.token, (o * weights[:, None]).to(hidden.dtype))
-    return y, h, o, routing.order, routing.tiles, routing.offsets
+    o = _by_route(gemm("nt", _silu_gate(h), down, routing), routing.order)
+    return _combine(o, top_k_weights, hidden), h, o, routing.order, routing.tiles, routing.offsets
 
 
 def _experts_backward(gemm: Callable, dy: Tensor, h: Tensor, o: Tensor, order: Tensor, tiles: Tensor, offsets: Tensor,
@@ -125,14 +156,9 @@ def _experts_backward(gemm: Callable, dy: Tensor, h: Tensor, o: Tensor, order: T
     """(d hidden, d top_k_weights) from the forward's kept rows and routing."""
     routing = Routing(order // top_k_weights.shape[-1], order, tiles, offsets)
     weights = top_k_weights.reshape(-1)[routing.order]
-    dy_rows = dy[routing.token]
-    dweights = torch.empty_like(weights)
-    acc = torch.promote_types(o.dtype, torch.float32)
-    dweights[routing.order] = (dy_rows.to(acc) * o.to(acc)).sum(-1).to(weights.dtype)
-    da = gemm("nn", (dy_rows * weights[:, None].to(dy.dtype)).to(o.dtype), down, routing)
-    d_rows = gemm("nn", _silu_gate_backward(da, h), gate_up, routing)
-    dhidden = torch.zeros(dy.shape, dtype=dy.dtype, device=dy.device).index_add_(0, routing.token, d_rows.to(dy.dtype))
-    return dhidden, dweights.view_as(top_k_weights)
+    da = gemm("nn", dy[routing.token].to(o.dtype), down, routing)  # the routing weight enters below, in float32
+    d_rows = gemm("nn", _silu_gate_backward(da, h, weights), gate_up, routing)
+    return _sum_routes(d_rows, order, dy), _routing_weights_grad(o, dy, top_k_weights)
 
 
 # ---- reference: one PyTorch GEMM per expert --------------------------------------------------------------
@@ -325,10 +351,8 @@ def _lora_experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, t
     h = gemm("nt", rows, gate_up, routing) + up * gate_up_scaling
     a = _silu_gate(h)
     aa, lora_o = rank.forward(a, down_a, down_b)
-    o = gemm("nt", a, down, routing) + lora_o * down_scaling
-    weights = top_k_weights.reshape(-1)[routing.order].to(o.dtype)
-    y = torch.zeros_like(hidden).index_add_(0, routing.token, (o * weights[:, None]).to(hidden.dtype))
-    return y, h, o, xa, aa, routing.order, routing.tiles, routing.offsets
+    o = _by_route(gemm("nt", a, down, routing) + lora_o * down_scaling, routing.order)
+    return _combine(o, top_k_weights, hidden), h, o, xa, aa, routing.order, routing.tiles, routing.offsets
 
 
 def _lora_experts_backward(gemm: Callable, dy: Tensor, hidden: Tensor, h: Tensor, o: Tensor, xa: Tensor, aa: Tensor,
@@ -340,11 +364,7 @@ def _lora_experts_backward(gemm: Callable, dy: Tensor, hidden: Tensor, h: Tensor
     routing = Routing(order // top_k_weights.shape[-1], order, tiles, offsets)
     rank = _rank_gemms(offsets, grouped)
     weights = top_k_weights.reshape(-1)[routing.order]
-    dy_rows = dy[routing.token]
-    dweights = torch.empty_like(weights)
-    acc = torch.promote_types(o.dtype, torch.float32)
-    dweights[routing.order] = (dy_rows.to(acc) * o.to(acc)).sum(-1).to(weights.dtype)
-    do = (dy_rows * weights[:, None].to(dy.dtype)).to(o.dtype)
+    do = (dy[routing.token] * weights[:, None].to(dy.dtype)).to(o.dtype)  # the rank-r gradients need it whole
     a = _silu_gate(h)
     lora_da, d_down_a, d_down_b = rank.backward(do, a, aa, down_a, down_b, down_scaling)
     da = gemm("nn", do, down, routing) + lora_da
@@ -352,8 +372,8 @@ def _lora_experts_backward(gemm: Callable, dy: Tensor, hidden: Tensor, h: Tensor
     lora_d_rows, d_gate_up_a, d_gate_up_b = rank.backward(dh, hidden[routing.token], xa, gate_up_a, gate_up_b,
                                                           gate_up_scaling)
     d_rows = gemm("nn", dh, gate_up, routing) + lora_d_rows
-    dhidden = torch.zeros(dy.shape, dtype=dy.dtype, device=dy.device).index_add_(0, routing.token, d_rows.to(dy.dtype))
-    return dhidden, dweights.view_as(top_k_weights), d_gate_up_a, d_gate_up_b, d_down_a, d_down_b
+    return (_sum_routes(d_rows, order, dy), _routing_weights_grad(o, dy, top_k_weights), d_gate_up_a, d_gate_up_b,
+            d_down_a, d_down_b)
 
 
 def reference_lora_forward(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b, down_a, down_b,
