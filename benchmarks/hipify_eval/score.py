@@ -110,10 +110,10 @@ CLASSES: dict[str, ChangeClass] = {
     "operator-ambiguity": ChangeClass((), False,
                                       "a host comparison on a SIMD wrapper that clang finds ambiguous (its built-in vector operators)"),
     "unused-header": ChangeClass(("unused-thrust-header",), False, "an unused CUDA-toolkit library header (Thrust) kept out of the HIP build"),
-    "build-flag-guard": ChangeClass((), False, "a project build macro selecting the GPU code (`#if BUILD_CUDA`) widened to the HIP build's"),
+    "build-flag-guard": ChangeClass(("cuda-build-flag",), False, "a project build macro selecting the GPU code (`#if BUILD_CUDA`) widened to the HIP build's"),
     # round 8's classes, defined by its labellers (before the round was scored)
-    "ambiguous-call": ChangeClass((), False,
-                                  "an unqualified call (`fma`) that a ROCm header's overload makes ambiguous, qualified"),
+    "ambiguous-call": ChangeClass(("ffs-ballot",), False,
+                                  "an unqualified call (`fma`, `__ffs` of a 64-bit ballot) that a ROCm header's overloads make ambiguous, qualified"),
     "scoped-atomic": ChangeClass(("scoped-atomic",), False, "clang's `__scoped_atomic_*` builtins (absent from ROCm 6.1's clang) -> `__atomic_*`"),
     # round 9's classes, defined by its labellers (before the round was scored)
     "register-keyword": ChangeClass(("register-storage",), False, "the `register` storage class, which clang rejects in C++17 (nvcc accepts it)"),
@@ -159,6 +159,11 @@ CLASSES: dict[str, ChangeClass] = {
     "narrowing-init": ChangeClass(("builtin-index-narrowing",), False, "a braced initialiser narrowing a non-constant (`{threadIdx.x, ...}` into an int): clang rejects it, nvcc warns"),
     "auto-builtin-index": ChangeClass(("auto-builtin-index",), False,
                                       "`auto i = blockIdx.y`: before ROCm 6.1 a proxy type whose `+=` does not update `i`, written as `int`"),
+    # round 16's classes, defined by its labellers (before the round was scored)
+    "uninit-shuffle": ChangeClass(("uninit-shuffle",), False, "a value broadcast by a shuffle from lane 0 initialised first (ROCm's compiler miscompiled the uninitialised one)"),
+    "spaced-kernel-launch": ChangeClass(("spaced-kernel-launch",), False, "a launch written `k << <grid, block >> > (...)` (nvcc takes it; hipcc rejects it, torch's hipify looks for `<<<`)"),
+    "vector-partial-init": ChangeClass(("vector-partial-init",), False, "a vector type braced from fewer values than members (`float3 v = {a, b}`): HIP's has no such constructor"),
+    "grid-constant": ChangeClass(("grid-constant",), False, "the `__grid_constant__` kernel-parameter qualifier, which HIP lacks, removed"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).
@@ -179,15 +184,16 @@ def load_ports(pattern: str = "*") -> list[dict]:
 
 
 def fill_cache(get, ports: list[dict]) -> None:
-    """Store each port's CUDA original and its repository's license file; `get(repo, commit, path)` -> text."""
+    """Store each port's CUDA original and its repository's license file (at `license_commit` where the license was
+    added after the original); `get(repo, commit, path)` -> text."""
     for port in ports:
         repo, commit = port["repo"], port["cuda"]["commit"]
-        for path in (port["cuda"]["path"], port["license_file"]):
-            target = cached(repo, commit, path)
+        for path, at in ((port["cuda"]["path"], commit), (port["license_file"], port.get("license_commit", commit))):
+            target = cached(repo, at, path)
             if not target.exists():
                 target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_text(get(repo, commit, path), encoding="utf-8")
-                print(f"cached {repo}@{commit[:10]}:{path}")
+                target.write_text(get(repo, at, path), encoding="utf-8")
+                print(f"cached {repo}@{at[:10]}:{path}")
 
 
 def fetch_raw(repo: str, commit: str, path: str) -> str:

@@ -9,6 +9,7 @@ import pytest
 
 from tiletune.errors import UserError
 from tiletune.port.engines import select_engine
+from tiletune.port.hipify import cuda_names
 
 from port_corpus import CLEAN_SAMPLE
 
@@ -70,6 +71,21 @@ def test_torch_engine_maps_pytorch_headers_rccl_graph_params_the_kernel_cast_and
     assert "hipKernelNodeParams params;" in hip and "#include <rccl/rccl.h>" in hip
     assert hip.count("hipFuncSetAttribute((const void*)k<64>, hipFuncAttributeMaxDynamicSharedMemorySize") == 2
     assert "hipsparseSpMM(h, op, op, &a, A, B, &b, C, HIP_R_32F, HIPSPARSE_SPMM_ALG_DEFAULT, buf)" in hip
+
+
+def test_torch_engine_maps_the_fp8_device_runtime_and_launch_parameter_headers(tmp_path):
+    source = tmp_path / "rasterize.cu"
+    source.write_text('#include "device_launch_parameters.h"\n#include <cuda_device_runtime_api.h>\n#include <cuda_fp8.h>\n'
+                      "__global__ void k(float* x) { x[threadIdx.x] = 0.f; }\n")
+    hip = select_engine("torch").translate(source)
+    assert '"hip/hip_runtime.h"' in hip and "<hip/hip_runtime_api.h>" in hip and "<hip/hip_fp8.h>" in hip
+    assert not cuda_names(hip)
+
+
+def test_cuda_names_are_the_apis_and_headers_not_a_projects_own_snake_case_names():
+    text = ("cudaError_t cuda_status = cudaMemcpyAsync(d, h, n, cudaMemcpyHostToDevice, s);\n#include <cuda_fp16.h>\n"
+            "curand_init(seed, id, 0, &state); int cuda_device_count = 0; bool use_cudnn_v8 = false;")
+    assert set(cuda_names(text)) == {"cudaError_t", "cudaMemcpyAsync", "cudaMemcpyHostToDevice", "cuda_fp16.h", "curand_init"}
 
 
 def test_auto_uses_torch_without_hipify_tools(bare_path):

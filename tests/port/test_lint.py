@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from port_corpus import CLEAN_SAMPLE, CORPUS, SAMPLES, expected_findings
+from port_corpus import CLEAN_SAMPLE, CORPUS, SAMPLES, build_of, expected_findings
 
 from tiletune.port.lint import lint_file, lint_text, strip_comments
 from tiletune.port.rules import RULES, RULES_BY_ID, evaluate_int, source_constants
@@ -11,7 +11,8 @@ from tiletune.port.rules import RULES, RULES_BY_ID, evaluate_int, source_constan
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.name)
 def test_findings_match_the_expect_markers(sample: Path):
-    found = {(finding.line, finding.rule) for finding in lint_file(sample)}
+    text = sample.read_text()
+    found = {(finding.line, finding.rule) for finding in lint_text(text, sample.name, build=build_of(text))}
     assert found == expected_findings(sample)
 
 
@@ -20,7 +21,8 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     samples = [sample for sample in SAMPLES if any(r == rule.id for _, r in expected_findings(sample))]
     assert samples, f"no corpus sample exercises {rule.id}"
     for sample in samples:
-        fired = {f.line for f in lint_text(sample.read_text(), sample.name, rules=[rule])}
+        text = sample.read_text()
+        fired = {f.line for f in lint_text(text, sample.name, rules=[rule], build=build_of(text))}
         assert fired == {line for line, r in expected_findings(sample) if r == rule.id}
     assert lint_text(CLEAN_SAMPLE.read_text(), CLEAN_SAMPLE.name, rules=[rule]) == []
 

@@ -11,7 +11,7 @@ from tiletune.port.lint import lint_text
 from tiletune.port.report import COMPILE_RULE_ID, explain, to_json, to_sarif, to_text, write_reports
 from tiletune.port.rules import RULES
 
-from port_corpus import CORPUS
+from port_corpus import CORPUS, build_of
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +64,8 @@ def test_explain_gives_the_pitfall_and_a_before_after_the_lint_agrees_with(rule)
     text = explain(rule.id)
     assert text.startswith(f"[{rule.id}] {rule.title}") and "on AMD:" in text and "fix:" in text
     assert "before (CUDA):" in text and "after (HIP):" in text
-    assert rule.id in {f.rule for f in lint_text(rule.before, "before.cu")}
-    assert rule.id not in {f.rule for f in lint_text(rule.after, "after.cu")}
+    assert rule.id in {f.rule for f in lint_text(rule.before, "before.cu", build=build_of(rule.before))}
+    assert rule.id not in {f.rule for f in lint_text(rule.after, "after.cu", build=build_of(rule.before))}
 
 
 def test_explain_an_unknown_rule_lists_the_rules():

@@ -107,6 +107,14 @@ TORCH_TABLE_GAPS: list[Rewrite] = [
             "vector_types.h only)"),
     Rewrite(re.compile(r'(#\s*include\s*)"nccl\.h"'), r"\1<rccl/rccl.h>",
             "ROCm's NCCL is RCCL; torch maps the angle-bracket include only (a quoted one is taken for the project's own)"),
+    Rewrite(re.compile(r"""(#\s*include\s*[<"])cuda_fp8\.h([>"])"""), r"\1hip/hip_fp8.h\2",
+            "HIP's fp8 header (ROCm >= 6.2; its types are the fnuz formats MI300 computes in: `fp8-type` says where "
+            "CUDA's OCP types are used)"),
+    Rewrite(re.compile(r"""(#\s*include\s*[<"])cuda_device_runtime_api\.h([>"])"""), r"\1hip/hip_runtime_api.h\2",
+            "CUDA's device-runtime declarations; HIP declares its runtime in one header"),
+    Rewrite(re.compile(r"""(#\s*include\s*[<"])device_launch_parameters\.h([>"])"""), r"\1hip/hip_runtime.h\2",
+            "the CUDA toolkit's threadIdx / blockIdx declarations (for editors), which ROCm does not ship; "
+            "hip_runtime.h declares them"),
     Rewrite(re.compile(r"""(#\s*include\s*[<"])math_constants\.h([>"])"""), r"\1hip/hip_math_constants.h\2",
             "CUDA's CUDART_* constants; HIP has them as HIP_* in hip/hip_math_constants.h (hipify-clang's header table)"),
     Rewrite(re.compile(r"\bCUDART_(\w+)"), r"HIP_\1",

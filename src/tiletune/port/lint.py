@@ -59,7 +59,9 @@ def lint_text(text: str, path: str, rules: list[Rule] = RULES, build: Build = HI
     source_lines = text.splitlines()
     findings = []
     for rule in rules:
-        hits = rule.check(whole if rule.reads_dead_code else code) if rule.check else pattern_hits(rule.pattern, code_lines)
+        source = whole if rule.reads_dead_code else code
+        hits = (rule.check(source, build) if rule.reads_build else rule.check(source)) if rule.check else \
+            pattern_hits(rule.pattern, code_lines)
         for hit in hits:
             findings.append(
                 Finding(

@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from tiletune.port.preprocessor import DEFINED_ON_AMD, dead_lines, directives, on_amd
+from tiletune.port.preprocessor import DEFINED_ON_AMD, Build, dead_lines, directives, on_amd
 
 LDS_LIMIT_BYTES = 64 * 1024
 
@@ -50,6 +50,7 @@ class Rule:
     pattern: re.Pattern | None = None
     check: Callable[[str], Iterable[Hit]] | None = None
     reads_dead_code: bool = False  # the check gets the branches hipcc compiles out too (else they are blanked)
+    reads_build: bool = False  # the check gets the HIP build's macros (`Build`: hipify's -D / -U) as a second argument
 
 
 def pattern_hits(pattern: re.Pattern, lines: list[str]) -> list[Hit]:
@@ -909,6 +910,25 @@ def check_compiler_guards(text: str) -> Iterable[Hit]:
     return sorted({hit.line: hit for hit in cuda + gcc + nvcc + hcc + feature}.values(), key=lambda hit: hit.line)
 
 
+# A project's build flag naming CUDA (`WITH_CUDA`, `BUILD_CUDA`, `GOOGLE_CUDA`), not CUDA's own macros
+_CUDA_BUILD_FLAG = re.compile(r"\b(?!__CUDA|CUDA_VERSION\b|CUDART_VERSION\b)(\w*CUDA\w*)\b")
+_OPT_OUT_FLAG = re.compile(r"(?:^|_)(?:NO|DISABLE|DISABLED|SKIP|WITHOUT)(?:_|$)")
+
+
+def check_cuda_build_flags(text: str, build: Build) -> Iterable[Hit]:
+    """Flag an `#if` / `#ifdef` / `#elif` that compiles its branch out on AMD because it tests a project build flag
+    naming CUDA that the HIP build leaves undefined (`-U WITH_CUDA`): the GPU code under it is lost on AMD."""
+    for directive in directives(text, build):
+        if (directive.kind in ("else", "endif") or directive.enclosed_dead
+                or on_amd(directive.condition, build) is not False):
+            continue
+        flags = sorted(flag for flag in set(_CUDA_BUILD_FLAG.findall(directive.condition)) & build.undefined
+                       if not _OPT_OUT_FLAG.search(flag))  # `GGML_CUDA_NO_VMM`: its branch is the fallback
+        if flags:
+            yield _directive_hit(text, directive,
+                                 f"the HIP build leaves `{flags[0]}` undefined: the branch is compiled out")
+
+
 _SYNC_WARP_CALL = re.compile(r"\b__(?:shfl(?:_up|_down|_xor)?|ballot|any|all)_sync\s*\(")
 _LEGACY_WARP_CALL = re.compile(r"\b__(?:shfl(?:_up|_down|_xor)?|ballot|any|all)\s*\(")
 
@@ -1257,7 +1277,10 @@ def check_missing_return(text: str) -> Iterable[Hit]:
 # ---- what HIP's headers already define: a second definition is a clash or an ambiguous call ----
 
 _VECTOR_TYPE = r"(?:u?char|u?short|u?int|u?long|u?longlong|float|double)[1-4]"
-_ATOMIC_REDEFINITION = re.compile(r"\b(?:float|double)\s+(atomic(?:Max|Min|Add))\s*\(\s*(?:float|double)\s*\*[^;{}]*\)\s*\{")
+# HIP's amd_hip_atomic.h (ROCm 6.0) also defines the unsigned long overloads CUDA lacks (Add, Sub, Exch, CAS, Min, Max)
+_ATOMIC_TYPE = r"(?:float|double|unsigned\s+long(?!\s+long))"
+_ATOMIC_REDEFINITION = re.compile(
+    rf"\b{_ATOMIC_TYPE}\s+(atomic(?:Max|Min|Add|Sub|Exch|CAS))\s*\(\s*{_ATOMIC_TYPE}\s*\*[^;{{}}]*\)\s*\{{")
 _VECTOR_OPERATOR = re.compile(rf"\boperator\s*(\*|/|[-+*/]=)\s*\(\s*(?:const\s+)?({_VECTOR_TYPE})\s*&?\s*\w*\s*,"
                               rf"\s*(?:const\s+)?\2\s*&?\s*\w*\s*\)\s*\{{")
 
@@ -1280,7 +1303,8 @@ def _sides(qualifiers: str, macros: dict[str, str], depth: int = 0) -> tuple[set
 
 def check_builtin_redefinitions(text: str) -> Iterable[Hit]:
     """Flag a definition of what HIP's headers define themselves: `atomicMax` / `atomicMin` / `atomicAdd` on
-    `float*` / `double*`; and `*`, `/` or a compound assignment between two CUDA vector values (`float2`, ...)
+    `float*` / `double*`, and the atomics on `unsigned long*` (which CUDA does not declare);
+    and `*`, `/` or a compound assignment between two CUDA vector values (`float2`, ...)
     declared `__host__ __device__` (as HIP_vector_type's hidden friends and members are): a `__device__`-only or
     host-only one wins clang's same-side preference, so only these make calls ambiguous. One whose qualifiers come
     from another header's macro is flagged as that macro's question."""
@@ -1430,6 +1454,37 @@ def check_device_std_printf(text: str) -> Iterable[Hit]:
     C library's function (libstdc++'s `using ::printf`), not the device printf HIP declares."""
     for function, call in _in_device_code(text, re.compile(r"\bstd::f?printf\s*\(")):
         yield Hit(*_position(text, call.start()), f"in `{function.name}`")
+
+
+# HIP's vector types (HIP_vector_type<T, N>) take one value (an explicit broadcast) or all N; CUDA's are aggregates.
+_VECTOR_INIT = re.compile(
+    r"\b(?:u?char|u?short|u?int|u?long|u?longlong|float|double)([234])\s+\w+\s*(=\s*)?\{([^{};]*)\}")
+
+
+def check_vector_partial_init(text: str) -> Iterable[Hit]:
+    """Flag `float3 v = {a, b}` (fewer values than members, CUDA's aggregate fills the rest with zeros) and
+    `float4 v = {a}` (HIP's one-value constructor is explicit: no copy-list-initialisation)."""
+    for match in _VECTOR_INIT.finditer(text):
+        values = len(_split_top_level(match.group(3))) if match.group(3).strip() else 0
+        members = int(match.group(1))
+        if 1 < values < members or (values == 1 and match.group(2)):
+            yield Hit(*_position(text, match.start()), f"{values} of {members} values")
+
+
+# a broadcast from lane 0: `__shfl(v, 0)`, `__shfl_sync(mask, v, 0)`, `tile.shfl(v, 0)`
+_LANE0_BROADCAST = re.compile(r"(?:\b__shfl_sync\s*\(\s*[^,()]+,|\b__shfl\s*\(|\.\s*shfl\s*\()\s*(\w+)\s*,\s*0\s*[,)]")
+
+
+def check_uninitialised_broadcast(text: str) -> Iterable[Hit]:
+    """Flag the declaration without initialiser (`size_t pos;`) of a local that a shuffle then broadcasts from lane
+    0 (`tile.shfl(pos, 0)`), the other lanes' value never written."""
+    for function in functions(text):
+        for call in _LANE0_BROADCAST.finditer(text, function.body_start, function.body_end):
+            name, before = call.group(1), text[function.body_start : call.start()]
+            declared = list(re.finditer(rf"(?:^|[;{{}}])\s*(?:[A-Za-z_][\w:]*\s+)+{name}\s*;", before))
+            if declared:
+                at = function.body_start + declared[-1].end() - 1 - len(name)
+                yield Hit(*_position(text, at), f"`{name}` is broadcast from lane 0 at line {_position(text, call.start())[0]}")
 
 
 def check_device_ctad(text: str) -> Iterable[Hit]:
@@ -2113,6 +2168,61 @@ RULES: list[Rule] = [
         check=check_device_ctad,
     ),
     Rule(
+        "spaced-kernel-launch", "error", "a kernel launch with its chevrons split by spaces",
+        "nvcc's front end takes `kernel << <grid, block >> > (args)` (a formatter's spacing); clang lexes `<<<` and "
+        "`>>>` as launch tokens only unbroken, so hipcc parses a shift and stops with \"expected expression\" "
+        "(checked with hipcc 5.2), and torch's hipify, which looks for `<<<`, leaves the launch as it is.",
+        "Write the launch unbroken: `kernel<<<grid, block>>>(args)`.",
+        before="renderCUDA<NUM_CHANNELS> << <grid, block >> > (ranges, out);",
+        after="renderCUDA<NUM_CHANNELS><<<grid, block>>>(ranges, out);",
+        pattern=re.compile(r"[\w>]\s*(?:<<\s+<|<\s+<<)(?!<)[^;]*?(?:>>\s+>|>\s+>>)"),
+    ),
+    Rule(
+        "grid-constant", "error", "`__grid_constant__` on a kernel parameter",
+        "`__grid_constant__` (CUDA 11.7: a const by-value kernel parameter whose address may be taken without a "
+        "copy) has no HIP counterpart: hipcc reads it as an unknown type name and the kernel's signature does not "
+        "compile (checked with hipcc 5.2; ROCm/clr's headers through 6.2 define no such macro). AMD kernel arguments "
+        "already live in the read-only kernarg segment.",
+        "Drop it on AMD: `#if defined(__HIPCC__)` `#define __grid_constant__` `#endif` once, or remove it.",
+        before="__global__ void decode(const __grid_constant__ Params params);",
+        after="__global__ void decode(const Params params);",
+        pattern=re.compile(r"\b__grid_constant__\b"),
+    ),
+    Rule(
+        "ffs-ballot", "error", "`__ffs` of a ballot mask",
+        "A ballot is 64 bits on AMD (`__ballot`, a tile's `ballot`: `unsigned long long`), and HIP declares "
+        "`__ffs(int)` and `__ffs(unsigned int)` only: the call is ambiguous and does not compile (checked with hipcc "
+        "5.2). A cast to 32 bits compiles but drops lanes 32-63 of a 64-lane wavefront.",
+        "Use `__ffsll` on the 64-bit mask (lane = `__ffsll(mask) - 1`), which is right for 32 and 64 lanes.",
+        before="int lane = __ffs(__ballot_sync(mask, key == probe)) - 1;",
+        after="int lane = __ffsll(__ballot(key == probe)) - 1;",
+        pattern=re.compile(r"\b__ffs\s*\(\s*(?:static_cast\s*<[^>]*>\s*\(\s*)?[\w.\->]*?"
+                           r"(?:__ballot(?:_sync)?|\bballot|__activemask)\s*\("),
+    ),
+    Rule(
+        "vector-partial-init", "error", "a vector type braced from fewer values than it has members",
+        "CUDA's `float3` is an aggregate: `float3 v = {a, b}` leaves `z` zero. HIP's is `HIP_vector_type<float, 3>`, "
+        "whose constructors take one value (explicit, so `float4 v = {a}` is refused too) or all of them: \"no "
+        "matching constructor for initialization of 'float3'\" (checked with hipcc 5.2).",
+        "Give every member: `float3 v = {a, b, 0.f}`, or `make_float3(a, b, 0.f)`.",
+        before="float3 v_ndc = {0.5f * w * v.x, 0.5f * h * v.y};",
+        after="float3 v_ndc = {0.5f * w * v.x, 0.5f * h * v.y, 0.f};",
+        check=check_vector_partial_init,
+    ),
+    Rule(
+        "uninit-shuffle", "warning", "a lane-0 broadcast of a value the other lanes never set",
+        "`T pos; if (lane == 0) pos = atomicAdd(...); pos = tile.shfl(pos, 0);` reads an uninitialised value in the "
+        "other lanes; ROCm 6.2's compiler folded that undefined input and miscompiled the broadcast (its known issue "
+        "'Incorrect compilation with uninitialized parameters in __shfl', fixed in 6.3; ROCm/clr#146; DGL's port "
+        "initialises it). nvcc compiles the pattern as meant.",
+        "Initialise the variable where it is declared: `T pos = 0;`.",
+        before="__device__ size_t claim(Tile tile, size_t* count) {\n  size_t pos;\n"
+               "  if (tile.thread_rank() == 0) pos = atomicAdd(count, 1);\n  return tile.shfl(pos, 0);\n}",
+        after="__device__ size_t claim(Tile tile, size_t* count) {\n  size_t pos = 0;\n"
+              "  if (tile.thread_rank() == 0) pos = atomicAdd(count, 1);\n  return tile.shfl(pos, 0);\n}",
+        check=check_uninitialised_broadcast,
+    ),
+    Rule(
         "cg-missing-api", "error", "a cooperative-groups API HIP does not have",
         "HIP's cooperative groups (amd_hip_cooperative_groups.h, checked through ROCm 6.2) have tiles, shuffles, "
         "votes, `match_any` and `binary_partition`, but no `<cooperative_groups/reduce.h>` (`cg::reduce`, "
@@ -2233,6 +2343,21 @@ RULES: list[Rule] = [
         after="#if defined(__gfx90a__) || defined(__gfx942__)  // the AMD path, then the __CUDA_ARCH__ tests",
         check=check_arch_guards,
         reads_dead_code=True,
+    ),
+    Rule(
+        "cuda-build-flag", "warning", "GPU code under a CUDA build flag the HIP build does not set",
+        "Projects select their GPU code with a build flag of their own (`#ifdef WITH_CUDA`); a ROCm build that "
+        "defines its own flag instead (`WITH_ROCM`, `USE_ROCM`) compiles that code out, and the op answers 'not "
+        "compiled with GPU support' at run time (bevfusion's and bitsandbytes' ROCm ports widened the tests). Fires "
+        "where the HIP build is known to leave the flag undefined: `tiletune hipify -U WITH_CUDA`.",
+        "Widen the test to the HIP build's flag (`#if defined(WITH_CUDA) || defined(WITH_ROCM)`), or define the "
+        "CUDA flag in the HIP build too.",
+        before="// hip-build: -D WITH_ROCM -U WITH_CUDA\n"
+               "#ifdef WITH_CUDA\nint hard_voxelize_gpu(const at::Tensor& points);\n#endif",
+        after="#if defined(WITH_CUDA) || defined(WITH_ROCM)\nint hard_voxelize_gpu(const at::Tensor& points);\n#endif",
+        check=check_cuda_build_flags,
+        reads_dead_code=True,
+        reads_build=True,
     ),
     Rule(
         "compiler-guard", "warning", "`__NVCC__`, GCC-version or old-CUDA test",
