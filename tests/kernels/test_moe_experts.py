@@ -188,12 +188,9 @@ def test_reference_is_transformers_experts_in_float64(config_class, shape):
 def test_a_kernel_with_the_wrong_activation_fails_the_gate():
     """An implementation computing gelu(gate)·up: the gate must catch it (so the GPU check can fail)."""
     def wrong_forward(hidden, top_k_index, top_k_weights, gate_up, down):
-        original = moe._silu_gate
-        moe._silu_gate = lambda h: F.gelu(h.chunk(2, dim=-1)[0]) * h.chunk(2, dim=-1)[1]
-        try:
-            return moe.reference_forward(hidden, top_k_index, top_k_weights, gate_up, down)
-        finally:
-            moe._silu_gate = original
+        gelu_gate = moe.GatedRows(lambda h: F.gelu(h.chunk(2, dim=-1)[0]) * h.chunk(2, dim=-1)[1], moe._silu_gate_backward)
+        return moe._experts_forward(moe._loop_gemm, hidden, top_k_index, top_k_weights, gate_up, down,
+                                    activation=gelu_gate)
 
     registry.add(registry.Impl("moe_experts", "gelu_by_mistake", wrong_forward, moe.reference_backward))
     try:
@@ -318,6 +315,7 @@ def test_tilelang_lora_path_wires_the_grouped_gemm_for_the_base_weights(monkeypa
     """tilelang_lora_forward / _backward with the TileLang grouped GEMM replaced by its emulation (CPU, float64):
     the reference's outputs and gradients, so only the kernel itself is left to the GPU test."""
     monkeypatch.setattr(moe, "grouped_gemm", _emulated_grouped_gemm)
+    monkeypatch.setattr(moe, "TILELANG_ACTIVATION", moe.REFERENCE_ACTIVATION)  # its kernels need a GPU
     inputs = lora_inputs(tokens=300)
     want = moe.reference_lora_forward(*inputs)
     got = moe.tilelang_lora_forward(*inputs)
@@ -426,6 +424,7 @@ def test_tilelang_lora_path_takes_the_grouped_rank_products_where_they_run(monke
     """With grouped_mm_runs true (as on an H200 in bf16), the TileLang path's forward and backward run the rank-r parts
     grouped (the base GEMMs emulated, float32 on the CPU) and equal the reference."""
     monkeypatch.setattr(moe, "grouped_gemm", _emulated_grouped_gemm)
+    monkeypatch.setattr(moe, "TILELANG_ACTIVATION", moe.REFERENCE_ACTIVATION)  # its kernels need a GPU
     monkeypatch.setattr(moe, "grouped_mm_runs", lambda rows, experts: True)
     inputs = [x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in lora_inputs(tokens=300)]
     want = moe.reference_lora_forward(*inputs)

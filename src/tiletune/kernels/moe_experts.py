@@ -16,18 +16,20 @@ where it runs in one kernel without a host sync (bf16 on sm_90/sm_100; the TileL
 GEMM per expert; beyond the plain op it keeps only the [rows, r] products x·Aᵀ and a·A'ᵀ for the backward.
 
 How it runs: the k·tokens routes are sorted by expert (`Routing`: one sort, no host sync), the rows gathered
-once, and each expert's block of rows meets its weights in a grouped GEMM: one kernel launch for all experts,
-each thread block owning a tile of one expert's rows (the tile schedule, an upper bound of ceil(rows / block_m)
-+ experts tiles, is built on the device; surplus tiles exit at once). The grouped GEMM's tile shape and
-scheduling (rows per tile, warp split, rasterised or persistent grid, staged store) is a `GroupedConfig` row of
-`VARIANTS`, chosen per architecture and shape (`config_for`: TUNED from a GPU sweep, else DEFAULT_CONFIG;
-benchmarks/kernel_bench.py --only moe sweeps CANDIDATES); one kernel source takes them all. Forward: two grouped GEMMs (gate_up,
-down) with the activation between them; backward: two grouped GEMMs for the input gradient (``nn``: the
-weights untransposed) and the activation's derivative (the routing weight applied there, in float32). The k
-outputs of a token are merged without atomics: put back in (token, k) order and summed by one batched GEMM with
-the routing weights (the hidden states' gradient likewise, the routing weights' gradient by one batched GEMM with
-dy), in float32 with one rounding, the same bits on every run. The forward keeps [rows, 2·intermediate] and
-[rows, hidden] for the backward (Qwen3-30B-A3B at 8,192 tokens: 192 + 256 MiB per layer).
+once (`index_select`), and each expert's block of rows meets its weights in a grouped GEMM: one kernel launch
+for all experts, each thread block owning a tile of one expert's rows (the tile schedule, an upper bound of
+ceil(rows / block_m) + experts tiles, is built on the device; surplus tiles exit at once). The grouped GEMM's tile
+shape and scheduling (rows per tile, warp split, rasterised or persistent grid, staged store) is a `GroupedConfig`
+row of `VARIANTS`, chosen per architecture and shape (`config_for`: TUNED from a GPU sweep, else DEFAULT_CONFIG;
+benchmarks/kernel_bench.py --only moe sweeps CANDIDATES); one kernel source takes them all. Forward: two grouped
+GEMMs (gate_up, down) with the activation between them; backward: two grouped GEMMs for the input gradient
+(``nn``: the weights untransposed) and the activation's derivative (the routing weight applied there, in float32).
+The activation is a `GatedRows` record: PyTorch in the reference, swiglu's packed TileLang kernels in the TileLang
+impl (the gate and up halves of a row read in place, float32 inside, one rounding). The k outputs of a token are
+merged without atomics: put back in (token, k) order and summed by one batched GEMM with the routing weights (the
+hidden states' gradient likewise, the routing weights' gradient by one batched GEMM with dy), in float32 with one
+rounding, the same bits on every run. The forward keeps [rows, 2·intermediate] and [rows, hidden] for the backward
+(Qwen3-30B-A3B at 8,192 tokens: 192 + 256 MiB per layer).
 
 The reference runs the same steps with one PyTorch GEMM per expert (the "eager" loop), in the input dtype
 with float32 accumulation; the TileLang version's GEMMs accumulate in float32 and round once.
@@ -35,6 +37,7 @@ with float32 accumulation; the TileLang version's GEMMs accumulate in float32 an
 
 # No `from __future__ import annotations` here: TileLang reads the kernel signature's shapes from the closure.
 
+import functools
 import inspect
 import itertools
 from collections.abc import Callable
@@ -44,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tiletune.kernels import _tilelang, registry
+from tiletune.kernels import _tilelang, registry, swiglu
 from tiletune.kernels.binding import Binding, Site
 from tiletune.kernels.customop import Signature, make_custom_op
 from tiletune.kernels.registry import Impl, Op, add, define, note_fallback
@@ -111,11 +114,24 @@ def _silu_gate_backward(da: Tensor, h: Tensor, row_scale: Tensor | None = None) 
     return torch.cat([da * up * sig * (1 + gate * (1 - sig)), da * gate * sig], dim=-1).to(h.dtype)
 
 
+@dataclass(frozen=True)
+class GatedRows:
+    """The experts' activation on [rows, 2·intermediate] gate_up rows ([gate | up]): silu(gate)·up, and its
+    derivative for an upstream gradient with an optional per-row scale (the routing weight)."""
+
+    forward: Callable[[Tensor], Tensor]
+    backward: Callable[..., Tensor]  # (da, h, row_scale=None) -> d h
+
+
+REFERENCE_ACTIVATION = GatedRows(_silu_gate, _silu_gate_backward)
+# swiglu's packed TileLang kernels: the halves read in place, float32 inside, one rounding (the reference's math)
+TILELANG_ACTIVATION = GatedRows(functools.partial(swiglu.tilelang_packed_forward, swiglu.SILU),
+                                functools.partial(swiglu.tilelang_packed_backward, swiglu.SILU))
+
+
 def _by_route(rows: Tensor, order: Tensor) -> Tensor:
     """Rows sorted by expert put back in (token, k) order: row i of the result is route i of the flat top-k index."""
-    out = torch.empty_like(rows)
-    out[order] = rows
-    return out
+    return torch.empty_like(rows).index_copy_(0, order, rows)
 
 
 def _combine(o: Tensor, top_k_weights: Tensor, like: Tensor) -> Tensor:
@@ -141,23 +157,25 @@ def _routing_weights_grad(o: Tensor, dy: Tensor, top_k_weights: Tensor) -> Tenso
 
 
 def _experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
-                     down: Tensor, block_m: int = BLOCK_M):  # fmt: skip
+                     down: Tensor, block_m: int = BLOCK_M, activation: GatedRows = REFERENCE_ACTIVATION):  # fmt: skip
     """(y, the gate_up rows, the down rows, the routing's order, tiles and offsets): the experts' forward with
     `gemm(kind, rows, weights, routing)` on tiles of `block_m` rows; the backward reuses the routing."""
     routing = route(top_k_index, gate_up.shape[0], block_m, BLOCK_M)
-    rows = hidden[routing.token]
+    rows = hidden.index_select(0, routing.token)
     h = gemm("nt", rows, gate_up, routing)
-    o = _by_route(gemm("nt", _silu_gate(h), down, routing), routing.order)
+    o = _by_route(gemm("nt", activation.forward(h), down, routing), routing.order)
     return _combine(o, top_k_weights, hidden), h, o, routing.order, routing.tiles, routing.offsets
 
 
 def _experts_backward(gemm: Callable, dy: Tensor, h: Tensor, o: Tensor, order: Tensor, tiles: Tensor, offsets: Tensor,
-                      top_k_weights: Tensor, gate_up: Tensor, down: Tensor):  # fmt: skip
+                      top_k_weights: Tensor, gate_up: Tensor, down: Tensor,
+                      activation: GatedRows = REFERENCE_ACTIVATION):  # fmt: skip
     """(d hidden, d top_k_weights) from the forward's kept rows and routing."""
     routing = Routing(order // top_k_weights.shape[-1], order, tiles, offsets)
     weights = top_k_weights.reshape(-1)[routing.order]
-    da = gemm("nn", dy[routing.token].to(o.dtype), down, routing)  # the routing weight enters below, in float32
-    d_rows = gemm("nn", _silu_gate_backward(da, h, weights), gate_up, routing)
+    # the routing weight enters below, in float32
+    da = gemm("nn", dy.index_select(0, routing.token).to(o.dtype), down, routing)
+    d_rows = gemm("nn", activation.backward(da, h, weights), gate_up, routing)
     return _sum_routes(d_rows, order, dy), _routing_weights_grad(o, dy, top_k_weights)
 
 
@@ -339,17 +357,17 @@ def _rank_gemms(offsets: Tensor, grouped: bool) -> "_LoopRank | _GroupedRank":
 def _lora_experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
                           down: Tensor, gate_up_a: Tensor, gate_up_b: Tensor, down_a: Tensor, down_b: Tensor,
                           gate_up_scaling: float, down_scaling: float, block_m: int = BLOCK_M,
-                          grouped: bool = False):  # fmt: skip
+                          grouped: bool = False, activation: GatedRows = REFERENCE_ACTIVATION):  # fmt: skip
     """(y, the gate_up rows, the down rows, x·Aᵀ, a·A'ᵀ, the routing's order, tiles and offsets) with LoRA on both
     projections: A [experts, r, in], B [experts, out, r] (rank 0: no adapter there). The base GEMMs by `gemm`, the
     rank-r ones over the expert groups (`grouped`: torch's grouped GEMM, else per expert) in the rows' dtype (as
     peft's LoRA Linear under autocast), each rounded, then added."""
     routing = route(top_k_index, gate_up.shape[0], block_m, BLOCK_M)
     rank = _rank_gemms(routing.offsets, grouped)
-    rows = hidden[routing.token]
+    rows = hidden.index_select(0, routing.token)
     xa, up = rank.forward(rows, gate_up_a, gate_up_b)
     h = gemm("nt", rows, gate_up, routing) + up * gate_up_scaling
-    a = _silu_gate(h)
+    a = activation.forward(h)
     aa, lora_o = rank.forward(a, down_a, down_b)
     o = _by_route(gemm("nt", a, down, routing) + lora_o * down_scaling, routing.order)
     return _combine(o, top_k_weights, hidden), h, o, xa, aa, routing.order, routing.tiles, routing.offsets
@@ -358,18 +376,20 @@ def _lora_experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, t
 def _lora_experts_backward(gemm: Callable, dy: Tensor, hidden: Tensor, h: Tensor, o: Tensor, xa: Tensor, aa: Tensor,
                            order: Tensor, tiles: Tensor, offsets: Tensor, top_k_weights: Tensor, gate_up: Tensor,
                            down: Tensor, gate_up_a: Tensor, gate_up_b: Tensor, down_a: Tensor, down_b: Tensor,
-                           gate_up_scaling: float, down_scaling: float, grouped: bool = False):  # fmt: skip
+                           gate_up_scaling: float, down_scaling: float, grouped: bool = False,
+                           activation: GatedRows = REFERENCE_ACTIVATION):  # fmt: skip
     """(d hidden, d top_k_weights, d gate_up A, d gate_up B, d down A, d down B): with g = s·dOut·B,
     dIn = dOut·W + g·A, dA = gᵀ·In, dB = s·dOutᵀ·(In·Aᵀ) per expert; the activation recomputed from h."""
     routing = Routing(order // top_k_weights.shape[-1], order, tiles, offsets)
     rank = _rank_gemms(offsets, grouped)
     weights = top_k_weights.reshape(-1)[routing.order]
-    do = (dy[routing.token] * weights[:, None].to(dy.dtype)).to(o.dtype)  # the rank-r gradients need it whole
-    a = _silu_gate(h)
+    # the rank-r gradients need the scaled rows whole
+    do = (dy.index_select(0, routing.token) * weights[:, None].to(dy.dtype)).to(o.dtype)
+    a = activation.forward(h)
     lora_da, d_down_a, d_down_b = rank.backward(do, a, aa, down_a, down_b, down_scaling)
     da = gemm("nn", do, down, routing) + lora_da
-    dh = _silu_gate_backward(da, h)
-    lora_d_rows, d_gate_up_a, d_gate_up_b = rank.backward(dh, hidden[routing.token], xa, gate_up_a, gate_up_b,
+    dh = activation.backward(da, h)
+    lora_d_rows, d_gate_up_a, d_gate_up_b = rank.backward(dh, hidden.index_select(0, routing.token), xa, gate_up_a, gate_up_b,
                                                           gate_up_scaling)
     d_rows = gemm("nn", dh, gate_up, routing) + lora_d_rows
     return (_sum_routes(d_rows, order, dy), _routing_weights_grad(o, dy, top_k_weights), d_gate_up_a, d_gate_up_b,
@@ -617,13 +637,15 @@ def op_config(hidden: Tensor, gate_up: Tensor, variant: str | None = None) -> Gr
 def tilelang_forward(hidden, top_k_index, top_k_weights, gate_up, down, variant: str | None = None):
     """(y, kept rows and routing) with the grouped GEMMs in TileLang (config `variant`, else op_config's)."""
     config = op_config(hidden, gate_up, variant)
-    return _experts_forward(grouped_gemm(config), hidden, top_k_index, top_k_weights, gate_up, down, config.block_m)
+    return _experts_forward(grouped_gemm(config), hidden, top_k_index, top_k_weights, gate_up, down, config.block_m,
+                            TILELANG_ACTIVATION)
 
 
 def tilelang_backward(dy, h, o, order, tiles, offsets, top_k_weights, gate_up, down, variant: str | None = None):
     """(d hidden, d top_k_weights) with the grouped GEMMs in TileLang (the forward's config)."""
     config = op_config(dy, gate_up, variant)
-    return _experts_backward(grouped_gemm(config), dy, h, o, order, tiles, offsets, top_k_weights, gate_up, down)
+    return _experts_backward(grouped_gemm(config), dy, h, o, order, tiles, offsets, top_k_weights, gate_up, down,
+                             TILELANG_ACTIVATION)
 
 
 def tilelang_unsupported(hidden, top_k_index, top_k_weights, gate_up, down) -> str | None:
@@ -631,6 +653,7 @@ def tilelang_unsupported(hidden, top_k_index, top_k_weights, gate_up, down) -> s
     reason = _tilelang.unsupported_inputs(hidden, gate_up, down)
     config = op_config(hidden, gate_up)
     bn, bk = config.block_n, config.block_k
+    # (a multiple of bn, >= 64, is also what swiglu's packed activation kernels need of the intermediate size)
     if reason is None and any(d % bn or d % bk for d in (*gate_up.shape[1:], *down.shape[1:])):
         reason = f"expert shapes {tuple(gate_up.shape)}, {tuple(down.shape)} are not multiples of {bn} and {bk}"
     return reason
@@ -643,7 +666,8 @@ def tilelang_lora_forward(hidden, top_k_index, top_k_weights, gate_up, down, gat
     config = op_config(hidden, gate_up, variant)
     grouped = grouped_mm_runs(hidden, gate_up.shape[0]) if grouped is None else grouped
     return _lora_experts_forward(grouped_gemm(config), hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a,
-                                 gate_up_b, down_a, down_b, gate_up_scaling, down_scaling, config.block_m, grouped)
+                                 gate_up_b, down_a, down_b, gate_up_scaling, down_scaling, config.block_m, grouped,
+                                 TILELANG_ACTIVATION)
 
 
 def tilelang_lora_backward(dy, hidden, h, o, xa, aa, order, tiles, offsets, top_k_weights, gate_up, down, gate_up_a,
@@ -654,7 +678,7 @@ def tilelang_lora_backward(dy, hidden, h, o, xa, aa, order, tiles, offsets, top_
     grouped = grouped_mm_runs(o, gate_up.shape[0]) if grouped is None else grouped
     return _lora_experts_backward(grouped_gemm(config), dy, hidden, h, o, xa, aa, order, tiles, offsets, top_k_weights,
                                   gate_up, down, gate_up_a, gate_up_b, down_a, down_b, gate_up_scaling, down_scaling,
-                                  grouped)
+                                  grouped, TILELANG_ACTIVATION)
 
 
 def tilelang_lora_unsupported(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b, down_a, down_b,

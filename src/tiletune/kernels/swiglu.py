@@ -8,7 +8,7 @@ and up_proj, or Phi-3's fused gate_up_proj). This module defines ``swiglu``; geg
 GeGLU. The token dimension is dynamic; the intermediate size and dtype are static per compiled kernel.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: TileLang reads the kernel signatures' shapes from the closure.
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,43 +76,53 @@ _BLOCK = (8, 512)  # rows x columns per block: 16 elements for each of 256 threa
 _THREADS = 256
 
 
-def forward_kernel(act: Activation, n: int, dtype: str, block: tuple[int, int] = _BLOCK, threads: int = _THREADS):
-    """PrimFunc Y = act(G) * U over (m, n), m dynamic; block = (rows, columns) per thread block."""
+def forward_kernel(act: Activation, n: int, dtype: str, block: tuple[int, int] = _BLOCK, threads: int = _THREADS,
+                   packed: bool = False):  # fmt: skip
+    """PrimFunc Y = act(G) * U over (m, n), m dynamic; block = (rows, columns) per thread block. packed: one input
+    GU (m, 2n), the gate's columns then the up projection's (a fused gate_up projection's output), read in place
+    (block's columns must divide n)."""
     import tilelang.language as T
 
     bm, bn = block
     m = T.dynamic("m")
+    up_column = n if packed else 0
 
-    @T.prim_func
-    def gated_fwd(G: T.Tensor((m, n), dtype), U: T.Tensor((m, n), dtype), Y: T.Tensor((m, n), dtype)):
+    @T.macro
+    def compute(G, U, Y):
         with T.Kernel(T.ceildiv(n, bn), T.ceildiv(m, bm), threads=threads) as (bx, by):
             g = T.alloc_fragment((bm, bn), dtype)
             u = T.alloc_fragment((bm, bn), dtype)
             y = T.alloc_fragment((bm, bn), dtype)
             T.copy(G[by * bm, bx * bn], g)
-            T.copy(U[by * bm, bx * bn], u)
+            T.copy(U[by * bm, up_column + bx * bn], u)
             for i, j in T.Parallel(bm, bn):
                 y[i, j] = T.cast(act.tl_forward(T.cast(g[i, j], "float32")) * T.cast(u[i, j], "float32"), dtype)
             T.copy(y, Y[by * bm, bx * bn])
 
-    return gated_fwd.with_attr("global_symbol", f"{act_op_name(act)}_fwd")
+    if packed:
+        @T.prim_func
+        def gated_fwd(GU: T.Tensor((m, 2 * n), dtype), Y: T.Tensor((m, n), dtype)):
+            compute(GU, GU, Y)
+    else:
+        @T.prim_func
+        def gated_fwd(G: T.Tensor((m, n), dtype), U: T.Tensor((m, n), dtype), Y: T.Tensor((m, n), dtype)):
+            compute(G, U, Y)
+
+    return gated_fwd.with_attr("global_symbol", f"{act_op_name(act)}_fwd{'_packed' if packed else ''}")
 
 
-def backward_kernel(act: Activation, n: int, dtype: str, block: tuple[int, int] = _BLOCK, threads: int = _THREADS):
-    """PrimFunc (dG, dU) from (dY, G, U) over (m, n), m dynamic."""
+def backward_kernel(act: Activation, n: int, dtype: str, block: tuple[int, int] = _BLOCK, threads: int = _THREADS,
+                    packed: bool = False):  # fmt: skip
+    """PrimFunc (dG, dU) from (dY, G, U) over (m, n), m dynamic. packed: GU and dGU are (m, 2n) as in
+    forward_kernel, and dY's rows are scaled by S (m,) float32 first (the MoE experts' routing weights)."""
     import tilelang.language as T
 
     bm, bn = block
     m = T.dynamic("m")
+    up_column = n if packed else 0
 
-    @T.prim_func
-    def gated_bwd(
-        DY: T.Tensor((m, n), dtype),
-        G: T.Tensor((m, n), dtype),
-        U: T.Tensor((m, n), dtype),
-        DG: T.Tensor((m, n), dtype),
-        DU: T.Tensor((m, n), dtype),
-    ):
+    @T.macro
+    def compute(DY, G, U, S, DG, DU):
         with T.Kernel(T.ceildiv(n, bn), T.ceildiv(m, bm), threads=threads) as (bx, by):
             dy = T.alloc_fragment((bm, bn), dtype)
             g = T.alloc_fragment((bm, bn), dtype)
@@ -121,16 +131,32 @@ def backward_kernel(act: Activation, n: int, dtype: str, block: tuple[int, int] 
             du = T.alloc_fragment((bm, bn), dtype)
             T.copy(DY[by * bm, bx * bn], dy)
             T.copy(G[by * bm, bx * bn], g)
-            T.copy(U[by * bm, bx * bn], u)
+            T.copy(U[by * bm, up_column + bx * bn], u)
             for i, j in T.Parallel(bm, bn):
                 gf = T.cast(g[i, j], "float32")
-                df = T.cast(dy[i, j], "float32")
+                df = T.cast(dy[i, j], "float32") * (S[by * bm + i] if packed else 1.0)
                 dg[i, j] = T.cast(df * T.cast(u[i, j], "float32") * act.tl_grad(gf), dtype)
                 du[i, j] = T.cast(df * act.tl_forward(gf), dtype)
             T.copy(dg, DG[by * bm, bx * bn])
-            T.copy(du, DU[by * bm, bx * bn])
+            T.copy(du, DU[by * bm, up_column + bx * bn])
 
-    return gated_bwd.with_attr("global_symbol", f"{act_op_name(act)}_bwd")
+    if packed:
+        @T.prim_func
+        def gated_bwd(DY: T.Tensor((m, n), dtype), GU: T.Tensor((m, 2 * n), dtype), S: T.Tensor((m,), "float32"),
+                      DGU: T.Tensor((m, 2 * n), dtype)):  # fmt: skip
+            compute(DY, GU, GU, S, DGU, DGU)
+    else:
+        @T.prim_func
+        def gated_bwd(
+            DY: T.Tensor((m, n), dtype),
+            G: T.Tensor((m, n), dtype),
+            U: T.Tensor((m, n), dtype),
+            DG: T.Tensor((m, n), dtype),
+            DU: T.Tensor((m, n), dtype),
+        ):
+            compute(DY, G, U, None, DG, DU)
+
+    return gated_bwd.with_attr("global_symbol", f"{act_op_name(act)}_bwd{'_packed' if packed else ''}")
 
 
 def act_op_name(act: Activation) -> str:
@@ -173,6 +199,49 @@ def tilelang_backward(act: Activation, dy: Tensor, gate: Tensor, up: Tensor):
     if g.shape[0]:
         kernel(d, g, u, dg, du)
     return dg.view(gate.shape), du.view(up.shape)
+
+
+def _packed_block(n: int) -> tuple[int, int] | None:
+    """The widest block of _BLOCK's shape whose columns divide n (a packed kernel's gate columns must not run into
+    the up projection's), or None when n is not a multiple of 64."""
+    columns = next((c for c in (512, 256, 128, 64) if n % c == 0), None)
+    return None if columns is None else (_THREADS * 16 // columns, columns)
+
+
+def packed_unsupported(gate_up: Tensor) -> str | None:
+    """Why the packed kernels cannot run a [rows, 2n] gate_up input, or None."""
+    reason = _tilelang.unsupported_inputs(gate_up)
+    if reason is None and (gate_up.shape[-1] % 2 or _packed_block(gate_up.shape[-1] // 2) is None):
+        reason = f"packed gate_up width {gate_up.shape[-1]} is not twice a multiple of 64"
+    return reason
+
+
+def tilelang_packed_forward(act: Activation, gate_up: Tensor) -> Tensor:
+    """act(gate) * up of a [..., 2n] input holding [gate | up], read in place by the packed TileLang kernel."""
+    n, dtype = gate_up.shape[-1] // 2, _tilelang.DTYPES[gate_up.dtype]
+    block = _packed_block(n)
+    kernel = _tilelang.compiled((act.name, "fwd_packed", n, dtype), lambda: forward_kernel(act, n, dtype, block, packed=True))
+    gu = gate_up.reshape(-1, 2 * n).contiguous()
+    y = gu.new_empty(gu.shape[0], n)
+    if gu.shape[0]:
+        kernel(gu, y)
+    return y.view(*gate_up.shape[:-1], n)
+
+
+def tilelang_packed_backward(act: Activation, dy: Tensor, gate_up: Tensor, row_scale: Tensor | None = None) -> Tensor:
+    """d[gate | up] [rows, 2n] of tilelang_packed_forward for dy [rows, n] (each row times `row_scale` [rows], if
+    given), float32 inside, one rounding."""
+    n, dtype = gate_up.shape[-1] // 2, _tilelang.DTYPES[gate_up.dtype]
+    block = _packed_block(n)
+    kernel = _tilelang.compiled((act.name, "bwd_packed", n, dtype), lambda: backward_kernel(act, n, dtype, block, packed=True))
+    gu = gate_up.reshape(-1, 2 * n).contiguous()
+    rows = gu.shape[0]
+    scale = (torch.ones(rows, dtype=torch.float32, device=gu.device) if row_scale is None
+             else row_scale.reshape(rows).to(torch.float32).contiguous())
+    dgu = torch.empty_like(gu)
+    if rows:
+        kernel(dy.reshape(rows, n).to(gu.dtype).contiguous(), gu, scale, dgu)
+    return dgu.view_as(gate_up)
 
 
 # ---- custom ops and binding ------------------------------------------------------------------------
@@ -242,7 +311,10 @@ def define_gated(act: Activation, opt_in: bool = False) -> Callable:
 
     def lowering(arch: str) -> dict[str, Callable]:
         return {f"{name}_fwd": lambda: forward_kernel(act, 14336, "bfloat16"),
-                f"{name}_bwd": lambda: backward_kernel(act, 14336, "bfloat16")}
+                f"{name}_bwd": lambda: backward_kernel(act, 14336, "bfloat16"),
+                # the packed form, at the Qwen3-30B-A3B experts' width (768: 256-column blocks)
+                f"{name}_fwd_packed": lambda: forward_kernel(act, 768, "bfloat16", _packed_block(768), packed=True),
+                f"{name}_bwd_packed": lambda: backward_kernel(act, 768, "bfloat16", _packed_block(768), packed=True)}
 
     def bound(function: Callable) -> Callable:
         def with_act(*args):
