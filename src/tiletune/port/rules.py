@@ -469,6 +469,11 @@ def _dependent_hits(text: str, start: int, end: int, parameters: set[str]) -> It
         declaration = rf"\b(?:{dependent})\b(?:[\w:<>*&]|,\s*)*?[>\s&*]\s*{re.escape(obj)}\s*[;,)=({{\[]"
         if re.search(declaration, text[start : match.start()]):
             yield Hit(*_position(text, match.start(3)), f"write `{obj}{arrow}template {member}<...>(...)`")
+    # a member template of a dependent type called without `template`: `vec_cast<T, S>::cast<N>(...)`, `T::get<3>()`
+    static_call = re.compile(rf"(?<![\w:])((?:\w+\s*<[^;{{}}()]*\b(?:{dependent})\b[^;{{}}()]*>|(?:{dependent})))"
+                             rf"\s*::\s*(?!template\b)(\w+)\s*<[^;{{}}()<>]*>\s*\(")
+    for match in static_call.finditer(scope, start):
+        yield Hit(*_position(text, match.start(2)), f"write `{match.group(1)}::template {match.group(2)}<...>(...)`")
     typename_missing = re.compile(rf"(?<!typename )(?<![\w:])((?:{dependent})::\w+)\s+[&*]*\w+\s*[;=({{]")
     for match in typename_missing.finditer(scope, start):
         yield Hit(*_position(text, match.start()), f"write `typename {match.group(1)}`")
@@ -481,7 +486,7 @@ def _dependent_hits(text: str, start: int, end: int, parameters: set[str]) -> It
 
 def check_dependent_names(text: str) -> Iterable[Hit]:
     """Flag, inside a template, `obj.member<...>(` without `template` where `obj` is declared there with a
-    type naming a template parameter, `this->member<...>(` in a class template whose base names its parameters
+    type naming a template parameter, `Type<Param>::member<...>(` and `Param::member<...>(` likewise, `this->member<...>(` in a class template whose base names its parameters
     (and which declares no `member` itself), `Param::name var` without `typename`, and `Param::Type(args).f()`."""
     hits = {}
     for start, end, parameters in _template_scopes(text):

@@ -33,5 +33,20 @@ __device__ float block_prefix(typename Ktraits::BlockScanT::TempStorage& storage
     return total;
 }
 
+// A vector cast through a static member template of a class template named by the parameters.
+template <typename To, typename From>
+struct VecCast {
+    template <int N>
+    __device__ static void cast(To* dst, const From* src) {
+        for (int i = 0; i < N; ++i) dst[i] = static_cast<To>(src[i]);
+    }
+};
+
+template <typename From, typename To, int N>
+__device__ void cast_tile(To* dst, const From* src) {
+    VecCast<To, From>::cast<N>(dst, src);  // expect: dependent-template-name
+    VecCast<To, From>::template cast<N>(dst, src);
+}
+
 // Host code: std::max outside a constexpr initialiser is fine.
 inline int launch_chunks(int seqlen, int chunk) { return std::max(1, (seqlen + chunk - 1) / chunk); }
