@@ -415,11 +415,12 @@ def main() -> None:
             "commit": git_commit(), "torch": torch.__version__, "tokens": TOKENS, "dtype": "bfloat16",
             "rounds": args.rounds, "tuned": args.tune}
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, "kernels_" + meta["gpu"].replace(" ", "_").lower())
+    gpu_name = meta["gpu"].replace(" ", "_").lower()
+    stem = os.path.join(args.out, "kernels_" + gpu_name)
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows, "geomean": geo, "moe": moe}, f, indent=1)
     if profiles:
-        with open(stem.replace("kernels_", "profile_", 1) + ".md", "w") as f:
+        with open(os.path.join(args.out, f"profile_{gpu_name}.md"), "w") as f:
             f.write("\n\n".join(profiles) + "\n")
         print("\n\n".join(profiles))
     with open(stem + ".csv", "w", newline="") as f:

@@ -389,8 +389,8 @@ def _lora_experts_backward(gemm: Callable, dy: Tensor, hidden: Tensor, h: Tensor
     lora_da, d_down_a, d_down_b = rank.backward(do, a, aa, down_a, down_b, down_scaling)
     da = gemm("nn", do, down, routing) + lora_da
     dh = activation.backward(da, h)
-    lora_d_rows, d_gate_up_a, d_gate_up_b = rank.backward(dh, hidden.index_select(0, routing.token), xa, gate_up_a, gate_up_b,
-                                                          gate_up_scaling)
+    rows = hidden.index_select(0, routing.token)
+    lora_d_rows, d_gate_up_a, d_gate_up_b = rank.backward(dh, rows, xa, gate_up_a, gate_up_b, gate_up_scaling)
     d_rows = gemm("nn", dh, gate_up, routing) + lora_d_rows
     return (_sum_routes(d_rows, order, dy), _routing_weights_grad(o, dy, top_k_weights), d_gate_up_a, d_gate_up_b,
             d_down_a, d_down_b)
@@ -653,10 +653,9 @@ def tilelang_unsupported(hidden, top_k_index, top_k_weights, gate_up, down) -> s
     reason = _tilelang.unsupported_inputs(hidden, gate_up, down)
     config = op_config(hidden, gate_up)
     bn, bk = config.block_n, config.block_k
-    # (a multiple of bn, >= 64, is also what swiglu's packed activation kernels need of the intermediate size)
     if reason is None and any(d % bn or d % bk for d in (*gate_up.shape[1:], *down.shape[1:])):
         reason = f"expert shapes {tuple(gate_up.shape)}, {tuple(down.shape)} are not multiples of {bn} and {bk}"
-    return reason
+    return reason or swiglu.packed_unsupported(gate_up.shape[1] // 2)
 
 
 def tilelang_lora_forward(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b, down_a, down_b,

@@ -208,19 +208,17 @@ def _packed_block(n: int) -> tuple[int, int] | None:
     return None if columns is None else (_THREADS * 16 // columns, columns)
 
 
-def packed_unsupported(gate_up: Tensor) -> str | None:
-    """Why the packed kernels cannot run a [rows, 2n] gate_up input, or None."""
-    reason = _tilelang.unsupported_inputs(gate_up)
-    if reason is None and (gate_up.shape[-1] % 2 or _packed_block(gate_up.shape[-1] // 2) is None):
-        reason = f"packed gate_up width {gate_up.shape[-1]} is not twice a multiple of 64"
-    return reason
+def packed_unsupported(n: int) -> str | None:
+    """Why the packed kernels cannot run [gate | up] rows of n columns each, or None."""
+    return None if _packed_block(n) is not None else f"packed activation: intermediate size {n} is not a multiple of 64"
 
 
 def tilelang_packed_forward(act: Activation, gate_up: Tensor) -> Tensor:
     """act(gate) * up of a [..., 2n] input holding [gate | up], read in place by the packed TileLang kernel."""
     n, dtype = gate_up.shape[-1] // 2, _tilelang.DTYPES[gate_up.dtype]
     block = _packed_block(n)
-    kernel = _tilelang.compiled((act.name, "fwd_packed", n, dtype), lambda: forward_kernel(act, n, dtype, block, packed=True))
+    kernel = _tilelang.compiled((act.name, "fwd_packed", n, dtype),
+                                lambda: forward_kernel(act, n, dtype, block, packed=True))
     gu = gate_up.reshape(-1, 2 * n).contiguous()
     y = gu.new_empty(gu.shape[0], n)
     if gu.shape[0]:
@@ -233,7 +231,8 @@ def tilelang_packed_backward(act: Activation, dy: Tensor, gate_up: Tensor, row_s
     given), float32 inside, one rounding."""
     n, dtype = gate_up.shape[-1] // 2, _tilelang.DTYPES[gate_up.dtype]
     block = _packed_block(n)
-    kernel = _tilelang.compiled((act.name, "bwd_packed", n, dtype), lambda: backward_kernel(act, n, dtype, block, packed=True))
+    kernel = _tilelang.compiled((act.name, "bwd_packed", n, dtype),
+                                lambda: backward_kernel(act, n, dtype, block, packed=True))
     gu = gate_up.reshape(-1, 2 * n).contiguous()
     rows = gu.shape[0]
     scale = (torch.ones(rows, dtype=torch.float32, device=gu.device) if row_scale is None

@@ -60,8 +60,12 @@ def lint_text(text: str, path: str, rules: list[Rule] = RULES, build: Build = HI
     findings = []
     for rule in rules:
         source = whole if rule.reads_dead_code else code
-        hits = (rule.check(source, build) if rule.reads_build else rule.check(source)) if rule.check else \
-            pattern_hits(rule.pattern, code_lines)
+        if not rule.check:
+            hits = pattern_hits(rule.pattern, code_lines)
+        elif rule.reads_build:
+            hits = rule.check(source, build)
+        else:
+            hits = rule.check(source)
         for hit in hits:
             findings.append(
                 Finding(

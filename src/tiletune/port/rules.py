@@ -486,8 +486,9 @@ def _dependent_hits(text: str, start: int, end: int, parameters: set[str]) -> It
 
 def check_dependent_names(text: str) -> Iterable[Hit]:
     """Flag, inside a template, `obj.member<...>(` without `template` where `obj` is declared there with a
-    type naming a template parameter, `Type<Param>::member<...>(` and `Param::member<...>(` likewise, `this->member<...>(` in a class template whose base names its parameters
-    (and which declares no `member` itself), `Param::name var` without `typename`, and `Param::Type(args).f()`."""
+    type naming a template parameter, `Type<Param>::member<...>(` and `Param::member<...>(` likewise,
+    `this->member<...>(` in a class template whose base names its parameters (and which declares no `member`
+    itself), `Param::name var` without `typename`, and `Param::Type(args).f()`."""
     hits = {}
     for start, end, parameters in _template_scopes(text):
         for hit in _dependent_hits(text, start, end, parameters):
