@@ -59,6 +59,21 @@ def test_all_joined_with_an_opt_in_op_is_every_kernel_plus_that_op(tmp_path):
     assert "moe_experts" in OPT_IN and selected == everyday | {"moe_experts"}
 
 
+def test_a_variant_picks_an_ops_implementation_and_an_unknown_one_is_refused():
+    from tiletune.bench.runner import check_variants
+    from tiletune.bench.worker import variant_kernels
+    from tiletune.errors import UserError
+    from tiletune.patch.spec import parse_kernel_spec
+
+    check_variants(["baseline", "rms_norm+linear_cross_entropy=tilelang"])
+    spec = parse_kernel_spec(variant_kernels("rms_norm+linear_cross_entropy=tilelang"))
+    assert {s.op: s.impl for s in spec.ops} == {"rms_norm": "tilelang", "linear_cross_entropy": "tilelang"}
+    assert {s.op: s.impl for s in parse_kernel_spec(variant_kernels("linear_cross_entropy")).ops} == {
+        "linear_cross_entropy": "chunked"}  # the default until a GPU run has timed the kernel
+    with pytest.raises(UserError, match="linear_cross_entropy has no implementation 'fused'; it has reference"):
+        check_variants(["baseline", "linear_cross_entropy=fused"])
+
+
 def test_ablation_takes_extra_variants_into_the_same_run(tmp_path, monkeypatch):
     import tiletune.bench.runner as runner
 

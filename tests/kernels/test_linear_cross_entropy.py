@@ -99,6 +99,62 @@ def test_on_the_gpu_a_head_in_host_memory_is_streamed_a_slice_at_a_time(monkeypa
     torch.testing.assert_close(whole[0], on_device[0], rtol=1e-5, atol=0)
 
 
+def _stock_loss(softcap: float):
+    """transformers' loss over the head's logits in the input dtype, upcast (soft-capped first, as Gemma 2's)."""
+    def loss(h, w, y, divisor):
+        logits = (h @ w.t()).float() if h.dtype != torch.float64 else h @ w.t()
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        return F.cross_entropy(logits, y, ignore_index=-100, reduction="sum") / divisor
+    return loss
+
+
+def _gpu_problem(tokens, vocab, hidden, weight_grad, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    h = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda", generator=gen) * 2 / hidden**0.5).bfloat16()
+    y = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
+    y[::7] = -100
+    y[1] = vocab - 1  # the last column, in the vocabulary's ragged tail
+    return [h, w.requires_grad_(weight_grad)], y, float((y != -100).sum())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, vocab, hidden, chunk_tokens, softcap, weight_grad", [
+    (77, 1000, 64, None, 0.0, False),  # one chunk, the vocabulary shorter than one step of the row's lanes
+    (513, 32003, 128, 100, 0.0, False),  # an odd vocabulary (no vector loads), a partial last chunk
+    (1000, 151936, 256, 441, 0.0, True),  # Qwen3's vocabulary, the weight trained too
+    (300, 256000, 128, 128, 30.0, False),  # Gemma's vocabulary and final soft-cap
+])  # fmt: skip
+def test_tilelang_gradient_kernel_matches_float64(monkeypatch, tokens, vocab, hidden, chunk_tokens, softcap,
+                                                  weight_grad):  # fmt: skip
+    """The TileLang chunk gradient (in place over the bf16 logits) against float64 and against transformers' own bf16
+    loss, loss and gradients through tiletune.numerics.gate, at awkward chunk and vocabulary sizes."""
+    from _gpu_check import check
+
+    if chunk_tokens:
+        monkeypatch.setattr(lce, "CHUNK_BYTES", 4 * vocab * chunk_tokens)
+    inputs, y, divisor = _gpu_problem(tokens, vocab, hidden, weight_grad)
+    stock = _stock_loss(softcap)
+    check("lce", f"{tokens}x{vocab} cap{softcap:g}", torch.bfloat16, inputs, lambda h, w: stock(h, w, y, divisor),
+          lambda h, w: linear_cross_entropy(h, w, y, divisor, "tilelang", strict=True, softcap=softcap),
+          ["loss", "d hidden"] + (["d weight"] if weight_grad else []))
+
+
+@pytest.mark.gpu
+def test_a_wrong_gradient_kernel_fails_the_gate(monkeypatch):
+    """The same check on a kernel built with a soft-cap the model does not have: the gate catches it."""
+    from _gpu_check import check
+
+    build = lce.gradient_kernel
+    monkeypatch.setattr(lce, "gradient_kernel", lambda vocab, softcap, dtype: build(vocab, 5.0, dtype))
+    inputs, y, divisor = _gpu_problem(64, 1016, 64, False)  # a vocabulary no other test compiles: no cached kernel
+    stock = _stock_loss(0.0)
+    with pytest.raises(AssertionError, match="FAIL"):
+        check("lce", "wrong kernel", torch.bfloat16, inputs, lambda h, w: stock(h, w, y, divisor),
+              lambda h, w: linear_cross_entropy(h, w, y, divisor, "tilelang", strict=True), ["loss", "d hidden"])
+
+
 def test_frozen_weight_gets_no_gradient():
     h, w, y = problem()
     w.requires_grad_(False)

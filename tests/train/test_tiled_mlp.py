@@ -138,3 +138,64 @@ def test_chunked_mlp_inside_reentrant_checkpoints(dropout):
     torch.testing.assert_close(loss, reference_loss, rtol=1e-6, atol=0)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _gemma3(dropout: float = 0.0):
+    from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+
+    config = Gemma3TextConfig(vocab_size=96, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                              sliding_window=16)  # fmt: skip
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["q_proj", "gate_proj", "down_proj"])
+    model = get_peft_model(Gemma3ForCausalLM(config), lora)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    return model
+
+
+def _reentrant_run(model, output_kept: bool):
+    """(loss, grads, the token counts down_proj saw) of a step with every MLP in 3 chunks under re-entrant
+    checkpointing."""
+    mlps = layer_modules(model, "mlp")
+    for mlp in mlps:
+        tile_mlp(mlp, 3, output_kept)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()
+    pieces = []
+    hook = mlps[0].down_proj.register_forward_pre_hook(lambda module, args: pieces.append(args[0].shape[-2]))
+    try:
+        loss, grads = _loss_and_grads(model, torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1)))
+    finally:
+        hook.remove()
+    return loss, grads, pieces
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_recomputation_skips_an_mlp_whose_output_nothing_keeps(family, dropout):
+    """The family record says whether the recomputation may skip the chunked MLP (Llama: its output only joins the
+    residual; Gemma 3: the post-feedforward norm keeps it); with LoRA dropout it never does. Either way the
+    gradients are those of the same chunks without the skip."""
+    from tiletune.families import family_of
+
+    build = _model if family == "llama" else _gemma3
+    output_kept = family_of(build().config).mlp.output_kept
+    assert output_kept == (family == "gemma3_text")
+    reference_loss, reference_grads, reference_pieces = _reentrant_run(build(dropout), output_kept=True)
+    assert reference_pieces == [13, 13, 11] * 3  # the first forward, the recomputation, its backward's replay
+    loss, grads, pieces = _reentrant_run(build(dropout), output_kept)
+    skipped = not output_kept and not dropout
+    assert pieces == [13, 13, 11] * (2 if skipped else 3)
+    torch.testing.assert_close(loss, reference_loss, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_skipping_an_mlp_whose_output_is_kept_is_caught():
+    """Gemma 3's post-feedforward norm reads the MLP's output in its backward: told wrongly that nothing keeps it,
+    the recomputation's skipped MLP shows as NaN gradients, not as stale values passing."""
+    _, grads, pieces = _reentrant_run(_gemma3(), output_kept=False)
+    assert pieces == [13, 13, 11] * 2
+    assert any(grad.isnan().any() for grad in grads.values())

@@ -33,7 +33,7 @@ def ablation_variants() -> list[str]:
 
 def check_variants(variants: list[str], stage: str = "sft") -> None:
     from tiletune.bench.preference import LIGER_FUSED, STAGES
-    from tiletune.kernels.registry import OPS
+    from tiletune.kernels.registry import OPS, impls
 
     if stage not in ("pt", "sft", *STAGES):
         raise UserError(f"bench times pt, sft, {' and '.join(STAGES)} steps; stage {stage!r} has no step to time here "
@@ -41,11 +41,16 @@ def check_variants(variants: list[str], stage: str = "sft") -> None:
 
     known = {*PEER_VARIANTS, "all", *OPS}
     names = [split_variant(v)[0] for v in variants]
-    unknown = [part for n in names if n not in known for part in n.split("+") if part not in (*OPS, "all")]
+    parts = [part.partition("=") for n in names if n not in known for part in n.split("+")]
+    unknown = [op for op, _, _ in parts if op not in (*OPS, "all")]
     if unknown:
         raise UserError(f"bench variant {unknown[0]!r} is unknown; available: {', '.join(sorted(known))}, ops joined "
-                        "by + (rms_norm+rope, all+moe_experts: every kernel plus an opt-in op), each optionally with "
-                        ":key=value config overrides (all:gradient_checkpointing=auto)")  # fmt: skip
+                        "by + (rms_norm+rope, all+moe_experts: every kernel plus an opt-in op; op=impl picks an "
+                        "implementation), each optionally with :key=value config overrides "
+                        "(all:gradient_checkpointing=auto)")  # fmt: skip
+    for op, _, impl in parts:
+        if impl and impl not in impls(op):
+            raise UserError(f"bench variant: {op} has no implementation {impl!r}; it has {', '.join(impls(op))}")
     for liger in ("liger", LIGER_FUSED):
         if liger in names and not find_spec("liger_kernel"):
             raise UserError(f"bench variant {liger!r} needs Liger-Kernel; pip install liger-kernel (or drop the variant)")

@@ -40,7 +40,8 @@ def variant_kernels(variant: str):
         return None
     if variant == "all":
         return "all"
-    return {op: True for op in variant.split("+")}  # the op alone (or ops joined by +), default implementations
+    # the op alone (or ops joined by +), each at its default implementation or the one after `=`
+    return {op: impl or True for op, _, impl in (part.partition("=") for part in variant.split("+"))}
 
 
 def liger_patch(model_config, variant: str = "liger") -> str:

@@ -28,11 +28,14 @@ class Norm:
 
 @dataclass(frozen=True)
 class Mlp:
-    """The dense MLP: its path, its activation, and whether gate and up are one projection (Phi-3)."""
+    """The dense MLP: its path, its activation, whether gate and up are one projection (Phi-3), and whether a later
+    op of the layer keeps its output for the backward (Gemma's post-feedforward norm) or the output only joins
+    the residual sum (`tiletune.train.tiled_mlp` then spares a recomputation's chunked MLP forward)."""
 
     path: str = "mlp"
     activation: str = "silu"  # silu (SwiGLU) or gelu_tanh (GeGLU)
     fused_gate_up: bool = False
+    output_kept: bool = False
 
 
 @dataclass(frozen=True)

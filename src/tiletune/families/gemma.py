@@ -6,7 +6,7 @@ from tiletune.families import Attention, Family, LmHead, Mlp, Norm, register
 
 SANDWICH_NORMS = (Norm("input_layernorm", "pre", True), Norm("post_attention_layernorm", "post", True),
                   Norm("pre_feedforward_layernorm", "pre", True), Norm("post_feedforward_layernorm", "post", True))
-GEGLU = Mlp(activation="gelu_tanh")
+GEGLU = Mlp(activation="gelu_tanh", output_kept=True)  # the post-feedforward norm keeps the MLP output
 SOFTCAPPED_HEAD = LmHead(softcap_key="final_logit_softcapping")
 
 register(Family("gemma2", ("gemma2",), norms=SANDWICH_NORMS, mlp=GEGLU, attention=Attention(softcap=True),

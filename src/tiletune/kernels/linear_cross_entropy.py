@@ -10,7 +10,11 @@ The ``chunked`` implementation walks the tokens in chunks, so only a ``[chunk, v
 logits exists at a time instead of ``[tokens, vocab]`` (4.2 GB for 8192 tokens of Llama-3's 128256-word
 vocabulary, and as much again for its gradient). Each chunk's gradient with respect to the hidden states
 (and the weight, when it trains) is computed right away, so the backward only scales what the forward
-kept. A TileLang version of the same loop is future work; this one uses the vendor GEMMs.
+kept. The ``tilelang`` implementation runs the same loop with the vendor GEMMs and replaces the elementwise
+work between them (the float32 copy of the logits, log-sum-exp, exp, the label's one-hot, the scale and the cast
+back: ten passes over the chunk) by one TileLang kernel that reads the chunk's logits in the input dtype twice
+(the running maximum and sum of exponentials per column lane, then the gradient) and writes the gradient over
+them in place: the logits are rounded to the input dtype by the GEMM in both, as in transformers' own loss.
 
 A frozen weight on another device than the hidden states (an lm_head waiting in pinned host memory,
 `tiletune.train.host_tables`) is never whole on the GPU: ``chunked`` then reads it a vocabulary slice at a
@@ -21,13 +25,14 @@ host link once per block of tokens and the loss holds two slices of it, not the 
 2 GiB at 70B).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: TileLang reads the kernel signature's shapes from the closure.
 
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
+from tiletune.kernels import _tilelang
 from tiletune.kernels._tilelang import accumulate_dtype
 from tiletune.kernels.binding import Binding, SideCopy, Site, head_read_in_slices
 from tiletune.kernels.customop import Signature, make_custom_op
@@ -44,7 +49,12 @@ def chunk_tokens(weight: Tensor) -> int:
 
 def capped_logits(hidden: Tensor, weight: Tensor, softcap: float) -> tuple[Tensor, Tensor | None]:
     """(logits of a block of tokens in float32 (or 64), soft-capped when `softcap`; the cap's slope or None)."""
-    logits = (hidden @ weight.t()).to(accumulate_dtype(hidden))
+    return cap(hidden @ weight.t(), softcap)
+
+
+def cap(raw: Tensor, softcap: float) -> tuple[Tensor, Tensor | None]:
+    """(raw logits in float32 (or 64), soft-capped when `softcap`; the cap's slope or None)."""
+    logits = raw.to(accumulate_dtype(raw))
     if not softcap:
         return logits, None
     capped = torch.tanh(logits / softcap)
@@ -73,21 +83,27 @@ def backpropagate(hidden: Tensor, weight: Tensor, weight_grad: bool, chunk: int,
         grad = logit_grad(start, h)
         dhidden[start : start + chunk] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
         if dweight is not None:
-            dweight += grad.t() @ h.to(acc)
+            dweight += grad.t().to(acc) @ h.to(acc)
     return dhidden, dweight.to(weight.dtype) if dweight is not None else weight.new_empty(0)
 
 
+def torch_chunk_gradient(raw: Tensor, labels: Tensor, divisor: float, softcap: float) -> tuple[Tensor, Tensor]:
+    """(the chunk's summed loss, the gradient of its raw logits `raw` [tokens, vocab]) in float32 (or 64), PyTorch."""
+    logits, slope = cap(raw, softcap)
+    valid = (labels != IGNORE_INDEX).to(logits.dtype)
+    log_norm = torch.logsumexp(logits, dim=-1)
+    loss = ((log_norm - logits.gather(1, labels.clamp(min=0)[:, None])[:, 0]) * valid).sum()
+    return loss, logit_gradient(logits, log_norm, labels, valid / divisor, slope)
+
+
 def _forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, weight_grad: bool, softcap: float,
-             chunk: int):  # fmt: skip
+             chunk: int, chunk_gradient: Callable = torch_chunk_gradient):  # fmt: skip
     losses = [torch.zeros((), dtype=accumulate_dtype(hidden), device=hidden.device)]
 
     def logit_grad(start: int, h: Tensor) -> Tensor:
-        y = labels[start : start + len(h)]
-        logits, slope = capped_logits(h, weight, softcap)
-        valid = (y != IGNORE_INDEX).to(logits.dtype)
-        log_norm = torch.logsumexp(logits, dim=-1)
-        losses.append(((log_norm - logits.gather(1, y.clamp(min=0)[:, None])[:, 0]) * valid).sum())
-        return logit_gradient(logits, log_norm, y, valid / divisor, slope)
+        loss, grad = chunk_gradient(h @ weight.t(), labels[start : start + len(h)], divisor, softcap)
+        losses.append(loss)
+        return grad
 
     dhidden, dweight = backpropagate(hidden, weight, weight_grad, chunk, logit_grad)
     return sum(losses) / divisor, dhidden, dweight
@@ -169,6 +185,107 @@ def _device_slices(weight: Tensor, device: torch.device, rows: int):
         yield first, arrived.take()
 
 
+# ---- TileLang: the chunk's logit gradient in place -------------------------------------------------------
+
+GRAD_VECTOR, GRAD_THREADS = 8, 256  # logits per thread per step (one 16-byte load in half precision), threads per row
+MASKED = -1e30  # the logit of a lane past the vocabulary: finite, so exp(MASKED - max) is 0, never NaN
+
+
+def gradient_kernel(vocab: int, softcap: float, dtype: str, vector: int = GRAD_VECTOR, threads: int = GRAD_THREADS):
+    """PrimFunc over Z (m, vocab), a chunk's raw logits in `dtype` (m dynamic), Labels (m,) int32 and Scale (m,)
+    float32: Loss (m,) float32 = log_norm - cap(z)[label] (0 for label -100), and Z overwritten by the gradient of
+    Scale·Loss with respect to the raw logits, (softmax(cap(z)) - onehot(label))·Scale (times the cap's slope).
+
+    One program per token row, `threads` x `vector` lanes across it. Pass 1 walks the row keeping per lane the
+    running maximum and sum of exp(z - max) (rescaled when the maximum grows: two exponentials per logit, no
+    block reduction until the row's end); the lanes then reduce to log_norm = max + log(sum). Pass 2 reads the row
+    again and stores the gradient in place. The label's logit is read before pass 1, so no store can overtake it.
+    """
+    import tilelang.language as T
+
+    m = T.dynamic("m")
+    acc = "float32"
+    lanes = vector * threads
+    steps = -(-vocab // lanes)
+
+    def capped(raw):
+        z = T.cast(raw, acc)
+        return softcap * T.tanh(z / softcap) if softcap > 0 else z
+
+    @T.prim_func
+    def cross_entropy_grad(Z: T.Tensor((m, vocab), dtype), Labels: T.Tensor((m,), "int32"),
+                           Scale: T.Tensor((m,), acc), Loss: T.Tensor((m,), acc)):
+        with T.Kernel(m, threads=threads) as row:
+            lane_max = T.alloc_fragment((1, lanes), acc)
+            lane_sum = T.alloc_fragment((1, lanes), acc)
+            row_max = T.alloc_fragment((1,), acc)
+            row_sum = T.alloc_fragment((1,), acc)
+            log_norm = T.alloc_fragment((1,), acc)
+            label_logit = T.alloc_fragment((1,), acc)
+            label = Labels[row]
+            for i in T.Parallel(1):
+                label_logit[i] = T.if_then_else(label != IGNORE_INDEX, capped(Z[row, T.max(label, 0)]), 0)
+            T.fill(lane_max, MASKED)
+            T.clear(lane_sum)
+            for step in T.serial(steps):
+                for i, j in T.Parallel(1, lanes):
+                    col = step * lanes + j
+                    z = T.if_then_else(col < vocab, capped(Z[row, T.min(col, vocab - 1)]), MASKED)
+                    grown = T.max(lane_max[i, j], z)
+                    lane_sum[i, j] = lane_sum[i, j] * T.exp(lane_max[i, j] - grown) + T.exp(z - grown)
+                    lane_max[i, j] = grown
+            T.reduce_max(lane_max, row_max, dim=1)
+            for i, j in T.Parallel(1, lanes):
+                lane_sum[i, j] *= T.exp(lane_max[i, j] - row_max[i])
+            T.reduce_sum(lane_sum, row_sum, dim=1)
+            for i in T.Parallel(1):
+                log_norm[i] = row_max[i] + T.log(row_sum[i])
+                Loss[row] = T.if_then_else(label != IGNORE_INDEX, log_norm[i] - label_logit[i], 0)
+            for step in T.serial(steps):
+                for i, j in T.Parallel(1, lanes):
+                    col = step * lanes + j
+                    if col < vocab:
+                        z = capped(Z[row, col])
+                        grad = (T.exp(z - log_norm[i]) - T.if_then_else(col == label, 1.0, 0.0)) * Scale[row]
+                        if softcap > 0:
+                            grad *= 1.0 - (z / softcap) * (z / softcap)
+                        Z[row, col] = T.cast(grad, dtype)
+
+    return cross_entropy_grad
+
+
+def tilelang_chunk_gradient(raw: Tensor, labels: Tensor, divisor: float, softcap: float) -> tuple[Tensor, Tensor]:
+    """torch_chunk_gradient by the TileLang kernel: the gradient (in raw's dtype) written over `raw`."""
+    vocab, dtype = raw.shape[1], _tilelang.DTYPES[raw.dtype]
+    kernel = _tilelang.compiled(("cross_entropy_grad", vocab, softcap, dtype),
+                                lambda: gradient_kernel(vocab, softcap, dtype))
+    valid = labels != IGNORE_INDEX
+    loss = raw.new_empty(raw.shape[0], dtype=torch.float32)
+    if raw.shape[0]:
+        kernel(raw, labels.int(), valid.float() / divisor, loss)
+    return loss.sum(), raw
+
+
+def tilelang_forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, weight_grad: bool,
+                     softcap: float = 0.0):  # fmt: skip
+    """chunked_forward with each chunk's logit gradient by the TileLang kernel (the vendor GEMMs around it)."""
+    return _forward(hidden, weight, labels, divisor, weight_grad, softcap, chunk_tokens(weight), tilelang_chunk_gradient)
+
+
+def tilelang_unsupported(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, weight_grad: bool,
+                         softcap: float = 0.0) -> str | None:  # fmt: skip
+    """Why the TileLang path cannot run these inputs, or None."""
+    reason = _tilelang.unsupported_inputs(hidden, weight)
+    if reason is None and weight.device != hidden.device:
+        reason = "the lm_head is in host memory (the chunked form streams it)"
+    return reason
+
+
+def lowering_kernels(arch: str) -> dict[str, Callable]:
+    """Kernel name -> PrimFunc builder at Llama-3's vocabulary (128256, bf16), for `tiletune kernels lower`."""
+    return {"cross_entropy_grad": lambda: gradient_kernel(128256, 0.0, "bfloat16")}
+
+
 def reference_backward(dloss: Tensor, dhidden: Tensor, dweight: Tensor):
     """The gradients the forward computed, scaled by the loss's incoming gradient."""
     return (dhidden * dloss).to(dhidden.dtype), (dweight * dloss).to(dweight.dtype)
@@ -232,9 +349,15 @@ def _lm_head_forward(site: Site, impl: str, strict: bool, current: Callable) -> 
     return forward
 
 
-# Runs on the vendor GEMMs: no compile key, nothing to warm up or lower.
-define(Op("linear_cross_entropy", (Binding("linear_cross_entropy", "lm_head", _lm_head_forward, _fit),)))
+# `kernels: all` keeps the chunked PyTorch form until a GPU run has checked and timed the TileLang kernel
+# (benchmarks/h200_verify_bench.sh); `kernels: {linear_cross_entropy: tilelang}` selects it. The kernel's only
+# static shape is the vocabulary: it compiles at the first step, nothing to warm up.
+define(Op("linear_cross_entropy", (Binding("linear_cross_entropy", "lm_head", _lm_head_forward, _fit),),
+          profile_pattern=r"cross_entropy_grad", lowering=lowering_kernels, default="chunked"))
 add(Impl("linear_cross_entropy", "reference", reference_forward, reference_backward,
          description="PyTorch, whole [tokens, vocab] logits", accumulation="float32"))
 add(Impl("linear_cross_entropy", "chunked", chunked_forward, accumulation="float32",
          description="PyTorch, 256 MiB of float32 logits at a time, gradients computed in the forward"))
+add(Impl("linear_cross_entropy", "tilelang", tilelang_forward, reference_backward, _tilelang.machine_unavailable_reason,
+         tilelang_unsupported, "the chunked loop's vendor GEMMs around one TileLang kernel per chunk: log-sum-exp and "
+         "the logits' gradient in place, float32 inside", accumulation="float32"))

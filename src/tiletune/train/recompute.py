@@ -32,7 +32,8 @@ frozen input embedding table to host memory (`tiletune.train.host_tables`: a CPU
 step at 8,192 tokens), the frozen lm_head to host memory (copied back on a side stream during each forward,
 held on the GPU from the forward's start to the loss; its cost hides behind the forward, so it is pulled as
 soon as the budget makes any layer recompute, not only when nothing else fits), then the MLPs in 2, 4, ...
-chunks of tokens (`tiletune.train.tiled_mlp`: one more MLP forward per layer; the fewest chunks that fit). A
+chunks of tokens (`tiletune.train.tiled_mlp`: one more MLP forward per layer, none inside a re-entrant
+checkpoint where the MLP's output only joins the residual sum and it draws no dropout; the fewest chunks that fit). A
 lever whose probe shows no lower peak is undone, with the rest of its kind (the peak is where it does not
 reach). A probe that itself runs out of memory (its two spared layers at a long sequence) counts as not
 fitting; once no lever is left it runs again with every layer recomputed.
@@ -391,17 +392,20 @@ def _mlp_lever(chunks: int) -> Lever:
         return f"the MLPs run in {chunks} or more chunks already" if min(map(chunks_of, mlps)) >= chunks else None
 
     def pull(model) -> Callable:
+        from tiletune.families import family_of
         from tiletune.patch import layer_modules
+        from tiletune.patch.sites import causal_lm
 
         mlps = layer_modules(model, "mlp")
+        output_kept = family_of(causal_lm(model)[0].config).mlp.output_kept
         previous = [chunks_of(mlp) for mlp in mlps]
         for mlp in mlps:
-            tile_mlp(mlp, chunks)
+            tile_mlp(mlp, chunks, output_kept)
 
         def undo() -> None:
             for mlp, count in zip(mlps, previous, strict=True):
                 if count:
-                    tile_mlp(mlp, count)
+                    tile_mlp(mlp, count, output_kept)
                 else:
                     untile_mlp(mlp)
 
@@ -415,7 +419,8 @@ def levers_for(model) -> list[Lever]:
     one copy per step: a few ms), the lm_head to the host (one copy per step, read in slices beside the fused
     loss's GEMMs or sent whole beside the decoder's forward: eager),
     then the MLPs in 2, 4, ... chunks of tokens up to twice as many as keep a chunk's intermediate within the
-    hidden states (each costs one more MLP forward per layer and step, and over a quantized base one more
+    hidden states (each costs one more MLP forward per layer and step unless a re-entrant recomputation can skip it,
+    `tiletune.train.tiled_mlp`, and over a quantized base one more
     dequantization of its weights per chunk: the fewest that fit)."""
     from tiletune.patch.sites import causal_lm
 

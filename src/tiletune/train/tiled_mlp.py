@@ -9,6 +9,14 @@ gradient and adds to the MLP's trainable parameters' gradients (LoRA on gate/up/
 price is one more MLP forward per layer and step; `gradient_checkpointing: auto` turns it on only when the
 budget needs it (`tiletune.train.recompute`).
 
+Inside a re-entrant checkpoint that price is waived where it can be: the layer's recomputation (run by
+autograd's engine during the backward) builds the graph its backward walks, and the values of the MLP's
+output are read by nothing when the output only joins the residual sum (every family but Gemma's, whose
+post-feedforward norm keeps it: `Mlp.output_kept`). There the chunked MLP hands the recomputation a tensor
+of the output's shape filled with NaN and runs its chunks only in its own backward, so a chunked MLP
+runs forward as often as a whole one. Not where the MLP draws random numbers (LoRA dropout): the
+recomputation must consume them as the first forward did, for the layer's later draws to match.
+
 The chunks wrap whatever forward the MLP has (stock or a tiletune kernel), so the kernels keep running
 inside them. Gradients reach the parameters through their own accumulation: each one once per chunk, so a
 hook that expects a single gradient per step (DDP's bucketing without ``static_graph``) does not fit.
@@ -24,19 +32,22 @@ from torch import Tensor, nn
 
 class _ChunkedMlp(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, forward, chunk: int, hidden: Tensor, *parameters: Tensor) -> Tensor:
+    def forward(ctx, forward, chunk: int, unread: tuple | None, hidden: Tensor, *parameters: Tensor) -> Tensor:
         device = hidden.device
         ctx.forward, ctx.chunk = forward, chunk
         ctx.autocast = (device.type, torch.get_autocast_dtype(device.type), torch.is_autocast_enabled(device.type))
         ctx.rng = _rng_state(device)  # the backward replays the chunks' random draws (LoRA dropout) exactly
         ctx.save_for_backward(hidden)
+        if unread is not None:  # nothing reads the values (module docstring): (width, dtype) of the output, NaN
+            # so that a read by mistake shows in the gradients instead of passing on stale memory
+            return hidden.new_full((*hidden.shape[:-1], unread[0]), float("nan"), dtype=unread[1])
         return torch.cat([forward(piece) for piece in hidden.split(chunk, dim=-2)], dim=-2)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
         (hidden,) = ctx.saved_tensors
         device_type, dtype, enabled = ctx.autocast
-        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[2] else None
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[3] else None
         devices = [hidden.device] if hidden.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             _set_rng_state(hidden.device, ctx.rng)
@@ -48,7 +59,7 @@ class _ChunkedMlp(torch.autograd.Function):
                 torch.autograd.backward(output, grad_output[..., rows, :])
                 if grad_hidden is not None:
                     grad_hidden[..., rows, :] = piece.grad
-        return None, None, grad_hidden, *(None for _ in ctx.needs_input_grad[3:])
+        return None, None, None, grad_hidden, *(None for _ in ctx.needs_input_grad[4:])
 
 
 def _rng_state(device: torch.device):
@@ -67,11 +78,23 @@ def mlp_chunks(config) -> int:
     return max(1, math.ceil(getattr(config, "intermediate_size", config.hidden_size) / config.hidden_size))
 
 
-def tile_mlp(mlp: nn.Module, chunks: int) -> None:
-    """Make `mlp` (a dense MLP module) run in `chunks` pieces along the sequence while it trains."""
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (where a re-entrant checkpoint recomputes)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _draws_random(mlp: nn.Module) -> bool:
+    return any(isinstance(m, nn.Dropout) and m.p > 0 and m.training for m in mlp.modules())
+
+
+def tile_mlp(mlp: nn.Module, chunks: int, output_kept: bool = True) -> None:
+    """Make `mlp` (a dense MLP module) run in `chunks` pieces along the sequence while it trains. `output_kept`:
+    a later op of the decoder layer keeps the MLP's output for its backward (the family's `Mlp.output_kept`);
+    when False a re-entrant recomputation does not compute the output (module docstring)."""
     untile_mlp(mlp)
     current = mlp.forward
     trainable = tuple(p for p in mlp.parameters() if p.requires_grad)
+    computed: dict[str, tuple] = {}  # "output": (width, dtype) of the last output computed
 
     def forward(hidden: Tensor) -> Tensor:
         if not mlp.training or hidden.dim() < 2 or hidden.shape[-2] < 2 * chunks:
@@ -79,8 +102,13 @@ def tile_mlp(mlp: nn.Module, chunks: int) -> None:
         chunk = math.ceil(hidden.shape[-2] / chunks)
         if not torch.is_grad_enabled():  # a re-entrant checkpoint's first forward: chunked too, so its peak is
             # a chunk's and its random draws are the ones the recomputation (chunked, below) replays
-            return torch.cat([current(piece) for piece in hidden.split(chunk, dim=-2)], dim=-2)
-        return _ChunkedMlp.apply(current, chunk, hidden, *trainable)
+            output = torch.cat([current(piece) for piece in hidden.split(chunk, dim=-2)], dim=-2)
+            computed["output"] = (output.shape[-1], output.dtype)
+            return output
+        unread = None
+        if not output_kept and _in_backward() and not _draws_random(mlp):
+            unread = computed.get("output")
+        return _ChunkedMlp.apply(current, chunk, unread, hidden, *trainable)
 
     mlp._tiletune_untiled = mlp.__dict__.get("forward")  # None: the class's forward
     mlp._tiletune_chunks = chunks
