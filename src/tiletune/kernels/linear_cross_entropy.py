@@ -118,14 +118,15 @@ def reference_forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: f
 
 
 def chunked_forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, weight_grad: bool,
-                    softcap: float = 0.0):  # fmt: skip
-    """The same, `CHUNK_BYTES` of float32 logits at a time; a frozen weight on another device (the host) is read in
-    vocabulary slices (`streamed_forward`)."""
+                    softcap: float = 0.0, chunk_gradient: Callable = torch_chunk_gradient):  # fmt: skip
+    """The same, `CHUNK_BYTES` of float32 logits at a time, each chunk's loss and logit gradient by
+    `chunk_gradient`; a frozen weight on another device (the host) is read in vocabulary slices
+    (`streamed_forward`, PyTorch)."""
     if weight.device != hidden.device:
         if not weight_grad:
             return streamed_forward(hidden, weight, labels, divisor, softcap)
         weight = weight.to(hidden.device)
-    return _forward(hidden, weight, labels, divisor, weight_grad, softcap, chunk_tokens(weight))
+    return _forward(hidden, weight, labels, divisor, weight_grad, softcap, chunk_tokens(weight), chunk_gradient)
 
 
 def streamed_forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, softcap: float = 0.0,
@@ -268,17 +269,15 @@ def tilelang_chunk_gradient(raw: Tensor, labels: Tensor, divisor: float, softcap
 
 def tilelang_forward(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, weight_grad: bool,
                      softcap: float = 0.0):  # fmt: skip
-    """chunked_forward with each chunk's logit gradient by the TileLang kernel (the vendor GEMMs around it)."""
-    return _forward(hidden, weight, labels, divisor, weight_grad, softcap, chunk_tokens(weight), tilelang_chunk_gradient)
+    """chunked_forward with each chunk's logit gradient by the TileLang kernel (the vendor GEMMs around it); a
+    frozen head in host memory is streamed as `chunked` streams it."""
+    return chunked_forward(hidden, weight, labels, divisor, weight_grad, softcap, tilelang_chunk_gradient)
 
 
-def tilelang_unsupported(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: float, weight_grad: bool,
-                         softcap: float = 0.0) -> str | None:  # fmt: skip
-    """Why the TileLang path cannot run these inputs, or None."""
-    reason = _tilelang.unsupported_inputs(hidden, weight)
-    if reason is None and weight.device != hidden.device:
-        reason = "the lm_head is in host memory (the chunked form streams it)"
-    return reason
+def tilelang_unsupported(hidden: Tensor, weight: Tensor, *rest) -> str | None:
+    """Why the TileLang path cannot run these inputs (the forward's, or the backward's two gradients), or None."""
+    return _tilelang.unsupported_inputs(hidden) or (None if weight.dtype == hidden.dtype else
+                                                   f"the hidden states are {hidden.dtype}, the lm_head {weight.dtype}")
 
 
 def lowering_kernels(arch: str) -> dict[str, Callable]:
