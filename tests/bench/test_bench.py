@@ -68,8 +68,8 @@ def test_a_variant_picks_an_ops_implementation_and_an_unknown_one_is_refused():
     check_variants(["baseline", "rms_norm+linear_cross_entropy=tilelang"])
     spec = parse_kernel_spec(variant_kernels("rms_norm+linear_cross_entropy=tilelang"))
     assert {s.op: s.impl for s in spec.ops} == {"rms_norm": "tilelang", "linear_cross_entropy": "tilelang"}
-    assert {s.op: s.impl for s in parse_kernel_spec(variant_kernels("linear_cross_entropy")).ops} == {
-        "linear_cross_entropy": "chunked"}  # the default until a GPU run has timed the kernel
+    assert {s.op: s.impl for s in parse_kernel_spec(variant_kernels("linear_cross_entropy=chunked")).ops} == {
+        "linear_cross_entropy": "chunked"}
     with pytest.raises(UserError, match="linear_cross_entropy has no implementation 'fused'; it has reference"):
         check_variants(["baseline", "linear_cross_entropy=fused"])
 

@@ -155,6 +155,20 @@ def test_a_wrong_gradient_kernel_fails_the_gate(monkeypatch):
               lambda h, w: linear_cross_entropy(h, w, y, divisor, "tilelang", strict=True), ["loss", "d hidden"])
 
 
+def test_without_the_kernel_the_chunked_loop_runs_not_the_whole_logits():
+    """Where TileLang cannot run (here: on the CPU) `tilelang` falls back to the chunked loop, with its reason
+    counted, and gives the chunked result."""
+    from tiletune.kernels import registry
+
+    h, w, y = problem()
+    chosen = registry.select("linear_cross_entropy", "tilelang", False, h, w, y, 50.0, True, 0.0)
+    assert chosen.name == "chunked"
+    assert any(op == "linear_cross_entropy" and impl == "tilelang" for op, impl, _ in registry.runtime_fallbacks)
+    assert registry.select("rms_norm", "tilelang", False, torch.ones(2, 4), torch.ones(4), 1e-6, 0.0).name == "reference"
+    got = linear_cross_entropy(h, w, y, 50.0, "tilelang")
+    assert float(got) == pytest.approx(float(linear_cross_entropy(h, w, y, 50.0, "chunked")), rel=1e-12)
+
+
 def test_frozen_weight_gets_no_gradient():
     h, w, y = problem()
     w.requires_grad_(False)
@@ -206,9 +220,14 @@ def test_patched_causal_lm_gives_the_stock_loss_and_gradients(num_items):
 
 def test_all_includes_it_and_layer_selectors_are_refused():
     model = tiny_llama()
+    from tiletune.kernels import registry
+
     report = apply_kernels(model, "all")
+    unavailable = registry.get("linear_cross_entropy", "tilelang").unavailable()  # on a CPU machine: no GPU
     assert report.to_dict()["ops"]["linear_cross_entropy"] == {
-        "impl": "chunked", "patched": 1, "layers": "model", "modules": ["lm_head"], "fallback": None}  # fmt: skip
+        "impl": "tilelang", "patched": 1, "layers": "model", "modules": ["lm_head"], "fallback": unavailable}  # fmt: skip
+    if unavailable:
+        assert f"falls back to chunked: {unavailable}" in report.summary()
     report.revert()
     with pytest.raises(UserError, match="takes no layers or modules"):
         apply_kernels(model, {"linear_cross_entropy": {"impl": "chunked", "layers": "0"}})

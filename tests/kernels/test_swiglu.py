@@ -29,6 +29,73 @@ def test_reference_matches_the_models_activation_bit_for_bit(name, dtype):
     torch.testing.assert_close(fn(g, u, impl="tilelang"), act(g) * u, rtol=0, atol=0)  # off the GPU: the reference
 
 
+@pytest.mark.parametrize("name", OPS)
+def test_packed_form_gradcheck_and_the_models_values(name):
+    """The packed custom op (Phi-3's fused gate_up_proj output read whole): autograd in float64, and bit for bit the
+    model's own activation of the chunked halves in bf16, its gradient arriving packed."""
+    packed = getattr(torch.ops.tiletune, f"{name}_packed")
+    gu = torch.randn(3, 5, 48, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda gu: packed(gu, "reference", False), (gu,))
+    _, act = OPS[name]
+    gu = (3 * torch.randn(7, 64)).bfloat16().requires_grad_()
+    y = packed(gu, "tilelang", False)  # off the GPU: the reference
+    gate_, up = gu.detach().chunk(2, dim=-1)
+    torch.testing.assert_close(y, act(gate_) * up, rtol=0, atol=0)
+    (grad,) = torch.autograd.grad(y, gu, torch.ones_like(y))
+    assert grad.shape == gu.shape and grad.is_contiguous()
+
+
+def test_phi3s_fused_mlp_runs_the_packed_form():
+    """The swiglu binding on Phi-3's fused gate_up_proj runs the packed op, not the halves' (no chunk copies), with
+    the stock model's loss and gradients."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from tiletune.patch import apply_kernels
+
+    config = Phi3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=64, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = Phi3ForCausalLM(config)
+    tokens = torch.randint(1, 64, (2, 11), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    want, want_grads = step()
+    report = apply_kernels(model, {"swiglu": "reference"})
+    with torch.profiler.profile() as profile:
+        got, got_grads = step()
+    report.revert()
+    ran = {event.key for event in profile.key_averages()}
+    assert "tiletune::swiglu_packed" in ran and "tiletune::swiglu" not in ran
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for mine, theirs in zip(got_grads, want_grads):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("rows, inter", [(77, 8192), (4096, 8192), (5, 64)])  # 8192: Phi-3-mini's intermediate
+def test_packed_custom_op_matches_float64(name, rows, inter):
+    """The packed custom op as the Phi-3 binding calls it (strict: the TileLang kernels, no silent fallback) against
+    float64 through the shared GPU check."""
+    from _gpu_check import check
+
+    _, act = OPS[name]
+    packed = getattr(torch.ops.tiletune, f"{name}_packed")
+
+    def torch_way(gu):
+        gate_, up = gu.chunk(2, dim=-1)
+        return act(gate_) * up
+
+    gu = (2 * torch.randn(rows, 2 * inter, device="cuda")).bfloat16().requires_grad_()
+    check(f"{name}_packed", f"{rows}x{inter}", torch.bfloat16, [gu], torch_way, lambda gu: packed(gu, "tilelang", True),
+          ["y", "d gate_up"])
+
+
 def test_geglu_derivative_is_autograds():
     g = torch.randn(1000, dtype=torch.float64, requires_grad=True)
     (want,) = torch.autograd.grad(F.gelu(g, approximate="tanh").sum(), g)

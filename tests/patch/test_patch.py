@@ -42,7 +42,7 @@ def test_parse_all_none_and_per_op():
     assert parse_kernel_spec("none").ops == () and parse_kernel_spec(None).ops == ()
     assert {s.op: s.impl for s in parse_kernel_spec("all").ops} == {op: registry.default_impl(op) for op in registry.OPS
                                                                     if op not in registry.OPT_IN}
-    assert registry.default_impl("rms_norm") == "tilelang" and registry.default_impl("linear_cross_entropy") == "chunked"
+    assert registry.default_impl("rms_norm") == "tilelang" and registry.default_impl("linear_cross_entropy") == "tilelang"
     spec = parse_kernel_spec({"rms_norm": "tilelang", "linear": {"impl": "reference", "layers": "0-2,5",
                                                                  "modules": "mlp.*"}, "strict": True})
     by_op = {s.op: s for s in spec.ops}

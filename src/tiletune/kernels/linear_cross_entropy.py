@@ -348,11 +348,11 @@ def _lm_head_forward(site: Site, impl: str, strict: bool, current: Callable) -> 
     return forward
 
 
-# `kernels: all` keeps the chunked PyTorch form until a GPU run has checked and timed the TileLang kernel
-# (benchmarks/h200_verify_bench.sh); `kernels: {linear_cross_entropy: tilelang}` selects it. The kernel's only
-# static shape is the vocabulary: it compiles at the first step, nothing to warm up.
+# `kernels: all` takes the TileLang kernel (checked against float64 and timed on an H100:
+# benchmarks/results/h100-2026-12-06); where it cannot run (no GPU, no TileLang) the chunked PyTorch loop does, never
+# the whole logits. The kernel's only static shape is the vocabulary: it compiles at the first step.
 define(Op("linear_cross_entropy", (Binding("linear_cross_entropy", "lm_head", _lm_head_forward, _fit),),
-          profile_pattern=r"cross_entropy_grad", lowering=lowering_kernels, default="chunked"))
+          profile_pattern=r"cross_entropy_grad", lowering=lowering_kernels, fallback="chunked"))
 add(Impl("linear_cross_entropy", "reference", reference_forward, reference_backward,
          description="PyTorch, whole [tokens, vocab] logits", accumulation="float32"))
 add(Impl("linear_cross_entropy", "chunked", chunked_forward, accumulation="float32",

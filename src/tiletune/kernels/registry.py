@@ -39,7 +39,9 @@ class Op:
     checkpointing keeps its outputs as it keeps a matmul's. profile_pattern: a regex naming its device
     kernels, for `tiletune bench --profile`. lowering: arch -> {kernel name: PrimFunc builder}, for
     `tiletune kernels lower` (None: no TileLang kernels). default: the implementation `kernels: all` picks when
-    it is not the first of PREFERRED (a new kernel is selected by name until a GPU run has checked it).
+    it is not the first of PREFERRED (a new kernel is selected by name until a GPU run has checked it). fallback: the
+    implementation that runs an input the selected one cannot (the reference, unless a form that stays lean
+    everywhere exists: linear_cross_entropy's chunked loop, so no machine forms the whole logits).
     """
 
     name: str
@@ -49,6 +51,7 @@ class Op:
     profile_pattern: str | None = None
     lowering: Callable[[str], dict[str, Callable]] | None = None
     default: str | None = None
+    fallback: str = REFERENCE
 
     @property
     def role_rank(self) -> int:
@@ -81,7 +84,7 @@ class Impl:
 
 _ops: dict[str, Op] = {}
 _impls: dict[str, dict[str, Impl]] = {}
-# (op, impl, reason) -> number of calls that fell back to the reference for that reason.
+# (op, impl, reason) -> number of calls that fell back (to the op's fallback implementation) for that reason.
 runtime_fallbacks: dict[tuple[str, str, str], int] = {}
 
 
@@ -177,7 +180,8 @@ def get(op: str, name: str) -> Impl:
 
 
 def select(op: str, name: str, strict: bool, *inputs) -> Impl:
-    """The implementation to run for these inputs: `name` if it can, else the reference (reason kept)."""
+    """The implementation to run for these inputs: `name` if it can, else the op's fallback, the reference unless
+    its record names another (reason kept)."""
     impl = get(op, name)
     if name == REFERENCE:
         return impl
@@ -187,7 +191,8 @@ def select(op: str, name: str, strict: bool, *inputs) -> Impl:
     if strict:
         raise KernelUnavailable(f"{op}: implementation {name!r} cannot run here ({reason}) and strict is set")
     note_fallback(op, name, reason)
-    return _impls[op][REFERENCE]
+    record = _ops.get(op)  # a second form (define_form) has no record: the reference
+    return _impls[op][record.fallback if record else REFERENCE]
 
 
 def note_fallback(op: str, name: str, reason: str) -> None:

@@ -3,8 +3,10 @@
 A gated MLP op is one `Activation` record (its PyTorch forward and derivative, and the same two as TileLang
 expressions) given to `define_gated`, which writes the rest once: reference forward and backward, the
 TileLang forward and backward kernels (fp32 inside, one rounding per output), the custom ops
-``tiletune::<name>`` / ``tiletune::<name>_backward`` and the binding on the `mlp` role (separate gate_proj
-and up_proj, or Phi-3's fused gate_up_proj). This module defines ``swiglu``; geglu.py defines Gemma's
+``tiletune::<name>`` / ``tiletune::<name>_backward``, a packed form ``tiletune::<name>_packed`` on one
+[..., 2n] input holding [gate | up] (the halves read in place, the gradient returned packed) and the binding on
+the `mlp` role (separate gate_proj and up_proj, or Phi-3's fused gate_up_proj through the packed form). This
+module defines ``swiglu``; geglu.py defines Gemma's
 GeGLU. The token dimension is dynamic; the intermediate size and dtype are static per compiled kernel.
 """
 
@@ -20,7 +22,7 @@ from torch import Tensor, nn
 from tiletune.kernels import _tilelang
 from tiletune.kernels.binding import Binding, Site, warm_tensor
 from tiletune.kernels.customop import Signature, make_custom_op
-from tiletune.kernels.registry import Impl, Op, add, define
+from tiletune.kernels.registry import Impl, Op, add, define, define_form
 
 
 @dataclass(frozen=True)
@@ -213,6 +215,21 @@ def packed_unsupported(n: int) -> str | None:
     return None if _packed_block(n) is not None else f"packed activation: intermediate size {n} is not a multiple of 64"
 
 
+def packed_inputs_unsupported(gate_up: Tensor) -> str | None:
+    """Why the packed kernels cannot run this [..., 2n] input, or None."""
+    return _tilelang.unsupported_inputs(gate_up) or packed_unsupported(gate_up.shape[-1] // 2)
+
+
+def reference_packed_forward(act: Activation, gate_up: Tensor) -> Tensor:
+    """act(gate) * up of a [..., 2n] input holding [gate | up] (reference_forward on its halves)."""
+    return reference_forward(act, *gate_up.chunk(2, dim=-1))
+
+
+def reference_packed_backward(act: Activation, dy: Tensor, gate_up: Tensor) -> Tensor:
+    """d[gate | up] of reference_packed_forward, packed as its input."""
+    return torch.cat(reference_backward(act, dy, *gate_up.chunk(2, dim=-1)), dim=-1)
+
+
 def tilelang_packed_forward(act: Activation, gate_up: Tensor) -> Tensor:
     """act(gate) * up of a [..., 2n] input holding [gate | up], read in place by the packed TileLang kernel."""
     n, dtype = gate_up.shape[-1] // 2, _tilelang.DTYPES[gate_up.dtype]
@@ -290,11 +307,25 @@ def define_gated(act: Activation, opt_in: bool = False) -> Callable:
             reason = f"activation {type(module).__name__} is not {act.name}"
         return f"{reason}: stock forward kept" if reason else None
 
+    # the packed form: Phi-3's fused gate_up_proj output [..., 2n] read in place, its gradient returned packed (no
+    # copies of the two halves either way)
+    packed_name = f"{name}_packed"
+    define_form(packed_name)
+    make_custom_op(Signature(
+        packed_name, "Tensor gate_up", "Tensor",
+        backward_inputs="Tensor gate_up", backward_outputs="Tensor",
+        fake=lambda gate_up: gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2),
+        backward_fake=lambda dy, gate_up: torch.empty_like(gate_up, memory_format=torch.contiguous_format),
+        save=lambda inputs, outputs, needs: inputs,
+        judged_on=lambda grads, saved: saved,
+        grad_of=(0,),
+    ))
+    packed_op = getattr(torch.ops.tiletune, packed_name)
+
     def forward(site: Site, impl: str, strict: bool, current):
         if site.part.fused_gate_up:
             def fused(self, x):
-                gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-                return self.down_proj(gated(gate, up, impl, strict))
+                return self.down_proj(packed_op(self.gate_up_proj(x), impl, strict))
             return fused
 
         def separate(self, x):
@@ -327,6 +358,11 @@ def define_gated(act: Activation, opt_in: bool = False) -> Callable:
              description=f"PyTorch: {act.name}(gate) * up, as the model's MLP", accumulation="input dtype"))
     add(Impl(name, "tilelang", bound(tilelang_forward), bound(tilelang_backward), _tilelang.machine_unavailable_reason,
              tilelang_unsupported, "TileLang fused elementwise forward and backward, fp32 inside", accumulation="float32"))
+    add(Impl(packed_name, "reference", bound(reference_packed_forward), bound(reference_packed_backward),
+             description=f"PyTorch: {act.name}(gate) * up of the [gate | up] halves", accumulation="input dtype"))
+    add(Impl(packed_name, "tilelang", bound(tilelang_packed_forward), bound(tilelang_packed_backward),
+             _tilelang.machine_unavailable_reason, packed_inputs_unsupported,
+             "TileLang packed kernels: the halves read in place, fp32 inside", accumulation="float32"))
     return gated
 
 

@@ -93,7 +93,7 @@ class PatchReport:
         for op, info in self.to_dict()["ops"].items():
             modules = ", ".join(info["modules"]) or "-"
             if info["fallback"]:
-                status = f"falls back to reference: {info['fallback']}"
+                status = f"falls back to {registry.ops()[op].fallback}: {info['fallback']}"
             elif info["patched"]:
                 status = "active"
             elif not registry.ops()[op].bindings:
