@@ -148,7 +148,8 @@ CLASSES: dict[str, ChangeClass] = {
     "ptx-module": ChangeClass((), False, "a module built from PTX by the driver, loaded from an AMD code object instead"),
     "warp-lds-sync": ChangeClass((), False, "a `__syncwarp` added to a warp-synchronous shared-memory loop"),
     "pragma-placement": ChangeClass((), False, "a `#pragma unroll` with no loop after it (clang rejects it)"),
-    "missing-runtime-feature": ChangeClass((), False, "a CUDA runtime feature HIP lacks (`cudaStreamLegacy`), emulated"),
+    "missing-runtime-feature": ChangeClass(("launch-attribute-missing",), False,
+                                           "a CUDA runtime feature HIP lacks (`cudaStreamLegacy`), emulated"),
     # round 14's classes, defined by its labellers (before the round was scored)
     "cg-missing-api": ChangeClass(("cg-missing-api",), False,
                                   "a cooperative-groups API HIP lacks (`cg::reduce`, `cg::labeled_partition`), rebuilt from shuffles"),

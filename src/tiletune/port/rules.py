@@ -2410,6 +2410,28 @@ RULES: list[Rule] = [
                            r"|\b\w*(?i:shared_?mem\w*opt_?in)\w*\s*\("),
     ),
     Rule(
+        "launch-attribute-missing", "error", "a launch attribute HIP does not have (programmatic dependent launch, clusters)",
+        "HIP's `hipLaunchAttributeID` (ROCm 6.2 and later) holds the access-policy window, cooperative, "
+        "synchronization-policy, priority and memory-sync-domain attributes only: no programmatic dependent launch "
+        "(`cudaLaunchAttributeProgrammaticStreamSerialization`, `...ProgrammaticEvent`, the device's "
+        "`cudaGridDependencySynchronize()` / `cudaTriggerProgrammaticLaunchCompletion()`), no thread-block "
+        "clusters, no launch-completion event: the port does not compile.",
+        "Under `USE_ROCM` launch with `<<<grid, block, smem, stream>>>` (the stream orders the kernels anyway) and "
+        "drop the device-side dependency calls.",
+        before="attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;\n"
+               "attrs[0].val.programmaticStreamSerializationAllowed = enable_pdl;\n"
+               "cudaLaunchKernelEx(&config, kernel, x, y, n);",
+        after="#ifdef USE_ROCM\nkernel<<<grid, block, 0, stream>>>(x, y, n);\n#else\n"
+              "attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;\n"
+              "attrs[0].val.programmaticStreamSerializationAllowed = enable_pdl;\n"
+              "cudaLaunchKernelEx(&config, kernel, x, y, n);\n#endif",
+        pattern=re.compile(r"\bcudaLaunchAttribute(?:ProgrammaticStreamSerialization|ProgrammaticEvent|ClusterDimension"
+                           r"|PreferredClusterDimension|ClusterSchedulingPolicyPreference|LaunchCompletionEvent"
+                           r"|DeviceUpdatableKernelNode|PreferredSharedMemoryCarveout)\b"
+                           r"|\bprogrammaticStreamSerializationAllowed\b"
+                           r"|\b(?:cudaGridDependencySynchronize|cudaTriggerProgrammaticLaunchCompletion)\s*\("),
+    ),
+    Rule(
         "capture-info-v2", "error", "`cudaStreamGetCaptureInfo` with CUDA 12's six arguments",
         "hipify maps `cudaStreamGetCaptureInfo` to `hipStreamGetCaptureInfo`, which takes three arguments (stream, "
         "status, id); CUDA 12's six-argument form is `hipStreamGetCaptureInfo_v2` in HIP: the call does not compile.",
