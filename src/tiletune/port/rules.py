@@ -1422,12 +1422,15 @@ _WARP_SIZE_ASSERT = re.compile(
     rf"\bstatic_assert\s*\(\s*((?:\w+::)*{_WARP_SIZE_NAME}\s*==\s*32[uU]?)\s*[,)]"
     rf"|\bstatic_assert\s*\(\s*(32[uU]?\s*==\s*(?:\w+::)*{_WARP_SIZE_NAME})\s*[,)]"
     # another constant held to 32, its message saying why ("relies on block_size == warp_size")
-    r"|\bstatic_assert\s*\(\s*((?:\w+::)*\w+\s*==\s*32[uU]?)\s*,\s*\"[^\"\n]*(?i:warp)")
+    r"|\bstatic_assert\s*\(\s*((?:\w+::)*\w+\s*==\s*32[uU]?)\s*,\s*\"[^\"\n]*(?i:warp)"
+    # a run-time list of the warp sizes accepted, ending at 32: `ws != 16 && ws != 32` rejects a wavefront of 64
+    rf"|\b({_WARP_SIZE_NAME})\s*!=\s*16[uU]?\s*&&\s*(\4\s*!=\s*32[uU]?)\b(?!\s*&&\s*\4\s*!=\s*64)")
 
 
 def check_warp_size_asserts(text: str) -> Iterable[Hit]:
     """Flag a `static_assert` that a warp-size constant is 32, or that another constant is 32 with a message that
-    names the warp; the assertion may span lines (the finding sits on the comparison)."""
+    names the warp, and a run-time list of accepted warp sizes that ends at 32; the assertion may span lines (the
+    finding sits on the comparison with 32)."""
     for match in _WARP_SIZE_ASSERT.finditer(text):
         yield Hit(*_position(text, match.start(match.lastindex)))
 
@@ -2118,7 +2121,7 @@ RULES: list[Rule] = [
         check=check_constexpr_warp_size,
     ),
     Rule(
-        "warp-size-assert", "error", "a `static_assert` that the warp is 32 lanes",
+        "warp-size-assert", "error", "a check that the warp is 32 lanes (`static_assert`, or the sizes a run-time test accepts)",
         "The code after it was written for 32 lanes (a bitonic network of five stages, a 32-bit lane mask, 32 "
         "slots per warp). On a 64-lane wavefront (CDNA: MI200, MI300) the assert stops the build once the "
         "warp-size constant follows the target, and where the constant stays 32 the code compiles but covers "
