@@ -117,6 +117,10 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("template <typename T> __host__ __device__ T sat(T v) { return std::clamp(v, T(0), T(1)); }", "device-std-clamp"),
     ("__device__ void sort1(float* k) {\n  static_assert(kWarpSize == 32, \"unexpected warp size\");\n}", "warp-size-assert"),
     ("static_assert(32 == WARP_SIZE);", "warp-size-assert"),
+    ("__device__ unsigned short int cas16(unsigned short int *address, unsigned short int compare,\n"
+     "                                    unsigned short int val) {\n  return atomicCAS(address, compare, val);\n}",
+     "missing-intrinsic"),
+    ("old = atomicCAS(reinterpret_cast<uint16_t*>(addr), assumed, desired);", "missing-intrinsic"),
     ("if (warp_size != 1 && warp_size != 2 && warp_size != 4 && warp_size != 8 && warp_size != 16 &&\n"
      "    warp_size != 32) {\n  printf(\"Error: Invalid value for warp_size.\\n\");\n  return;\n}", "warp-size-assert"),
     ("#define CC_AMPERE 800\n#define HAS_BF16_MATH (__CUDA_ARCH__ >= CC_AMPERE)", "cuda-arch-guard"),  # false on AMD
@@ -255,6 +259,8 @@ def test_rule_variants_fire(code, rule):
     ('static_assert(kWarpSize == 32 || kWarpSize == 64, "unexpected warp size");', "warp-size-assert"),
     ("if ((warp_size & (warp_size - 1)) != 0 || warp_size > SLAB_SIZE) return;", "warp-size-assert"),
     ("if (warp_size != 16 && warp_size != 32 && warp_size != 64) return;", "warp-size-assert"),
+    ("__device__ unsigned int cas32(unsigned int* address, unsigned int c, unsigned int v) {\n"
+     "  unsigned short* unused = nullptr;\n  return atomicCAS(address, c, v);\n}", "missing-intrinsic"),
     ("#define ARCH_OF_BUILD __CUDA_ARCH__", "cuda-arch-guard"),  # no test of it: not a constant on AMD
     # 32-lane tiles throughout: tile shuffles, per-tile slots by meta_group_rank, lane and tile ids by 32, no vote
     (("auto g = cg::tiled_partition<32>(block);\nint lane = threadIdx.x & 0x1f, gid = threadIdx.x >> 5;\n"

@@ -1204,11 +1204,21 @@ _NON_HALF_TYPE = re.compile(r"\b(?:float|double|u?int|u?long|u?short|u?char|long
 _HALF_TYPE = r"(?:__)?half2?"
 
 
+_SHORT_TYPE = r"(?:unsigned\s+short(?:\s+int)?|short(?:\s+int)?|u?int16_t)"
+
+
+def _points_to(address: str, type_pattern: str, declared: set[str]) -> bool:
+    """Whether a call's address argument is a pointer of `type_pattern`: a name `declared` so in the file, or a
+    C-style or reinterpret cast to it."""
+    return (address in declared or re.match(rf"\(\s*{type_pattern}\s*\*\s*\)", address) is not None
+            or re.search(rf"reinterpret_cast\s*<\s*{type_pattern}\s*\*\s*>", address) is not None)
+
+
 def check_missing_intrinsics(text: str) -> Iterable[Hit]:
     """Flag calls of CUDA intrinsics HIP lacks (the cache-hinted `__ldcs` / `__ldcg` / `__ldca` where a cast
-    names a non-half type: HIP has them for half only), and `atomicAdd` on half or half2 (HIP has no such overload):
-    its value a variable declared `half` / `half2` in the file or a `__halves2half2(...)`, or its address cast
-    to a half pointer."""
+    names a non-half type: HIP has them for half only), `atomicAdd` on half or half2 (HIP has no such overload):
+    its value a variable declared `half` / `half2` in the file or a `__halves2half2(...)`, or its address a half
+    pointer, and `atomicCAS` on a 16-bit address (HIP has none)."""
     for call in _MISSING_INTRINSIC.finditer(text):
         yield Hit(*_position(text, call.start()))
     for call in _HALF_ONLY_LOAD.finditer(text):
@@ -1220,9 +1230,13 @@ def check_missing_intrinsics(text: str) -> Iterable[Hit]:
         if len(arguments) != 2:
             continue
         address, value = arguments
-        if (value in halves or value.startswith("__halves2half2") or re.match(rf"\(\s*{_HALF_TYPE}\s*\*\s*\)", address)
-                or re.search(rf"reinterpret_cast\s*<\s*{_HALF_TYPE}\s*\*\s*>", address)):
+        if value in halves or value.startswith("__halves2half2") or _points_to(address, _HALF_TYPE, set()):
             yield Hit(*_position(text, call.start()), "HIP has no atomicAdd for __half / __half2")
+    shorts = set(re.findall(rf"\b{_SHORT_TYPE}\s*\*\s*(\w+)\s*[=;,)]", text))
+    for call in re.finditer(r"\batomicCAS\s*\(", text):
+        arguments = _split_top_level(_balanced_args(text, call.end() - 1))
+        if len(arguments) == 3 and _points_to(arguments[0], _SHORT_TYPE, shorts):
+            yield Hit(*_position(text, call.start()), "HIP has no 16-bit atomicCAS")
 
 
 # ---- __ldg on torch's Half: no overload under hipcc ------------------------------------------------
@@ -2284,13 +2298,15 @@ RULES: list[Rule] = [
         "stores `__ldlu`, `__ldcv`, `__stwb`, `__stcg`, `__stcs`, `__stwt` (and `__ldcs` / `__ldcg` / `__ldca` but "
         "for `__half` / `__half2`), the block-scope atomics (`atomicAdd_block`, ...), `__double2half`, "
         "`__cvta_generic_to_shared`, `make_bfloat162` and the integer <-> bf16 conversions (`__int2bfloat16_rn`, "
-        "`__bfloat162int_rn`: none in HIP's headers through ROCm 6.2), and `atomicAdd` on "
-        "`__half` / `__half2` (only `unsafeAtomicAdd(__half2*, __half2)`, gfx90a and later): the port does not compile.",
+        "`__bfloat162int_rn`: none in HIP's headers through ROCm 6.2), `atomicAdd` on "
+        "`__half` / `__half2` (only `unsafeAtomicAdd(__half2*, __half2)`, gfx90a and later) and a 16-bit "
+        "`atomicCAS` (clr's amd_hip_atomic.h overloads int, unsigned int, the 64-bit integers, float and double "
+        "only): the port does not compile.",
         "Write a small polyfill under `USE_ROCM`: `__builtin_amdgcn_sdot4` (gfx9xx: gfx906, gfx90a, gfx942) or "
         "`__builtin_amdgcn_sudot4` (gfx11) for `__dp4a`, `__builtin_elementwise_sub_sat` on a char4 for "
         "`__vsubss4`, a shuffle reduction for `__reduce_add_sync`, a plain load or store for a cache hint "
         "(`*ptr`; `__builtin_nontemporal_load` / `_store` for a streaming one), an atomicCAS loop on the 32-bit "
-        "word for a half atomicAdd.",
+        "word for a half atomicAdd or a 16-bit compare-and-swap.",
         before="acc = __dp4a(a, b, acc);",
         after="acc = __builtin_amdgcn_sdot4(a, b, acc, false);  // gfx9xx; __dp4a on CUDA",
         check=check_missing_intrinsics,
