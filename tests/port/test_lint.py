@@ -117,6 +117,11 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("template <typename T> __host__ __device__ T sat(T v) { return std::clamp(v, T(0), T(1)); }", "device-std-clamp"),
     ("__device__ void sort1(float* k) {\n  static_assert(kWarpSize == 32, \"unexpected warp size\");\n}", "warp-size-assert"),
     ("static_assert(32 == WARP_SIZE);", "warp-size-assert"),
+    ("__global__ void k(const int* v, int* out) {\n  auto warp = cg::tiled_partition<32>(cg::this_thread_block());\n"
+     "  if (!warp.any(v[threadIdx.x] > 0)) return;\n  out[threadIdx.x] = 1;\n}", "cg-missing-api"),
+    ("__device__ int first(cg::thread_block_tile<32> tile, bool hit) {\n  return __ffsll(tile.ballot(hit)) - 1;\n}",
+     "cg-missing-api"),
+    ("namespace cg = cooperative_groups;\nauto part = cg::binary_partition(tile, pred);", "cg-missing-api"),
     ("__device__ unsigned short int cas16(unsigned short int *address, unsigned short int compare,\n"
      "                                    unsigned short int val) {\n  return atomicCAS(address, compare, val);\n}",
      "missing-intrinsic"),
@@ -259,6 +264,8 @@ def test_rule_variants_fire(code, rule):
     ('static_assert(kWarpSize == 32 || kWarpSize == 64, "unexpected warp size");', "warp-size-assert"),
     ("if ((warp_size & (warp_size - 1)) != 0 || warp_size > SLAB_SIZE) return;", "warp-size-assert"),
     ("if (warp_size != 16 && warp_size != 32 && warp_size != 64) return;", "warp-size-assert"),
+    ("__global__ void k(const int* v, int* out) {\n  auto warp = cg::tiled_partition<32>(cg::this_thread_block());\n"
+     "  out[threadIdx.x] = warp.shfl(v[threadIdx.x], 0) + __any(v[0]);\n}", "cg-missing-api"),
     ("__device__ unsigned int cas32(unsigned int* address, unsigned int c, unsigned int v) {\n"
      "  unsigned short* unused = nullptr;\n  return atomicCAS(address, c, v);\n}", "missing-intrinsic"),
     ("#define ARCH_OF_BUILD __CUDA_ARCH__", "cuda-arch-guard"),  # no test of it: not a constant on AMD
@@ -277,7 +284,7 @@ def test_rule_variants_fire(code, rule):
     ("__device__ float f(const View& v) { return v.at(1); }", "device-std-throw"),  # the project's own at()
     ("__device__ int f() { constexpr std::array<int, 2> a{1, 2}; return a[0]; }", "device-ctad"),  # arguments given
     ("auto sizes = std::array{2, 3};\nvoid build() { auto s = std::array{1, 2}; }", "device-ctad"),  # host code
-    ("auto g = cg::tiled_partition<32>(block);\nv += g.shfl_xor(v, 1);\nauto m = g.match_any(label);", "cg-missing-api"),
+    ("auto g = cg::tiled_partition<32>(block);\nv += g.shfl_xor(v, 1);\nauto m = __match_any(label);", "cg-missing-api"),
     ("__global__ void k() { dim3 at{threadIdx.x, blockIdx.x, 0}; uint32_t u{threadIdx.y}; }", "builtin-index-narrowing"),
     ("__global__ void k(float* x) { if (threadIdx.x == 0) { x[threadIdx.x] = 0; } }", "builtin-index-narrowing"),
     # HIP's vector types construct from it (constructor templates; checked with hipcc 5.2)

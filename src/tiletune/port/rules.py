@@ -1547,19 +1547,28 @@ def check_device_std_throw(text: str) -> Iterable[Hit]:
 
 _CG_MISSING_HEADER = re.compile(r"^[ \t]*#[ \t]*include[ \t]*[<\"]cooperative_groups/(?:reduce|scan|memcpy_async)\.h[>\"]",
                                 re.MULTILINE)
-_CG_MISSING_NAMES = (r"(?:reduce|inclusive_scan|exclusive_scan|labeled_partition|memcpy_async|wait_prior|wait|"
-                     r"invoke_one|invoke_one_broadcast)\s*[(<]|(?:plus|less|greater|bit_and|bit_or|bit_xor)\s*<")
+_CG_MISSING_NAMES = (r"(?:reduce|inclusive_scan|exclusive_scan|labeled_partition|binary_partition|memcpy_async|"
+                     r"wait_prior|wait|invoke_one|invoke_one_broadcast)\s*[(<]"
+                     r"|(?:plus|less|greater|bit_and|bit_or|bit_xor)\s*<")
+# a tile or coalesced group: declared by type, or as `auto` from tiled_partition / coalesced_threads
+_CG_TILE = re.compile(r"\b(?:thread_block_tile\s*<[^<>;]*>|coalesced_group)\s*&?\s*(\w+)\s*[=;,)({]"
+                      r"|\bauto\s*&?\s*(\w+)\s*=\s*(?:\w+\s*::\s*)*(?:tiled_partition|coalesced_threads)\b")
+_CG_TILE_VOTE = r"\s*\.\s*(?:any|all|ballot|match_any|match_all)\s*\("
 
 
 def check_cooperative_groups_api(text: str) -> Iterable[Hit]:
     """Flag the cooperative-groups headers and calls HIP lacks (checked against ROCm/clr's
     amd_hip_cooperative_groups.h through ROCm 6.2): `<cooperative_groups/reduce.h>` / `scan.h` / `memcpy_async.h`,
     `cg::reduce` and its functors (`cg::plus<T>`), the scans, `labeled_partition`, `memcpy_async` / `wait`,
-    `invoke_one`; through the namespace or any alias of it (`namespace cg = cooperative_groups;`)."""
+    `invoke_one`, through the namespace or any alias of it (`namespace cg = cooperative_groups;`); and what came
+    only in ROCm 6.3 (clr 36d58c65): a tile's or coalesced group's votes (`tile.any(p)`, `all`, `ballot`,
+    `match_any`, `match_all`) and `binary_partition`."""
     aliases = {"cooperative_groups", *re.findall(r"\bnamespace\s+(\w+)\s*=\s*(?:::)?cooperative_groups\s*;", text)}
     use = re.compile(rf"\b(?:{'|'.join(sorted(aliases))})\s*::\s*(?:{_CG_MISSING_NAMES})")
     hits = {_position(text, found.start())[0]: found.start() for found in _CG_MISSING_HEADER.finditer(text)}
-    for found in use.finditer(text):
+    tiles = {name for match in _CG_TILE.finditer(text) for name in match.groups() if name}
+    votes = re.finditer(rf"\b(?:{'|'.join(sorted(tiles))}){_CG_TILE_VOTE}", text) if tiles else ()
+    for found in (*use.finditer(text), *votes):
         hits.setdefault(_position(text, found.start())[0], found.start())
     for offset in sorted(hits.values()):
         yield Hit(*_position(text, offset))
@@ -2247,12 +2256,14 @@ RULES: list[Rule] = [
     ),
     Rule(
         "cg-missing-api", "error", "a cooperative-groups API HIP does not have",
-        "HIP's cooperative groups (amd_hip_cooperative_groups.h, checked through ROCm 6.2) have tiles, shuffles, "
-        "votes, `match_any` and `binary_partition`, but no `<cooperative_groups/reduce.h>` (`cg::reduce`, "
-        "`cg::plus`, `cg::greater`), no scans, no `labeled_partition`, no `memcpy_async` / `wait` and no "
-        "`invoke_one`: the port does not compile.",
+        "HIP's cooperative groups (amd_hip_cooperative_groups.h, checked through ROCm 6.2) have tiles and their "
+        "shuffles, but no `<cooperative_groups/reduce.h>` (`cg::reduce`, `cg::plus`, `cg::greater`), no scans, no "
+        "`labeled_partition`, no `memcpy_async` / `wait` and no `invoke_one`; a tile's votes (`any`, `all`, "
+        "`ballot`, `match_any`, `match_all`) and `binary_partition` came in ROCm 6.3 (clr's SWDEV-450109): the port "
+        "does not compile (on ROCm 6.0-6.2 for the latter).",
         "Reduce with the tile's own shuffles (`for (int o = g.size() / 2; o > 0; o /= 2) v += g.shfl_xor(v, o);`), "
-        "build a labelled group from `g.match_any(label)`, and copy to shared memory with plain loads.",
+        "vote with the wavefront's `__any` / `__all` / `__ballot` (a tile narrower than the wavefront: mask the "
+        "ballot to its lanes), and copy to shared memory with plain loads.",
         before="#include <cooperative_groups/reduce.h>\nv = cg::reduce(warp, v, cg::plus<float>());",
         after="for (int o = warp.size() / 2; o > 0; o /= 2) v += warp.shfl_xor(v, o);",
         check=check_cooperative_groups_api,
