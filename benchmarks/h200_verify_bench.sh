@@ -49,8 +49,8 @@
 #           run (budget=@liger, @baseline); REPEATS (default 1)
 #   moe:    the GPU tests of moe_experts, benchmarks/kernel_bench.py --only moe (grouped GEMM against a dense GEMM over
 #           the same rows and torch's grouped_mm), then `tiletune bench` of MOE_PRESET (default qwen3-30b-a3b;
-#           mixtral-8x7b) on its first LAYERS (default 12) layers: stock (grouped_mm experts), Liger, the fastest dense set, and
-#           that set + moe_experts; MOE_VARIANTS replaces that list (e.g. "baseline,liger,rms_norm,rope,lora_linear,
+#           mixtral-8x7b) on its first LAYERS (default 12) layers: stock (grouped_mm experts), Liger, the fastest dense set
+#           + moe_experts, and the same under `auto` with offload within 0.55x stock's peak; MOE_VARIANTS replaces that list (e.g. "baseline,liger,rms_norm,rope,lora_linear,
 #           linear_cross_entropy" to find which op costs the gap to Liger), PROFILE=1 adds `--profile`
 #           (KERNELS=0 skips the GPU tests and the kernel timings)
 #   families: the GPU tests of rms_norm (offset form included) and the gated MLP ops, then `tiletune verify` of every
@@ -179,8 +179,11 @@ moe)
     fi
     MOE_PRESET=${MOE_PRESET:-qwen3-30b-a3b}
     FAST=rms_norm+rope+swiglu+linear_cross_entropy+lora_linear  # the fastest dense set (no `linear`: 1.02x alone)
+    # #19's target: <= 0.38x stock's time within Unsloth's memory, 0.55x stock's peak (recomputation or offload
+    # planned within it)
+    WITHIN=gradient_checkpointing=auto:gradient_checkpointing_offload=true:gradient_checkpointing_budget=@baseline*0.55
     python3 -m tiletune bench "$CONFIG" --model-preset "$MOE_PRESET" --layers "${LAYERS:-12}" --steps 5 --warmup 2 \
-        --variants "${MOE_VARIANTS:-baseline,liger,$FAST,$FAST+moe_experts}" ${PROFILE:+--profile} \
+        --variants "${MOE_VARIANTS:-baseline,liger,$FAST+moe_experts,$FAST+moe_experts:$WITHIN}" ${PROFILE:+--profile} \
         --out "$OUT/bench-$MOE_PRESET" 2>&1 | tail -8 ;;
 families-bench)
     # per family: stock, Liger, the fastest set, and the fastest set under `auto` at Liger's and at stock's peak (same

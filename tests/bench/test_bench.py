@@ -10,6 +10,7 @@ from tiletune.train.presets import preset_config
 from tiletune.bench.runner import resolve_peaks, short_label, summarise
 from tiletune.bench.worker import step_flops
 from tiletune.cli import main
+from tiletune.errors import UserError
 
 
 def test_bench_runs_variants_in_fresh_processes_and_writes_outputs(tmp_path):
@@ -62,7 +63,6 @@ def test_all_joined_with_an_opt_in_op_is_every_kernel_plus_that_op(tmp_path):
 def test_a_variant_picks_an_ops_implementation_and_an_unknown_one_is_refused():
     from tiletune.bench.runner import check_variants
     from tiletune.bench.worker import variant_kernels
-    from tiletune.errors import UserError
     from tiletune.patch.spec import parse_kernel_spec
 
     check_variants(["baseline", "rms_norm+linear_cross_entropy=tilelang"])
@@ -143,6 +143,9 @@ def test_a_budget_may_be_another_variants_peak_measured_earlier_in_the_run(tmp_p
     variant = "all:gradient_checkpointing=auto:gradient_checkpointing_budget=@liger"
     assert resolve_peaks(variant, runs) == "all:gradient_checkpointing=auto:gradient_checkpointing_budget=17.500"
     assert resolve_peaks("all:bf16=true", runs) == "all:bf16=true"
+    assert resolve_peaks("all:gradient_checkpointing_budget=@liger*0.5", runs) == "all:gradient_checkpointing_budget=8.750"
+    with pytest.raises(UserError, match="@VARIANT\\*FACTOR with a positive factor"):
+        resolve_peaks("all:gradient_checkpointing_budget=@liger*half", runs)
     config = tmp_path / "b.yaml"
     config.write_text("model_name_or_path: unused\n")
     result = CliRunner().invoke(main, ["bench", str(config), "--variants", f"baseline,{variant},rms_norm",

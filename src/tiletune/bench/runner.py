@@ -84,21 +84,39 @@ def check_liger_fused(config: str, overrides: list[str], variants: list[str]) ->
             raise UserError(f"bench variant {variant!r}: {why}")
 
 
+def _peak_reference(value: str) -> tuple[str, float] | None:
+    """(variant name, factor) of an override value `@name` or `@name*factor`, else None; UserError for a factor
+    that is not a positive number."""
+    if not value.startswith("@"):
+        return None
+    name, star, factor = value[1:].partition("*")
+    try:
+        scale = float(factor) if star else 1.0
+    except ValueError:
+        scale = 0.0
+    if scale <= 0:
+        raise UserError(f"bench variant override {value!r}: give @VARIANT or @VARIANT*FACTOR with a positive factor "
+                        "(gradient_checkpointing_budget=@baseline*0.55)")  # fmt: skip
+    return name, scale
+
+
 def peak_references(variant: str) -> list[str]:
-    """The variants whose measured peak this one's overrides take (`gradient_checkpointing_budget=@liger`)."""
-    return [value[1:] for _, value in (o.split("=", 1) for o in split_variant(variant)[1] if "=" in o)
-            if value.startswith("@")]
+    """The variants whose measured peak this one's overrides take (`gradient_checkpointing_budget=@liger`, or a share
+    of it: `@baseline*0.55`)."""
+    return [reference[0] for _, value in (o.split("=", 1) for o in split_variant(variant)[1] if "=" in o)
+            if (reference := _peak_reference(value))]
 
 
 def resolve_peaks(variant: str, runs: dict[str, list[dict]]) -> str:
     """`variant` with each `=@name` replaced by the peak GiB variant `name` reached so far in this run (its
-    peak allocated memory, so a budget of that value gives the same memory as the peer)."""
+    peak allocated memory, so a budget of that value gives the same memory as the peer), `=@name*f` by f times it."""
     name, overrides = split_variant(variant)
     resolved = []
     for override in overrides:
         key, equals, value = override.partition("=")
-        if value.startswith("@"):
-            value = f"{max(r['peak_allocated_gib'] for r in runs[value[1:]]):.3f}"
+        if reference := _peak_reference(value):
+            peer, scale = reference
+            value = f"{scale * max(r['peak_allocated_gib'] for r in runs[peer]):.3f}"
         resolved.append(key + equals + value)
     return ":".join([name, *resolved])
 
