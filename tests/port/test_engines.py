@@ -82,6 +82,12 @@ def test_torch_engine_maps_the_fp8_device_runtime_and_launch_parameter_headers(t
     assert not cuda_names(hip)
 
 
+def test_a_projects_own_cu_named_variables_are_not_cuda_names():
+    """`cuDevice`, `cuModule`: a project's handles named after the driver API (Blender Cycles'); its calls are."""
+    text = "CUdevice cuDevice; result = hipDeviceGet(&cuDevice, cuDevId);\ncuCtxCreate(&cuContext, 0, cuDevice);"
+    assert set(cuda_names(text)) == {"CUdevice", "cuCtxCreate"}
+
+
 def test_cuda_names_are_the_apis_and_headers_not_a_projects_own_snake_case_names():
     text = ("cudaError_t cuda_status = cudaMemcpyAsync(d, h, n, cudaMemcpyHostToDevice, s);\n#include <cuda_fp16.h>\n"
             "curand_init(seed, id, 0, &state); int cuda_device_count = 0; bool use_cudnn_v8 = false;")

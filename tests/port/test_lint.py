@@ -117,6 +117,16 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("template <typename T> __host__ __device__ T sat(T v) { return std::clamp(v, T(0), T(1)); }", "device-std-clamp"),
     ("__device__ void sort1(float* k) {\n  static_assert(kWarpSize == 32, \"unexpected warp size\");\n}", "warp-size-assert"),
     ("static_assert(32 == WARP_SIZE);", "warp-size-assert"),
+    ("int includeFlags = BALLOT(include);", "ballot-32bit-result"),
+    ("using lane_mask_type = uint32;", "mask-32bit"),
+    ("typedef unsigned int warp_mask_t;", "mask-32bit"),
+    ("const int warpMask = (1<<indexInWarp)-1;", "ballot-32bit-result"),
+    ("unsigned below = (1u << lane_id) - 1;", "ballot-32bit-result"),
+    ("inline __device__ unsigned long long int atomicSub(unsigned long long int* address,\n"
+     "                                                   const unsigned long long int value) {\n"
+     "  return atomicAdd(address, ~value + 1);\n}", "hip-builtin-redefinition"),
+    ("ccl_device_inline int __float_as_int(float f) {\n  union { int i; float f; } u;\n  u.f = f;\n  return u.i;\n}",
+     "hip-builtin-redefinition"),
     ("__global__ void k(const int* v, int* out) {\n  auto warp = cg::tiled_partition<32>(cg::this_thread_block());\n"
      "  if (!warp.any(v[threadIdx.x] > 0)) return;\n  out[threadIdx.x] = 1;\n}", "cg-missing-api"),
     ("__device__ int first(cg::thread_block_tile<32> tile, bool hit) {\n  return __ffsll(tile.ballot(hit)) - 1;\n}",
@@ -264,6 +274,10 @@ def test_rule_variants_fire(code, rule):
     ('static_assert(kWarpSize == 32 || kWarpSize == 64, "unexpected warp size");', "warp-size-assert"),
     ("if ((warp_size & (warp_size - 1)) != 0 || warp_size > SLAB_SIZE) return;", "warp-size-assert"),
     ("if (warp_size != 16 && warp_size != 32 && warp_size != 64) return;", "warp-size-assert"),
+    ("unsigned long long below = (1ull << lane) - 1;", "ballot-32bit-result"),
+    ("using lane_mask_type = uint64;", "mask-32bit"),
+    ("int ballots = ballot_count(x);", "ballot-32bit-result"),
+    ("__device__ int bits(float f) { return __float_as_int(f) & 0x7fffffff; }", "hip-builtin-redefinition"),
     ("__global__ void k(const int* v, int* out) {\n  auto warp = cg::tiled_partition<32>(cg::this_thread_block());\n"
      "  out[threadIdx.x] = warp.shfl(v[threadIdx.x], 0) + __any(v[0]);\n}", "cg-missing-api"),
     ("__device__ unsigned int cas32(unsigned int* address, unsigned int c, unsigned int v) {\n"

@@ -27,10 +27,11 @@ BACKUP_SUFFIX = ".prehip"
 _OFFLOAD_ARCH = re.compile(r"^gfx[0-9a-f]{3,4}(?::[a-z]+[+-])*$")
 # Names that only exist in CUDA: runtime/driver API, CUDA libraries, CUB, nv types, CUDA-only
 # namespaces (camelCase after a library prefix, or a header's name: a project's own `cuda_status` is not one;
-# cuRAND's device API is snake_case). The final scan of every translation: whatever still matches was left as it was.
+# cuRAND's device API is snake_case; a driver-API function `cuCtxCreate` is called, so a project's own variable
+# `cuDevice` or `cuModule` is not one). The final scan of every translation: whatever still matches was left as it was.
 _CUDA_NAME = re.compile(
     r"\b(?:cuda|cublas|cusparse|cufft|cusolver|cudnn|nvrtc|nccl)(?:[A-Z]\w*|_\w+\.h\b)|\bcurand(?:[A-Z_])\w*"
-    r"|\bCU(?:DA|BLAS|SPARSE|RAND|FFT|SOLVER|DNN|B)?_[A-Z]\w*|\bcu[A-Z]\w*|\bCU[a-z]\w*|\bCub[A-Z]\w*|\b__nv_\w+"
+    r"|\bCU(?:DA|BLAS|SPARSE|RAND|FFT|SOLVER|DNN|B)?_[A-Z]\w*|\bcu[A-Z]\w*(?=\s*\()|\bCU[a-z]\w*|\bCub[A-Z]\w*|\b__nv_\w+"
     r"|\b(?:nvcuda|wmma|cutlass|cute|cub|thrust::cuda)::\w+"
 )
 

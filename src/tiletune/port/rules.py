@@ -227,7 +227,8 @@ def check_lane_masks(text: str) -> Iterable[Hit]:
     """Flag where a 32-bit mask is written: an all-ones mask or any other integer literal without an
     `ll` suffix (`0x55555555`) as the mask argument of a `*_sync` warp function, an all-ones constant or
     variable that such a call uses (or whose name says mask) and each call using it, a mask parameter or
-    variable declared 32 bits wide, and (a warning) a mask constant defined in another file."""
+    variable declared 32 bits wide, a type for lane masks declared 32 bits wide (`using lane_mask_type = uint32;`),
+    and (a warning) a mask constant defined in another file."""
     bindings = {match.group(1) or match.group(2): match.start() for match in _MASK32_BINDING.finditer(text)}
     masks_used = set()
     for match in _WARP_SYNC_MASK.finditer(text):
@@ -254,6 +255,16 @@ def check_lane_masks(text: str) -> Iterable[Hit]:
             # an all-ones one is said above; one holding a ballot, by ballot-32bit-result
             if not re.match(rf"\s*=\s*(?:\(?{_MASK32}|__(?:ballot|activemask))", text[declaration.end() :]):
                 yield Hit(*_position(text, declaration.start()), f"`{name}` is declared 32 bits wide")
+    for alias in _MASK_TYPE_32.finditer(text):
+        name = alias.group(1) or alias.group(2)
+        yield Hit(*_position(text, alias.start()), f"`{name}` is a 32-bit type for lane masks")
+
+
+# a type for lane masks declared 32 bits wide: `using lane_mask_type = uint32;`, `typedef unsigned warp_mask_t;`
+_MASK_TYPE_32 = re.compile(r"\busing\s+(\w*(?i:lane_?mask|warp_?mask|ballot)\w*)\s*=\s*(?:std::)?"
+                           r"(?:uint32(?:_t)?|unsigned(?:\s+int)?|int)\s*;"
+                           r"|\btypedef\s+(?:std::)?(?:uint32(?:_t)?|unsigned(?:\s+int)?|int)\s+"
+                           r"(\w*(?i:lane_?mask|warp_?mask|ballot)\w*)\s*;")
 
 
 # ---- lane arithmetic: 32 applied to a thread index, and where a lane-0 test matters ---------------
@@ -1007,12 +1018,32 @@ class Function:
     body_end: int  # at the closing brace
 
 
+def _blank_template_heads(text: str) -> str:
+    """`text` with each `template <...>` head (angle brackets nested to any depth, a macro call inside:
+    `template <typename P, ENABLE_IF(is_policy_v<remove_cvref_t<P>>)>`) blanked to spaces, positions kept."""
+    blanked = list(text)
+    for head in re.finditer(r"\btemplate\s*<", text):
+        depth, index = 0, head.end() - 1
+        while index < len(text):
+            depth += {"<": 1, ">": -1}.get(text[index], 0)
+            if depth == 0:
+                break
+            index += 1
+        blanked[head.start() : index + 1] = " " * (index + 1 - head.start())
+    return "".join(blanked)
+
+
 def _signature(header: str) -> tuple[str, str] | None:
-    """(name, text before the name) when `header` (the text before a `{`) ends a function's signature."""
-    for head in _CALLABLE_HEAD.finditer(header):
+    """(name, text before the name) when `header` (the text before a `{`) ends a function's signature: a name and
+    its closed parameter list (not a call still open, as in `f(std::decay_t<P>{ p }, ...)`), then qualifiers only."""
+    searched = _blank_template_heads(header)
+    for head in _CALLABLE_HEAD.finditer(searched):
         if head.group(1) in _ATTRIBUTES or head.group(1) in _CONTROL:
             continue
-        after = header[head.end() - 1 + len(_balanced_args(header, head.end() - 1)) + 2 :]
+        close = head.end() + len(_balanced_args(header, head.end() - 1))
+        if close >= len(header) or header[close] != ")":
+            return None
+        after = header[close + 1 :]
         before = _TEMPLATE_HEAD.sub("", header[: head.start()])  # `template <typename V = T>` is no assignment
         if _AFTER_PARAMETERS.match(after) and "=" not in before.replace("operator", ""):
             return head.group(1), _CLASS_QUALIFIER.sub("", header[: head.start()])
@@ -1299,8 +1330,16 @@ def check_missing_return(text: str) -> Iterable[Hit]:
 _VECTOR_TYPE = r"(?:u?char|u?short|u?int|u?long|u?longlong|float|double)[1-4]"
 # HIP's amd_hip_atomic.h (ROCm 6.0) also defines the unsigned long overloads CUDA lacks (Add, Sub, Exch, CAS, Min, Max)
 _ATOMIC_TYPE = r"(?:float|double|unsigned\s+long(?!\s+long))"
+_ULL = r"unsigned\s+long\s+long(?:\s+int)?"
 _ATOMIC_REDEFINITION = re.compile(
-    rf"\b{_ATOMIC_TYPE}\s+(atomic(?:Max|Min|Add|Sub|Exch|CAS))\s*\(\s*{_ATOMIC_TYPE}\s*\*[^;{{}}]*\)\s*\{{")
+    rf"\b{_ATOMIC_TYPE}\s+(atomic(?:Max|Min|Add|Sub|Exch|CAS))\s*\(\s*{_ATOMIC_TYPE}\s*\*[^;{{}}]*\)\s*\{{"
+    # and atomicSub on unsigned long long, which CUDA lacks and ROCm 6.0's amd_hip_atomic.h defines
+    rf"|\b{_ULL}\s+(atomicSub)\s*\(\s*{_ULL}\s*\*[^;{{}}]*\)\s*\{{")
+# the bit casts HIP defines `__device__ static inline` (amd_device_functions.h, ROCm 6.0): a project's own definition
+# (a CPU build's union pun) is a redefinition where hipcc compiles it
+_BIT_CAST_REDEFINITION = re.compile(
+    r"\b(__(?:float_as_u?int|u?int_as_float|double_as_longlong|longlong_as_double|hiloint2double|double2hiint|"
+    r"double2loint))\s*\([^;{}()]*\)\s*\{")
 _VECTOR_OPERATOR = re.compile(rf"\boperator\s*(\*|/|[-+*/]=)\s*\(\s*(?:const\s+)?({_VECTOR_TYPE})\s*&?\s*\w*\s*,"
                               rf"\s*(?:const\s+)?\2\s*&?\s*\w*\s*\)\s*\{{")
 
@@ -1323,13 +1362,17 @@ def _sides(qualifiers: str, macros: dict[str, str], depth: int = 0) -> tuple[set
 
 def check_builtin_redefinitions(text: str) -> Iterable[Hit]:
     """Flag a definition of what HIP's headers define themselves: `atomicMax` / `atomicMin` / `atomicAdd` on
-    `float*` / `double*`, and the atomics on `unsigned long*` (which CUDA does not declare);
+    `float*` / `double*`, the atomics on `unsigned long*` and `atomicSub` on `unsigned long long*` (which CUDA does not
+    declare), the bit casts (`__float_as_int`, `__int_as_float`, ...: HIP's are `static inline`);
     and `*`, `/` or a compound assignment between two CUDA vector values (`float2`, ...)
     declared `__host__ __device__` (as HIP_vector_type's hidden friends and members are): a `__device__`-only or
     host-only one wins clang's same-side preference, so only these make calls ambiguous. One whose qualifiers come
     from another header's macro is flagged as that macro's question."""
     for match in _ATOMIC_REDEFINITION.finditer(text):
-        yield Hit(*_position(text, match.start()), f"HIP's headers define `{match.group(1)}` on this type: a redefinition")
+        name = match.group(1) or match.group(2)
+        yield Hit(*_position(text, match.start()), f"HIP's headers define `{name}` on this type: a redefinition")
+    for match in _BIT_CAST_REDEFINITION.finditer(text):
+        yield Hit(*_position(text, match.start()), f"HIP's headers define `{match.group(1)}`: a redefinition")
     macros = source_constants(text)
     for match in _VECTOR_OPERATOR.finditer(text):
         declaration = max(text.rfind(c, 0, match.start()) for c in ";{}") + 1
@@ -1803,8 +1846,11 @@ RULES: list[Rule] = [
         "Store masks in `unsigned long long` / `uint64_t` (or `auto`) and count them with `__popcll` / `__ffsll`.",
         before="unsigned votes = __ballot_sync(mask, pred);",
         after="unsigned long long votes = __ballot_sync(mask, pred);",
+        # a CG group's ballot too, a project's ballot macro (`BALLOT(pred)`, `WARP_BALLOT`), and a mask of the lanes
+        # below this one built by a shift of 1 by the lane id (`(1 << indexInWarp) - 1`: lanes 32-63 shift past 32 bits)
         pattern=re.compile(r"\b(?<!long )(?:unsigned\s+int|unsigned|uint32_t|int32_t|int|uint)\s+\w+\s*=\s*"
-                           r"(?:__(?:ballot(?:_sync)?|activemask)|\w+\s*\.\s*ballot)\s*\("),  # a CG group's ballot too
+                           r"(?:(?:__(?:ballot(?:_sync)?|activemask)|\w+\s*\.\s*ballot|[A-Z_]*BALLOT[A-Z_]*)\s*\("
+                           r"|\(?\s*1[uU]?\s*<<\s*\(?\s*(?:\w*(?i:lane)\w*|indexInWarp)\b)"),
     ),
     Rule(
         "popc-32bit", "warning", "32-bit bit count of a lane mask",
