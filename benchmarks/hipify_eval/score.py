@@ -144,7 +144,7 @@ CLASSES: dict[str, ChangeClass] = {
                                       "a test of `__HIP_PLATFORM_HCC__`, which ROCm 6.0 and torch >= 2.3 no longer define: the AMD branch compiles out"),
     "hipify-kernel-launch": ChangeClass((), False, "a `<<<>>>` launch torch's hipify rewrote into broken code, rewritten by hand",
                                         kept_covers=True),
-    "driver-api-gap": ChangeClass((), False, "a CUDA driver call with no HIP counterpart (cuFuncSetCacheConfig, cuStreamGetCtx)"),
+    "driver-api-gap": ChangeClass(("cuda-library-dlopen",), False, "a CUDA driver call with no HIP counterpart (cuFuncSetCacheConfig, cuStreamGetCtx)"),
     "ptx-module": ChangeClass((), False, "a module built from PTX by the driver, loaded from an AMD code object instead"),
     "warp-lds-sync": ChangeClass((), False, "a `__syncwarp` added to a warp-synchronous shared-memory loop"),
     "pragma-placement": ChangeClass((), False, "a `#pragma unroll` with no loop after it (clang rejects it)"),

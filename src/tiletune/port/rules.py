@@ -2508,6 +2508,20 @@ RULES: list[Rule] = [
                            r"|\b(?:cudaGridDependencySynchronize|cudaTriggerProgrammaticLaunchCompletion)\s*\("),
     ),
     Rule(
+        "cuda-library-dlopen", "error", "an NVIDIA library loaded by name at run time",
+        "`dlopen(\"libcuda.so\")` (or libnvrtc, libcublas, nvcuda.dll) and the `dlsym` of its `cu*` symbols: no "
+        "translation touches a string, and a ROCm machine has no such library, so the load fails at run time "
+        "(the error path or a null function pointer).",
+        "Under `USE_ROCM` load `libamdhip64.so` and its `hip*` symbols (`hipCtxGetDevice` for `cuCtxGetDevice`), "
+        "or call the HIP runtime directly: HIP needs no lazy driver loading.",
+        before='cudalib = dlopen("libcuda.so", RTLD_LAZY);\npfn = (PFN_cuCtxGetDevice) dlsym(cudalib, "cuCtxGetDevice");',
+        after='#ifdef USE_ROCM\nhipCtxGetDevice(&device);\n#else\ncudalib = dlopen("libcuda.so", RTLD_LAZY);\n'
+              'pfn = (PFN_cuCtxGetDevice) dlsym(cudalib, "cuCtxGetDevice");\n#endif',
+        pattern=re.compile(r"\b(?:dlopen|LoadLibrary[AW]?)\s*\(\s*\"(?:lib)?(?:cuda|nvcuda|nvrtc|cublas\w*|cudnn\w*|"
+                           r"cusparse\w*|cufft\w*|curand\w*|nvidia-ml|nvml)\b[^\"]*\""
+                           r"|\b(?:dlsym|GetProcAddress)\s*\([^,()]+,\s*\"cu[A-Z]\w*\""),
+    ),
+    Rule(
         "capture-info-v2", "error", "`cudaStreamGetCaptureInfo` with CUDA 12's six arguments",
         "hipify maps `cudaStreamGetCaptureInfo` to `hipStreamGetCaptureInfo`, which takes three arguments (stream, "
         "status, id); CUDA 12's six-argument form is `hipStreamGetCaptureInfo_v2` in HIP: the call does not compile.",
