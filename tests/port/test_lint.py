@@ -119,6 +119,7 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("static_assert(32 == WARP_SIZE);", "warp-size-assert"),
     ("int includeFlags = BALLOT(include);", "ballot-32bit-result"),
     ("using lane_mask_type = uint32;", "mask-32bit"),
+    ("#ifdef __CUDACC_RTC__\ntypedef unsigned int uint32_t;\n#else\n#include <stdint.h>\n#endif", "compiler-guard"),
     ("typedef unsigned int warp_mask_t;", "mask-32bit"),
     ("const int warpMask = (1<<indexInWarp)-1;", "ballot-32bit-result"),
     ("unsigned below = (1u << lane_id) - 1;", "ballot-32bit-result"),

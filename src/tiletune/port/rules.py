@@ -902,7 +902,8 @@ def check_arch_guards(text: str) -> Iterable[Hit]:
 
 
 def check_compiler_guards(text: str) -> Iterable[Hit]:
-    """Flag an `#if` / `#elif` testing `__NVCC__` (nvcc's own macro: hipcc never defines it), the GCC version
+    """Flag an `#if` / `#elif` testing `__NVCC__` (nvcc's own macro: hipcc never defines it) or `__CUDACC_RTC__`
+    (NVRTC's: hipRTC defines `__HIPCC_RTC__` instead), the GCC version
     (hipcc's clang says 4) or the CUDA toolkit's version (undefined under hipcc; torch's hipify makes `CUDA_VERSION`
     TORCH_HIP_VERSION, about 600) where hipcc compiles a branch of its group out because of it: a `#if CUDART_VERSION
     >= 12000` around a whole fp8 section builds its stubs on AMD, a `#if CUDA_VERSION < 8000` / `#error` stops the build;
@@ -959,7 +960,7 @@ def _legacy_warp_fallback(text: str, directive, found) -> bool:
                 and _LEGACY_WARP_CALL.search(_branch_body(text, following[0], following[1])))
 
 
-_NVCC_TEST = re.compile(r"\b__NVCC__\b")
+_NVCC_TEST = re.compile(r"\b(?:__NVCC__|__CUDACC_RTC__)\b")  # nvcc's and NVRTC's own: hipRTC defines __HIPCC_RTC__
 _HCC_TEST = re.compile(r"\b__HIP_PLATFORM_HCC__\b")
 _CUDA_FEATURE_TEST = re.compile(r"\b__CUDA_(?:BF16|FP8)_TYPES_EXIST__\b")
 _GCC_VERSION_TEST = re.compile(r"\b__GNUC__\s*(?:[<>]=?|==|!=)")
@@ -2443,7 +2444,8 @@ RULES: list[Rule] = [
     ),
     Rule(
         "compiler-guard", "warning", "`__NVCC__`, GCC-version or old-CUDA test",
-        "`__NVCC__` is nvcc's own macro: hipcc never defines it and no translator renames it (torch's hipify "
+        "`__NVCC__` is nvcc's own macro (`__CUDACC_RTC__` NVRTC's: hipRTC defines `__HIPCC_RTC__`): hipcc never "
+        "defines it and no translator renames it (torch's hipify "
         "renames `__CUDACC__`, not `__NVCC__`). And hipcc's clang reports `__GNUC__` 4, so `#if __GNUC__ < 6` (an "
         "old-host-compiler escape) is taken. Code under such tests is compiled out on AMD, or an `#else` meant for "
         "other compilers is taken: `__host__ __device__` qualifiers chosen there vanish (device code calling the "
