@@ -118,6 +118,9 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("__device__ void sort1(float* k) {\n  static_assert(kWarpSize == 32, \"unexpected warp size\");\n}", "warp-size-assert"),
     ("static_assert(32 == WARP_SIZE);", "warp-size-assert"),
     ("int includeFlags = BALLOT(include);", "ballot-32bit-result"),
+    ("__global__ void k(float* out, const float* in, int n) {\n  int indexInWarp = threadIdx.x % warpSize;\n"
+     "  for (int j = indexInWarp; j < n; j += 32)\n    out[j] = __shfl_sync(0xffffffffffffffffull, in[j], 0);\n}",
+     "warp-size-literal"),
     ("using lane_mask_type = uint32;", "mask-32bit"),
     ("#ifdef __CUDACC_RTC__\ntypedef unsigned int uint32_t;\n#else\n#include <stdint.h>\n#endif", "compiler-guard"),
     ("typedef unsigned int warp_mask_t;", "mask-32bit"),
@@ -277,6 +280,8 @@ def test_rule_variants_fire(code, rule):
     ("if (warp_size != 16 && warp_size != 32 && warp_size != 64) return;", "warp-size-assert"),
     ("unsigned long long below = (1ull << lane) - 1;", "ballot-32bit-result"),
     ("using lane_mask_type = uint64;", "mask-32bit"),
+    ("__global__ void k(float* out, int n) {\n  for (int j = threadIdx.x; j < n; j += 32) out[j] = 0.f;\n}",
+     "warp-size-literal"),
     ("int ballots = ballot_count(x);", "ballot-32bit-result"),
     ("__device__ int bits(float f) { return __float_as_int(f) & 0x7fffffff; }", "hip-builtin-redefinition"),
     ("__global__ void k(const int* v, int* out) {\n  auto warp = cg::tiled_partition<32>(cg::this_thread_block());\n"

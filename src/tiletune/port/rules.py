@@ -318,8 +318,9 @@ def _barrier_step(lines: list[str], index: int) -> bool:
 
 
 def check_lane_arithmetic(text: str) -> Iterable[Hit]:
-    """Flag `% 32`, `/ 32`, `& 31`, `>> 5`, `< 32`... applied to a thread, lane or warp index, and `> 32`
-    applied to a thread count (`if (blockSize > 32)`: more than one warp). A lane-0
+    """Flag `% 32`, `/ 32`, `& 31`, `>> 5`, `< 32`... applied to a thread, lane or warp index, `> 32`
+    applied to a thread count (`if (blockSize > 32)`: more than one warp), and a loop from the lane id stepping by 32
+    (`for (j = lane; j < n; j += 32)`). A lane-0
     test (`threadIdx.x % 32 == 0`) is flagged only when the statement it guards shuffles, votes or
     indexes a per-warp array: picking one thread per 32 is otherwise harmless. A step of a tree
     reduction with a block barrier after it is left alone, and so is a function that does nothing warp-wide
@@ -349,6 +350,14 @@ def check_lane_arithmetic(text: str) -> Iterable[Hit]:
                 if not _WARP_WIDE_USE.search(guarded):
                     continue
             yield Hit(number, match.start() + 1)
+        for match in _LANE_STRIDE_LOOP.finditer(line):
+            yield Hit(number, match.start() + 1, "a loop from the lane id stepping by 32: on a 64-lane wavefront lanes "
+                      "32-63 repeat lanes 0-31's iterations")
+
+
+# `for (j = indexInWarp; j < n; j += 32)`: each lane of a 32-lane warp takes every 32nd element
+_LANE_STRIDE_LOOP = re.compile(r"\bfor\s*\([^;]*=\s*[^;]*(?:\b\w*(?i:lane)\w*|\bindexInWarp\b|%\s*32\b|&\s*31\b)[^;]*;"
+                               r"[^;]*;\s*\w+\s*\+=\s*32[uU]?\s*\)")
 
 
 _BLOCK_OF_32 = re.compile(
