@@ -122,7 +122,6 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
      "  for (int j = indexInWarp; j < n; j += 32)\n    out[j] = __shfl_sync(0xffffffffffffffffull, in[j], 0);\n}",
      "warp-size-literal"),
     ("using lane_mask_type = uint32;", "mask-32bit"),
-    ("#ifdef __CUDACC_RTC__\ntypedef unsigned int uint32_t;\n#else\n#include <stdint.h>\n#endif", "compiler-guard"),
     ("typedef unsigned int warp_mask_t;", "mask-32bit"),
     ("const int warpMask = (1<<indexInWarp)-1;", "ballot-32bit-result"),
     ("unsigned below = (1u << lane_id) - 1;", "ballot-32bit-result"),
@@ -282,6 +281,9 @@ def test_rule_variants_fire(code, rule):
     ("using lane_mask_type = uint64;", "mask-32bit"),
     ("__global__ void k(float* out, int n) {\n  for (int j = threadIdx.x; j < n; j += 32) out[j] = 0.f;\n}",
      "warp-size-literal"),
+    ("__global__ void k(float* out, const float* in, int n) {\n  unsigned lane = threadIdx.x & 31;\n"
+     "  for (unsigned l = lane; l < n; l += 32) out[l] = __shfl_sync(0xffffffff, in[l], 0, 32);\n}",
+     "warp-size-literal"),  # a 32-lane group of its own: consistent on a 64-lane wavefront
     ("int ballots = ballot_count(x);", "ballot-32bit-result"),
     ("__device__ int bits(float f) { return __float_as_int(f) & 0x7fffffff; }", "hip-builtin-redefinition"),
     ("__global__ void k(const int* v, int* out) {\n  auto warp = cg::tiled_partition<32>(cg::this_thread_block());\n"

@@ -319,8 +319,8 @@ def _barrier_step(lines: list[str], index: int) -> bool:
 
 def check_lane_arithmetic(text: str) -> Iterable[Hit]:
     """Flag `% 32`, `/ 32`, `& 31`, `>> 5`, `< 32`... applied to a thread, lane or warp index, `> 32`
-    applied to a thread count (`if (blockSize > 32)`: more than one warp), and a loop from the lane id stepping by 32
-    (`for (j = lane; j < n; j += 32)`). A lane-0
+    applied to a thread count (`if (blockSize > 32)`: more than one warp), and a loop from the hardware lane id
+    stepping by 32 (`lane = threadIdx.x % warpSize; for (j = lane; j < n; j += 32)`). A lane-0
     test (`threadIdx.x % 32 == 0`) is flagged only when the statement it guards shuffles, votes or
     indexes a per-warp array: picking one thread per 32 is otherwise harmless. A step of a tree
     reduction with a block barrier after it is left alone, and so is a function that does nothing warp-wide
@@ -350,14 +350,19 @@ def check_lane_arithmetic(text: str) -> Iterable[Hit]:
                 if not _WARP_WIDE_USE.search(guarded):
                     continue
             yield Hit(number, match.start() + 1)
+    hardware_lanes = set(_HARDWARE_LANE.findall(text))
+    for number, line in enumerate(lines, start=1):
         for match in _LANE_STRIDE_LOOP.finditer(line):
-            yield Hit(number, match.start() + 1, "a loop from the lane id stepping by 32: on a 64-lane wavefront lanes "
-                      "32-63 repeat lanes 0-31's iterations")
+            start = match.group(1)
+            if re.search(r"%\s*warpSize|__lane_id\s*\(", start) or hardware_lanes & set(re.findall(r"\w+", start)):
+                yield Hit(number, match.start() + 1, "a loop from the hardware lane id stepping by 32: on a 64-lane "
+                          "wavefront lanes 32-63 repeat lanes 0-31's iterations")
 
 
-# `for (j = indexInWarp; j < n; j += 32)`: each lane of a 32-lane warp takes every 32nd element
-_LANE_STRIDE_LOOP = re.compile(r"\bfor\s*\([^;]*=\s*[^;]*(?:\b\w*(?i:lane)\w*|\bindexInWarp\b|%\s*32\b|&\s*31\b)[^;]*;"
-                               r"[^;]*;\s*\w+\s*\+=\s*32[uU]?\s*\)")
+# A lane id of the hardware's warp (`lane = threadIdx.x % warpSize`, `__lane_id()`): a loop from it stepping by 32
+# repeats iterations on a 64-lane wavefront. (From `threadIdx.x % 32` the same loop is a consistent 32-lane group.)
+_HARDWARE_LANE = re.compile(r"\b(\w+)\s*=\s*[^;=]*(?:%\s*warpSize\b|&\s*\(\s*warpSize\s*-\s*1\s*\)|__lane_id\s*\(\s*\))")
+_LANE_STRIDE_LOOP = re.compile(r"\bfor\s*\([^;]*=\s*([^;]*);[^;]*;\s*\w+\s*\+=\s*32[uU]?\s*\)")
 
 
 _BLOCK_OF_32 = re.compile(
@@ -911,8 +916,7 @@ def check_arch_guards(text: str) -> Iterable[Hit]:
 
 
 def check_compiler_guards(text: str) -> Iterable[Hit]:
-    """Flag an `#if` / `#elif` testing `__NVCC__` (nvcc's own macro: hipcc never defines it) or `__CUDACC_RTC__`
-    (NVRTC's: hipRTC defines `__HIPCC_RTC__` instead), the GCC version
+    """Flag an `#if` / `#elif` testing `__NVCC__` (nvcc's own macro: hipcc never defines it), the GCC version
     (hipcc's clang says 4) or the CUDA toolkit's version (undefined under hipcc; torch's hipify makes `CUDA_VERSION`
     TORCH_HIP_VERSION, about 600) where hipcc compiles a branch of its group out because of it: a `#if CUDART_VERSION
     >= 12000` around a whole fp8 section builds its stubs on AMD, a `#if CUDA_VERSION < 8000` / `#error` stops the build;
@@ -969,7 +973,7 @@ def _legacy_warp_fallback(text: str, directive, found) -> bool:
                 and _LEGACY_WARP_CALL.search(_branch_body(text, following[0], following[1])))
 
 
-_NVCC_TEST = re.compile(r"\b(?:__NVCC__|__CUDACC_RTC__)\b")  # nvcc's and NVRTC's own: hipRTC defines __HIPCC_RTC__
+_NVCC_TEST = re.compile(r"\b__NVCC__\b")
 _HCC_TEST = re.compile(r"\b__HIP_PLATFORM_HCC__\b")
 _CUDA_FEATURE_TEST = re.compile(r"\b__CUDA_(?:BF16|FP8)_TYPES_EXIST__\b")
 _GCC_VERSION_TEST = re.compile(r"\b__GNUC__\s*(?:[<>]=?|==|!=)")
@@ -2453,8 +2457,7 @@ RULES: list[Rule] = [
     ),
     Rule(
         "compiler-guard", "warning", "`__NVCC__`, GCC-version or old-CUDA test",
-        "`__NVCC__` is nvcc's own macro (`__CUDACC_RTC__` NVRTC's: hipRTC defines `__HIPCC_RTC__`): hipcc never "
-        "defines it and no translator renames it (torch's hipify "
+        "`__NVCC__` is nvcc's own macro: hipcc never defines it and no translator renames it (torch's hipify "
         "renames `__CUDACC__`, not `__NVCC__`). And hipcc's clang reports `__GNUC__` 4, so `#if __GNUC__ < 6` (an "
         "old-host-compiler escape) is taken. Code under such tests is compiled out on AMD, or an `#else` meant for "
         "other compilers is taken: `__host__ __device__` qualifiers chosen there vanish (device code calling the "
