@@ -169,6 +169,27 @@ def test_without_the_kernel_the_chunked_loop_runs_not_the_whole_logits():
     assert float(got) == pytest.approx(float(linear_cross_entropy(h, w, y, 50.0, "chunked")), rel=1e-12)
 
 
+def test_a_kernel_missing_from_the_library_falls_back_to_the_chunked_loop(monkeypatch):
+    """A kernel library without the gradient kernel (and no TileLang to compile it) sends the call to the op's
+    fallback, the chunked loop, with the reason counted: never to the whole-logits reference."""
+    from tiletune.kernels import registry
+    from tiletune.kernels.library import KernelMissing
+
+    def missing(*inputs):
+        raise KernelMissing("the kernel library has no kernel (cross_entropy_grad, 500, 0.0, bfloat16)")
+
+    ran = []
+    chunked = registry.get("linear_cross_entropy", "chunked")
+    monkeypatch.setitem(registry._impls["linear_cross_entropy"], "chunked",
+                        registry.Impl("linear_cross_entropy", "chunked", lambda *a: ran.append(1) or chunked.forward(*a)))
+    monkeypatch.setitem(registry._impls["linear_cross_entropy"], "library_only",
+                        registry.Impl("linear_cross_entropy", "library_only", missing))
+    h, w, y = problem()
+    got = linear_cross_entropy(h, w, y, 50.0, "library_only")
+    assert ran and float(got) == pytest.approx(float(linear_cross_entropy(h, w, y, 50.0, "reference")), rel=1e-12)
+    assert any(impl == "library_only" and "no kernel" in reason for _, impl, reason in registry.runtime_fallbacks)
+
+
 def test_frozen_weight_gets_no_gradient():
     h, w, y = problem()
     w.requires_grad_(False)

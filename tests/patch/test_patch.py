@@ -457,7 +457,7 @@ def test_warmup_without_gpu_says_why():
         warmup_kernels(tiny_llama(), {"rms_norm": "tilelang"}, torch.bfloat16)
 
 
-def test_warmup_plans_one_compile_per_kernel_shape_and_none_for_the_loss(monkeypatch):
+def test_warmup_plans_one_compile_per_kernel_shape(monkeypatch):
     """What warmup compiles, with the compile itself recorded: no GPU needed to check the plan."""
     import tiletune.patch.warmup as patch
 
@@ -468,7 +468,8 @@ def test_warmup_plans_one_compile_per_kernel_shape_and_none_for_the_loss(monkeyp
         model = LlamaForCausalLM(tiny_llama().config)
     done = patch.warmup_kernels(model, "all", torch.bfloat16)
     assert len(done) == len(compiled) == len(set(compiled))  # one compile per (op, static shapes)
-    assert sorted({op for op, _ in compiled}) == ["linear", "rms_norm", "rope", "swiglu"]  # the loss is PyTorch
+    assert sorted({op for op, _ in compiled}) == ["linear", "linear_cross_entropy", "rms_norm", "rope", "swiglu"]
+    assert [shapes for op, shapes in compiled if op == "linear_cross_entropy"] == [(128, 0.0)]  # vocabulary, soft-cap
     assert [shapes for op, shapes in compiled if op == "rms_norm"] == [(64, 1e-6, 0.0)]  # Llama's x·w form only
     assert {shapes[2] for op, shapes in compiled if op == "linear"} == {"trained"}  # full fine-tuning: dW too
     compiled.clear()
@@ -500,7 +501,7 @@ def test_warmup_before_a_run_skips_what_cannot_run_and_warns_for_a_failed_warm_u
     with torch.device("meta"):
         model = LlamaForCausalLM(tiny_llama().config)
     done = patch.warmup_kernels(model, "all", torch.bfloat16, jobs=3, strict=False)
-    assert sorted({line.split()[0] for line in done}) == ["linear", "rms_norm"]
+    assert sorted({line.split()[0] for line in done}) == ["linear", "linear_cross_entropy", "rms_norm"]
     assert "warming up swiglu tilelang" in caplog.text and "no tile fits" in caplog.text
     assert threads and all(name.startswith("tiletune-warmup") for name in threads)
     with pytest.raises(UserError, match="rope implementation 'tilelang' cannot run here: needs sm_90"):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tiletune.kernels.registry import backward_of, note_fallback, reference, select
+from tiletune.kernels.registry import backward_of, fallback, note_fallback, select
 
 
 @dataclass(frozen=True)
@@ -57,14 +57,14 @@ def make_custom_op(sig: Signature):
     def forward(*args):
         *inputs, impl, strict = args
         chosen = select(sig.name, impl, strict, *inputs)
-        outputs = _run_or_fall_back(sig.name, impl, strict, chosen.forward, reference(sig.name).forward, inputs)
+        outputs = _run_or_fall_back(sig.name, impl, strict, chosen.forward, fallback(sig.name).forward, inputs)
         return _finish(outputs, sig.layout, None)
 
     def backward(*args):
         *rest, impl, strict = args
         grads, saved = rest[: sig.differentiable], rest[sig.differentiable :]
         chosen = select(sig.name, impl, strict, *sig.judged_on(grads, saved))
-        outputs = _run_or_fall_back(sig.name, impl, strict, backward_of(chosen), backward_of(reference(sig.name)),
+        outputs = _run_or_fall_back(sig.name, impl, strict, backward_of(chosen), backward_of(fallback(sig.name)),
                                     (*grads, *saved))  # fmt: skip
         return _finish(outputs, sig.layout, grads[0])
 
@@ -98,8 +98,8 @@ def make_custom_op(sig: Signature):
     return forward_op
 
 
-def _run_or_fall_back(op: str, impl: str, strict: bool, run: Callable, fallback: Callable, args: tuple):
-    """`run(*args)`, or the reference's `fallback(*args)` when a kernel the loaded kernel library lacks cannot be
+def _run_or_fall_back(op: str, impl: str, strict: bool, run: Callable, instead: Callable, args: tuple):
+    """`run(*args)`, or the op's fallback `instead(*args)` when a kernel the loaded kernel library lacks cannot be
     compiled here (the reason counted like every fallback; raised under strict)."""
     from tiletune.kernels.library import KernelMissing
 
@@ -109,7 +109,7 @@ def _run_or_fall_back(op: str, impl: str, strict: bool, run: Callable, fallback:
         if strict:
             raise
         note_fallback(op, impl, str(missing))
-        return fallback(*args)
+        return instead(*args)
 
 
 def _finish(outputs, layout: Callable[[Tensor], Tensor], empty_like: Tensor | None):

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from tiletune.kernels import _tilelang
 from tiletune.kernels._tilelang import accumulate_dtype
-from tiletune.kernels.binding import Binding, SideCopy, Site, head_read_in_slices
+from tiletune.kernels.binding import Binding, SideCopy, Site, head_read_in_slices, warm_tensor
 from tiletune.kernels.customop import Signature, make_custom_op
 from tiletune.kernels.registry import Impl, Op, add, define
 
@@ -323,11 +323,29 @@ def _fit(site: Site) -> str | None:
     return None
 
 
+def _softcap(site: Site) -> float:
+    """The model's final logit soft-cap (Gemma 2's `final_logit_softcapping`), 0.0 without one."""
+    return float(getattr(site.module.config, site.part.softcap_key, None) or 0.0) if site.part.softcap_key else 0.0
+
+
+def _compile_key(site: Site) -> tuple:
+    """The gradient kernel's static parameters: the vocabulary and the soft-cap."""
+    return getattr(site.module, site.part.path).weight.shape[0], _softcap(site)
+
+
+def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
+    """The loss on two tokens over the vocabulary `key` names (a head 8 units wide: the kernel does not depend on it)."""
+    vocab, softcap = key
+    labels = torch.tensor([0, vocab - 1], device="cuda")
+    return linear_cross_entropy(warm_tensor(2, 8, dtype=dtype), warm_tensor(vocab, 8, dtype=dtype, grad=False), labels,
+                                2.0, impl, True, softcap)  # fmt: skip
+
+
 def _lm_head_forward(site: Site, impl: str, strict: bool, current: Callable) -> Callable:
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     head, body = site.part.path, site.part.body
-    softcap = float(getattr(site.module.config, site.part.softcap_key, None) or 0.0) if site.part.softcap_key else 0.0
+    softcap = _softcap(site)
 
     def forward(self, input_ids=None, labels=None, **kwargs):
         if labels is None or not torch.is_grad_enabled():  # generation and evaluation want the logits
@@ -349,9 +367,10 @@ def _lm_head_forward(site: Site, impl: str, strict: bool, current: Callable) -> 
 
 
 # `kernels: all` takes the TileLang kernel (checked against float64 and timed on an H100:
-# benchmarks/results/h100-2026-12-06); where it cannot run (no GPU, no TileLang) the chunked PyTorch loop does, never
-# the whole logits. The kernel's only static shape is the vocabulary: it compiles at the first step.
-define(Op("linear_cross_entropy", (Binding("linear_cross_entropy", "lm_head", _lm_head_forward, _fit),),
+# benchmarks/results/h100-2026-12-06); where it cannot run (no GPU, no TileLang, a kernel library without it) the
+# chunked PyTorch loop does, never the whole logits.
+define(Op("linear_cross_entropy", (Binding("linear_cross_entropy", "lm_head", _lm_head_forward, _fit,
+                                           compile_key=_compile_key, warm=_warm),),
           profile_pattern=r"cross_entropy_grad", lowering=lowering_kernels, fallback="chunked"))
 add(Impl("linear_cross_entropy", "reference", reference_forward, reference_backward,
          description="PyTorch, whole [tokens, vocab] logits", accumulation="float32"))

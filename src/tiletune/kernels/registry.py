@@ -191,7 +191,13 @@ def select(op: str, name: str, strict: bool, *inputs) -> Impl:
     if strict:
         raise KernelUnavailable(f"{op}: implementation {name!r} cannot run here ({reason}) and strict is set")
     note_fallback(op, name, reason)
-    record = _ops.get(op)  # a second form (define_form) has no record: the reference
+    return fallback(op)
+
+
+def fallback(op: str) -> Impl:
+    """The implementation `op` falls back to: its record's `fallback`, the reference for a second form
+    (define_form), which has no record."""
+    record = _ops.get(op)
     return _impls[op][record.fallback if record else REFERENCE]
 
 
