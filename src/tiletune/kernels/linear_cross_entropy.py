@@ -188,7 +188,7 @@ def _device_slices(weight: Tensor, device: torch.device, rows: int):
 
 # ---- TileLang: the chunk's logit gradient in place -------------------------------------------------------
 
-GRAD_VECTOR, GRAD_THREADS = 8, 256  # logits per thread per step (one 16-byte load in half precision), threads per row
+GRAD_VECTOR, GRAD_THREADS = 8, 256  # logits per thread per step (16 bytes in half precision), threads per row
 MASKED = -1e30  # the logit of a lane past the vocabulary: finite, so exp(MASKED - max) is 0, never NaN
 
 
