@@ -99,9 +99,7 @@ def route(top_k_index: Tensor, experts: int, block_m: int = BLOCK_M, slots_block
     return Routing(order // k, order, tiles.contiguous(), offsets)
 
 
-def _silu_gate(h: Tensor) -> Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
+_silu_gate = functools.partial(swiglu.reference_packed_forward, swiglu.SILU)  # silu(gate)·up of [gate | up] rows
 
 
 def _silu_gate_backward(da: Tensor, h: Tensor, row_scale: Tensor | None = None) -> Tensor:

@@ -202,17 +202,12 @@ def fallback(op: str) -> Impl:
 
 
 def note_fallback(op: str, name: str, reason: str) -> None:
-    """Count a call of `op` that did not run implementation `name` (the reference or a stock forward ran
+    """Count a call of `op` that did not run implementation `name` (the op's fallback or a stock forward ran
     instead), and log `reason` the first time."""
     key = (op, name, reason)
     if key not in runtime_fallbacks:
         log.warning("tiletune: %s falls back from %s: %s", op, name, reason)
     runtime_fallbacks[key] = runtime_fallbacks.get(key, 0) + 1
-
-
-def reference(op: str) -> Impl:
-    """The PyTorch reference implementation of `op`."""
-    return impls(op)[REFERENCE]
 
 
 def backward_of(impl: Impl) -> Callable:
