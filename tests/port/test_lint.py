@@ -190,6 +190,12 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
      "  if (addr % align != 0) throw 1;\n}", "void-pointer-arith"),
     ("__global__ void k(float* x) {\n  __shared__ float sums[32];\n  x[0] = WarpReduceSum(x[0], sums);\n}",
      "warp-buffer-passed-on"),
+    ("const int blocksize = 32;  // one warp of elements per block", "block-32-threads"),
+    ("__global__ void k(int* c, int n) {\n  int v = 0;\n  for (int i = get_lane_id(); i < n; i += 32) v += c[i];\n  c[0] = v;\n}",
+     "warp-size-literal"),  # from the hardware lane (PTX %laneid) stepping by a 32-lane warp
+    ("__global__ void k(unsigned long long* t) { t[0] = clock64(); }", "device-clock"),
+    ("#include <nvshmem/nvshmem.h>", "nvshmem"),
+    ("typedef cub::BlockReduceRaking<float, 128> Raking;", "cub-internal"),
 ])
 def test_rule_variants_fire(code, rule):
     assert rule in {f.rule for f in lint_text(code, "snippet.cu")}
@@ -333,6 +339,13 @@ def test_rule_variants_fire(code, rule):
     (("template <typename T> __device__ T block_scan(T v, T* partial) { return v + partial[0]; }\n"
       "__global__ void k(float* x) { __shared__ float partial[32]; x[0] = block_scan(x[0], partial); }"),
      "warp-buffer-passed-on"),  # the helper is the file's own: the lane-indexed read is judged where it is written
+    # an overload in the project's namespace (calls there find it first), not a redefinition of HIP's global one
+    ("namespace solver { namespace impl {\n__device__ double atomicAdd(double* a, double v) {\n  return ::atomicAdd(a, v);\n}\n}}",
+     "hip-builtin-redefinition"),
+    # an IDE's indexing block: no compiler defines __CLION_IDE__
+    ("#ifdef __CLION_IDE__\n__host__ __device__ void ide_printf(const char*, ...) { asm volatile(\"trap;\"); }\n#endif",
+     "inline-asm"),
+    ("cub::WarpReduce<float> reduce(storage);  // the public API", "cub-internal"),
 ])
 def test_rule_variants_stay_silent(code, rule):
     found = [f for f in lint_text(code, "snippet.cu") if f.rule in ({rule} if rule else {"libcudacxx"})]
@@ -395,6 +408,8 @@ def test_portable_code_stays_quiet(code):
     ("if ((tid & 31) == 0) {\n  v = __shfl_down_sync(m, v, 1);\n}", True),
     ("if (lane % 32 == 0) votes[warp] = __popcll(__ballot(p));", True),
     ("const int lane = threadIdx.x % 32;", True),
+    ("const auto lane_id = thread_id % 32;", True),  # a thread index by another name
+    ("const int lane = tid % 32;\nfor (int i = lane; i < n; i += 32) v += __shfl_xor_sync(m, x[i], 1);", True),
     ("const int warp = static_cast<int>(threadIdx.x) / 32;", True),
     ("if (tid < 32) {\n  s[tid] += s[tid + 32];\n}\n__syncthreads();", False),  # a tree step, then a barrier
     ("if ((blockSize >= 64) && (tid < 32)) s[tid] += s[tid + 32];\n\ncg::sync(cta);", False),

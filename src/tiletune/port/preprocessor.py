@@ -20,7 +20,9 @@ DEFINED_ON_AMD = {"USE_ROCM", "__HIP_PLATFORM_AMD__", "__HIPCC__", "__HIP__"}
 # it from its extension flags); and the CUDA headers' feature-test macros.
 UNDEFINED_ON_AMD = {"__CUDA_ARCH__", "__NVCC__", "__HIP_PLATFORM_HCC__",
                     # feature-test macros only CUDA's cuda_bf16.h / cuda_fp8.h define (not HIP's headers, through 6.2)
-                    "__CUDA_BF16_TYPES_EXIST__", "__CUDA_FP8_TYPES_EXIST__"}
+                    "__CUDA_BF16_TYPES_EXIST__", "__CUDA_FP8_TYPES_EXIST__",
+                    # what IDEs' code models define for their indexing, never a compiler
+                    "__CLION_IDE__", "__JETBRAINS_IDE__", "__INTELLISENSE__", "__RESHARPER__"}
 _DIRECTIVE = re.compile(r"^\s*#\s*(if|ifdef|ifndef|elif|else|endif)\b(.*)$")
 # CUDA's version macros are undefined under hipcc (0 in a comparison); torch's hipify renames CUDA_VERSION to
 # TORCH_HIP_VERSION (major * 100 + minor, ~600), which compares the same against CUDA's versions (>= 9000).

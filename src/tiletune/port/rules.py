@@ -269,7 +269,7 @@ _MASK_TYPE_32 = re.compile(r"\busing\s+(\w*(?i:lane_?mask|warp_?mask|ballot)\w*)
 
 # ---- lane arithmetic: 32 applied to a thread index, and where a lane-0 test matters ---------------
 
-_LANE_NAMES = re.compile(r"threadIdx|blockDim|\btid\b|lane|warp|\bwid\b", re.IGNORECASE)
+_LANE_NAMES = re.compile(r"threadIdx|blockDim|\btid\b|thread_?id|lane|warp|\bwid\b", re.IGNORECASE)
 # Thread counts compared with one warp: `blockSize > 32`. (`kNThreads / 32` is left alone: it is as
 # often a tile decomposition as a warp count.)
 _THREAD_COUNT_NAMES = re.compile(r"block_?size|num_?threads|n_?threads|threads_?per_?block", re.IGNORECASE)
@@ -277,6 +277,7 @@ _WARP_LITERAL = re.compile(
     r"[%/*]\s*32[uU]?\b(?!\.)|&\s*(?:31|0[xX]1[fF])[uU]?\b|>>\s*5\b|<<\s*5\b|(?<![<>])<\s*32[uU]?\b(?!\.)(?!\s*>)"
 )
 _THREAD_COUNT_LITERAL = re.compile(r"(?<![<>-])>=?\s*32[uU]?\b(?!\.)")
+_THREADS_OF_WARPS = re.compile(r"(?<![\w.])32[uU]?\s*\*\s*(\w*(?i:warps)\w*)\b")  # `32 * num_warps`
 _LANE_ZERO_TEST = re.compile(r"\s*\)?\s*==\s*0\b")
 _WARP_WIDE_USE = re.compile(  # warp functions, or an index that is a warp id
     r"__shfl|__ballot|__activemask|__any|__all|__reduce_|\w+\s*\[[^\]]*(?:/\s*32|>>\s*5|warp|\bwid\b)[^\]]*\]", re.IGNORECASE
@@ -320,7 +321,8 @@ def _barrier_step(lines: list[str], index: int) -> bool:
 def check_lane_arithmetic(text: str) -> Iterable[Hit]:
     """Flag `% 32`, `/ 32`, `& 31`, `>> 5`, `< 32`... applied to a thread, lane or warp index, `> 32`
     applied to a thread count (`if (blockSize > 32)`: more than one warp), and a loop from the hardware lane id
-    stepping by 32 (`lane = threadIdx.x % warpSize; for (j = lane; j < n; j += 32)`). A lane-0
+    stepping by 32 (`lane = threadIdx.x % warpSize; for (j = lane; j < n; j += 32)`) or from a lane id whose `% 32`
+    is flagged here (fixing that lane id to count 64 lanes leaves the step wrong). A lane-0
     test (`threadIdx.x % 32 == 0`) is flagged only when the statement it guards shuffles, votes or
     indexes a per-warp array: picking one thread per 32 is otherwise harmless. A step of a tree
     reduction with a block barrier after it is left alone, and so is a function that does nothing warp-wide
@@ -332,6 +334,7 @@ def check_lane_arithmetic(text: str) -> Iterable[Hit]:
     line_starts = [0]
     for line in lines:
         line_starts.append(line_starts[-1] + len(line) + 1)
+    flagged_lanes = set()  # names given a lane id `% 32` that was flagged: loops from them stepping by 32 follow
     for number, line in enumerate(lines, start=1):
         if _barrier_step(lines, number - 1) or in_lane_blind_function(text, line_starts[number - 1]):
             continue
@@ -339,6 +342,8 @@ def check_lane_arithmetic(text: str) -> Iterable[Hit]:
             operand = _left_operand(line, match.start())
             if _THREAD_COUNT_NAMES.search(operand) and not _LANE_NAMES.search(operand):
                 yield Hit(number, match.start() + 1, f"`{operand.strip()}` is a thread count: 32 here is one NVIDIA warp")
+        for match in _THREADS_OF_WARPS.finditer(line):
+            yield Hit(number, match.start() + 1, f"32 x `{match.group(1)}`: threads of that many 32-lane warps")
         for match in _WARP_LITERAL.finditer(line):
             operand = _left_operand(line, match.start())
             warp_count = (_THREAD_COUNT_NAMES.search(operand) and match.group(0).lstrip()[0] in "/>"
@@ -350,18 +355,25 @@ def check_lane_arithmetic(text: str) -> Iterable[Hit]:
                 if not _WARP_WIDE_USE.search(guarded):
                     continue
             yield Hit(number, match.start() + 1)
+            if match.group(0).lstrip()[0] in "%&" and (assigned := _ASSIGNED_BEFORE.search(line[: match.start()])):
+                flagged_lanes.add(assigned.group(1))
     hardware_lanes = set(_HARDWARE_LANE.findall(text))
     for number, line in enumerate(lines, start=1):
         for match in _LANE_STRIDE_LOOP.finditer(line):
-            start = match.group(1)
-            if re.search(r"%\s*warpSize|__lane_id\s*\(", start) or hardware_lanes & set(re.findall(r"\w+", start)):
+            names = set(re.findall(r"\w+", start := match.group(1)))
+            if re.search(r"%\s*warpSize|\w*(?i:lane_?id)\s*\(", start) or hardware_lanes & names:
                 yield Hit(number, match.start() + 1, "a loop from the hardware lane id stepping by 32: on a 64-lane "
                           "wavefront lanes 32-63 repeat lanes 0-31's iterations")
+            elif flagged_lanes & names:
+                yield Hit(number, match.start() + 1, "a loop from a lane id taken modulo 32 (flagged above) stepping by "
+                          "32: once the lane id counts a 64-lane wavefront, the step must be warpSize too")
 
 
 # A lane id of the hardware's warp (`lane = threadIdx.x % warpSize`, `__lane_id()`): a loop from it stepping by 32
 # repeats iterations on a 64-lane wavefront. (From `threadIdx.x % 32` the same loop is a consistent 32-lane group.)
-_HARDWARE_LANE = re.compile(r"\b(\w+)\s*=\s*[^;=]*(?:%\s*warpSize\b|&\s*\(\s*warpSize\s*-\s*1\s*\)|__lane_id\s*\(\s*\))")
+_HARDWARE_LANE = re.compile(r"\b(\w+)\s*=\s*[^;=]*(?:%\s*warpSize\b|&\s*\(\s*warpSize\s*-\s*1\s*\)"
+                            r"|\b\w*(?i:lane_?id)\s*\(\s*\))")  # __lane_id(), cub::LaneId(), get_lane_id()
+_ASSIGNED_BEFORE = re.compile(r"\b(\w+)\s*=\s*[^;=,]*$")  # the name a declaration or assignment ending here sets
 _LANE_STRIDE_LOOP = re.compile(r"\bfor\s*\([^;]*=\s*([^;]*);[^;]*;\s*\w+\s*\+=\s*32[uU]?\s*\)")
 
 
@@ -369,6 +381,8 @@ _BLOCK_OF_32 = re.compile(
     r"(?:(\w+)\s*(?:<(?:[^<>]|<[^<>]*>)*>)?\s*)?<<<[^,;>]+,\s*(?:32[uU]?\s*[,>]|dim3\s*\(\s*32[uU]?\s*(?:,\s*1\s*)*\))"
     r"|\bdim3\s+\w+\s*[({]\s*32[uU]?\s*(?:,\s*1\s*)*[)}]"
     r"|\b\w*(?i:launch)\w*\s*<\s*32[uU]?\s*,"  # launch tables: f_launch<32, kNItems>
+    r"|\b\w*(?i:launch_?config)\w*\s*\(\s*[^,()]+,\s*32[uU]?\s*[,)]"  # SETUP_LAUNCH_CONFIG(grid, 32, stream)
+    r"|\b(?i:\w*block_?size)\s*=\s*32[uU]?\s*;"  # const int blocksize = 32;
     r"|\b(?i:block\w*|\w*threads\w*)\s*=\s*(?:std::)?max\s*\(\s*(?:32[uU]?\s*,"  # one warp at least
     r"|[^,;()]+,\s*(?:static_cast\s*<[^<>]*>\s*\(\s*)?32[uU]?\s*\)?\s*\))"
 )
@@ -1345,6 +1359,22 @@ _VECTOR_TYPE = r"(?:u?char|u?short|u?int|u?long|u?longlong|float|double)[1-4]"
 # HIP's amd_hip_atomic.h (ROCm 6.0) also defines the unsigned long overloads CUDA lacks (Add, Sub, Exch, CAS, Min, Max)
 _ATOMIC_TYPE = r"(?:float|double|unsigned\s+long(?!\s+long))"
 _ULL = r"unsigned\s+long\s+long(?:\s+int)?"
+_NAMED_NAMESPACE = re.compile(r"\bnamespace\s+\w+(?:\s*::\s*\w+)*\s*\{")
+
+
+def _in_named_namespace(text: str, index: int) -> bool:
+    """Whether `text[index]` lies within the braces of a named namespace."""
+    for opening in _NAMED_NAMESPACE.finditer(text, 0, index):
+        depth = 0
+        for i in range(opening.end() - 1, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                break
+        if i > index:
+            return True
+    return False
+
+
 _ATOMIC_REDEFINITION = re.compile(
     rf"\b{_ATOMIC_TYPE}\s+(atomic(?:Max|Min|Add|Sub|Exch|CAS))\s*\(\s*{_ATOMIC_TYPE}\s*\*[^;{{}}]*\)\s*\{{"
     # and atomicSub on unsigned long long, which CUDA lacks and ROCm 6.0's amd_hip_atomic.h defines
@@ -1381,8 +1411,11 @@ def check_builtin_redefinitions(text: str) -> Iterable[Hit]:
     and `*`, `/` or a compound assignment between two CUDA vector values (`float2`, ...)
     declared `__host__ __device__` (as HIP_vector_type's hidden friends and members are): a `__device__`-only or
     host-only one wins clang's same-side preference, so only these make calls ambiguous. One whose qualifiers come
-    from another header's macro is flagged as that macro's question."""
+    from another header's macro is flagged as that macro's question. An atomic defined in a named namespace is an
+    overload there (calls in the namespace find it first), not a redefinition."""
     for match in _ATOMIC_REDEFINITION.finditer(text):
+        if _in_named_namespace(text, match.start()):  # an overload in the project's namespace, not HIP's global one
+            continue
         name = match.group(1) or match.group(2)
         yield Hit(*_position(text, match.start()), f"HIP's headers define `{name}` on this type: a redefinition")
     for match in _BIT_CAST_REDEFINITION.finditer(text):
@@ -2534,6 +2567,43 @@ RULES: list[Rule] = [
         pattern=re.compile(r"\b(?:dlopen|LoadLibrary[AW]?)\s*\(\s*\"(?:lib)?(?:cuda|nvcuda|nvrtc|cublas\w*|cudnn\w*|"
                            r"cusparse\w*|cufft\w*|curand\w*|nvidia-ml|nvml)\b[^\"]*\""
                            r"|\b(?:dlsym|GetProcAddress)\s*\([^,()]+,\s*\"cu[A-Z]\w*\""),
+    ),
+    Rule(
+        "device-clock", "warning", "`clock64()` measures a timeout or a duration",
+        "On AMD GPUs `clock64()` reads the shader clock's cycle counter (`s_memtime` on CDNA), whose frequency follows the "
+        "GPU's power management, so a timeout written in cycles (tuned on an NVIDIA GPU's clock) fires after a "
+        "different, varying wall time, and durations in cycles do not convert to seconds. HIP adds `wall_clock64()`, "
+        "a counter at the constant rate `hipDeviceAttributeWallClockRate` (kHz) gives.",
+        "Use `wall_clock64()` under `__HIP_PLATFORM_AMD__` for timeouts and timing, with the limit converted from "
+        "the wall-clock rate; keep `clock64()` only for counting cycles.",
+        before="auto start = clock64();\nwhile (!ready()) if (clock64() - start > kTimeoutCycles) trap();",
+        after="auto start = wall_clock64();\nwhile (!ready()) if (wall_clock64() - start > kTimeoutTicks) trap();",
+        pattern=re.compile(r"\bclock64\s*\(\s*\)"),
+    ),
+    Rule(
+        "nvshmem", "error", "NVSHMEM",
+        "NVSHMEM is NVIDIA's: ROCm has neither its headers nor its library, so the include and every `nvshmem*` "
+        "call fail to compile. AMD's counterpart is rocSHMEM (`rocshmem/rocshmem.hpp`, namespace `rocshmem`, "
+        "`rocshmem_*` names), with its own coverage: wavefront and work-group variants (`_wave`, `_wg`) in place of "
+        "`_warp` / `_block`, and nothing of NVSHMEM's internals (`nvshmemi_*`, the IBGDA device state).",
+        "Put the calls behind one wrapper of neutral names that maps to NVSHMEM or rocSHMEM per platform, and "
+        "rewrite what uses NVSHMEM internals.",
+        before="#include <nvshmem.h>\nnvshmemx_barrier_all_block();",
+        after="#include <rocshmem/rocshmem.hpp>\nif (threadIdx.x == 0) rocshmem::rocshmem_barrier_all();",
+        pattern=re.compile(r"#\s*include\s*[<\"](?:\w+/)*nvshmemx?\w*\.h[>\"]|\bnvshmemx?i?_\w+|\bNVSHMEMX?_\w+"),
+    ),
+    Rule(
+        "cub-internal", "error", "a CUB or Thrust internal that hipCUB / rocThrust lack",
+        "hipCUB reproduces CUB's public interface only: the specialisations CUB builds it from "
+        "(`cub::WarpReduceShfl`, `WarpScanShfl` and its `Update`, `BlockReduceRaking`...) have no `hipcub::` "
+        "counterpart, and rocThrust has no CUDA backend (`thrust::cuda_cub::`, `thrust/system/cuda/detail/`). The "
+        "translated names do not compile.",
+        "Use the public API (`hipcub::WarpReduce`, `hipcub::WarpScan`), or keep a copy of what the internal did in "
+        "the project.",
+        before="typedef cub::WarpReduceShfl<T, 32> WarpReduce;",
+        after="typedef hipcub::WarpReduce<T, 32> WarpReduce;",
+        pattern=re.compile(r"\bcub::(?:Warp(?:Reduce|Scan)(?:Shfl|Smem)|Block(?:Reduce|Scan)(?:Raking|Warp)\w*)\b"
+                           r"|\bthrust::cuda_cub::|thrust/system/cuda/detail/"),
     ),
     Rule(
         "capture-info-v2", "error", "`cudaStreamGetCaptureInfo` with CUDA 12's six arguments",
