@@ -43,10 +43,10 @@
 #           then `tiletune verify` with TileLang blocked (every kernel from the library)
 #   library-bench: the same build (reused on a warm machine), then `tiletune bench baseline,all` with TileLang's JIT
 #           and, in a second bench run, with TileLang blocked (REPEATS=1: one repeat each, to fit one call)
-#   families-bench: `tiletune bench` per preset of FAMILY_BENCH (default: qwen3-8b; :N keeps the first N layers; one
-#           preset fills a 10-minute call on an H100): stock, Liger, the fastest set (every kernel but `linear` and
-#           `attention`), and the fastest set under `auto` within Liger's and within stock's peak measured in the same
-#           run (budget=@liger, @baseline); REPEATS (default 1)
+#   families-bench: `tiletune bench` per preset of FAMILY_BENCH (default: qwen3-8b; :N keeps the first N layers; an
+#           8B preset takes about 150 s on an H100): stock, Liger, the fastest set (every kernel but `linear` and
+#           `attention`), and the fastest set under `auto` with activation offload (OFFLOAD=false: without) within
+#           Liger's and within stock's peak measured in the same run (budget=@liger, @baseline); REPEATS (default 1)
 #   moe:    the GPU tests of moe_experts, benchmarks/kernel_bench.py --only moe (grouped GEMM against a dense GEMM over
 #           the same rows and torch's grouped_mm), then `tiletune bench` of MOE_PRESET (default qwen3-30b-a3b;
 #           mixtral-8x7b) on its first LAYERS (default 12) layers: stock (grouped_mm experts), Liger, the fastest dense set
@@ -186,10 +186,10 @@ moe)
         --variants "${MOE_VARIANTS:-baseline,liger,$FAST+moe_experts,$FAST+moe_experts:$WITHIN}" ${PROFILE:+--profile} \
         --out "$OUT/bench-$MOE_PRESET" 2>&1 | tail -8 ;;
 families-bench)
-    # per family: stock, Liger, the fastest set, and the fastest set under `auto` at Liger's and at stock's peak (same
-    # run). On 2026-12-05 (H100) `all` (with `linear`) was level with Liger, and 4 presets took 4 calls
+    # per family: stock, Liger, the fastest set, and the fastest set under `auto` (offload on unless OFFLOAD=false) at
+    # Liger's and at stock's peak (same run)
     FAST=rms_norm+rope+swiglu+geglu+linear_cross_entropy+lora_linear
-    AUTO=$FAST:gradient_checkpointing=auto:gradient_checkpointing_budget
+    AUTO=$FAST:gradient_checkpointing=auto:gradient_checkpointing_offload=${OFFLOAD:-true}:gradient_checkpointing_budget
     for ENTRY in ${FAMILY_BENCH:-qwen3-8b}; do
         PRESET=${ENTRY%%:*}; LAYERS=(); [ "$ENTRY" != "$PRESET" ] && LAYERS=(--layers "${ENTRY##*:}")
         python3 -m tiletune bench "$CONFIG" $(qv_target "$PRESET") --model-preset "$PRESET" "${LAYERS[@]}" --steps 5 --warmup 2 \
