@@ -184,6 +184,16 @@ CLASSES: dict[str, ChangeClass] = {
     "fp-atomic-workaround": ChangeClass((), False, "a float `atomicAdd` replaced on AMD by an `atomicCAS` loop on its bits (a HIP defect of 2019)"),
     "device-clock": ChangeClass(("device-clock",), False, "a `clock64()` timeout rewritten with `wall_clock64()`: AMD's clock64 counts a shader clock of varying rate"),
     "nvshmem-to-rocshmem": ChangeClass(("nvshmem",), False, "NVSHMEM (headers, calls, teams, unique ids) replaced by rocSHMEM"),
+    # round 19's classes, defined by its labellers (before the round was scored)
+    "volatile-flag-atomic": ChangeClass((), False, "a volatile load / store of a flag shared with a peer GPU rewritten as an `__atomic_load_n` / `__atomic_store_n`"),
+    "inline-control": ChangeClass((), False, "`__forceinline__` dropped or `noinline` added on big device functions to bound AMD's code size, registers and compile time"),
+    "named-barrier": ChangeClass(("inline-asm",), False, "a PTX named barrier over part of the block (`bar.sync 1, n`) gone on AMD, the thread roles restructured"),
+    "p2p-direct-off": ChangeClass((), False, "NCCL's direct mode (a peer writing into the user's buffer) switched off on AMD"),
+    "grid-dim-limit": ChangeClass((), False, "a 1-D launch above 2^32 work-items per dimension (HIP's limit) folded into a 2-D / 3-D grid"),
+    "cub-arch-argument": ChangeClass((), False, "CUB's PTX_ARCH template argument from a CUDA compute-capability macro (empty in the HIP build) dropped"),
+    "dynamic-parallelism": ChangeClass((), False, "a launch made `__host__ __device__` for CUDA dynamic parallelism made host-only: HIP launches no kernel from the device"),
+    "device-pass-instantiation": ChangeClass((), False, "a run-time `if` around a host-only launch in a `__host__ __device__` function made an `#if` (hip-clang's device pass rejects the host call)"),
+    "shadow-warning": ChangeClass((), False, "a kernel-local variable shadowing an outer one renamed: clang sees the kernel body under the project's -Wshadow (nvcc's host compiler never does)"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).

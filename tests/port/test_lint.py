@@ -196,6 +196,7 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("__global__ void k(unsigned long long* t) { t[0] = clock64(); }", "device-clock"),
     ("#include <nvshmem/nvshmem.h>", "nvshmem"),
     ("typedef cub::BlockReduceRaking<float, 128> Raking;", "cub-internal"),
+    ("__host__ __device__ constexpr int warp_size() { return 32; }", "warp-size-define"),  # a function for a constant
 ])
 def test_rule_variants_fire(code, rule):
     assert rule in {f.rule for f in lint_text(code, "snippet.cu")}
@@ -346,6 +347,9 @@ def test_rule_variants_fire(code, rule):
     ("#ifdef __CLION_IDE__\n__host__ __device__ void ide_printf(const char*, ...) { asm volatile(\"trap;\"); }\n#endif",
      "inline-asm"),
     ("cub::WarpReduce<float> reduce(storage);  // the public API", "cub-internal"),
+    # a macro whose body is a braced block is no function: nothing falls off its end
+    ("#define ErrorCheck(code) { ErrorAssert((code), __FILE__, __LINE__); }\ninline void ErrorAssert(int c, const char* f, int l) {}",
+     "missing-return"),
 ])
 def test_rule_variants_stay_silent(code, rule):
     found = [f for f in lint_text(code, "snippet.cu") if f.rule in ({rule} if rule else {"libcudacxx"})]

@@ -742,8 +742,9 @@ def check_lane_loops(text: str) -> Iterable[Hit]:
 # ---- warp size 32: written as a warp-size constant, or under another name where a warp width goes --
 
 _WARP_SIZE_NAME = r"\w*(?i:warp_?(?:size|threads|lanes|width)|warpsz|threads_?per_?warp|lanes?_?per_?warp)\w*"
-_WARP_SIZE_DEFINE = re.compile(rf"^\s*#\s*define\s+{_WARP_SIZE_NAME}\s+\(?(32|64)\)?\s*$|\b{_WARP_SIZE_NAME}\s*=\s*(32|64)\b",
-                               re.MULTILINE)
+_WARP_SIZE_DEFINE = re.compile(rf"^\s*#\s*define\s+{_WARP_SIZE_NAME}\s+\(?(32|64)\)?\s*$|\b{_WARP_SIZE_NAME}\s*=\s*(32|64)\b"
+                               rf"|\b{_WARP_SIZE_NAME}\s*\(\s*\)\s*(?:const\s*)?(?:noexcept\s*)?\{{\s*return\s+(32|64)\s*;",
+                               re.MULTILINE)  # `#define WARP_SIZE 32`, `kWarpSize = 32`, `int warp_size() { return 32; }`
 
 
 def _warp_width_use(name: str, text: str) -> int | None:
@@ -832,10 +833,10 @@ def check_warp_size_definitions(text: str) -> Iterable[Hit]:
     (`_logical_32_lane_groups`: a logical warp, right on a 64-lane wavefront too)."""
     logical = _logical_32_lane_groups(text)
     for match in _WARP_SIZE_DEFINE.finditer(text):
-        if _default_never_used(text, match.start()) or (logical and "64" not in (match.group(1), match.group(2))):
+        if _default_never_used(text, match.start()) or (logical and "64" not in match.groups()):
             continue
         detail = ("64 is CDNA's wavefront size; RDNA GPUs (gfx11, RX 7900 XTX) run 32-lane waves: use warpSize or "
-                  "__AMDGCN_WAVEFRONT_SIZE" if "64" in (match.group(1), match.group(2)) else "")
+                  "__AMDGCN_WAVEFRONT_SIZE" if "64" in match.groups() else "")
         yield Hit(*_position(text, match.start() + len(match.group(0)) - len(match.group(0).lstrip())), detail)
     constants = source_constants(text)
     for name, expr in constants.items():
@@ -1082,14 +1083,15 @@ def _signature(header: str) -> tuple[str, str] | None:
 @functools.lru_cache(maxsize=4)  # three rules read one file's functions
 def functions(text: str) -> tuple[Function, ...]:
     """The functions `text` defines, members included (lambdas and local classes stay part of their function's
-    body); a qualifier macro counts as `__device__` when its definition holds it (`#define HD __host__ __device__`)."""
+    body; a macro whose body is a braced block, `#define CHECK(x) { ... }`, is none); a qualifier macro counts as
+    `__device__` when its definition holds it (`#define HD __host__ __device__`)."""
     macros = [name for name, expr in source_constants(text).items() if _DEVICE_WORD.search(expr)]
     device = re.compile("|".join([_DEVICE_WORD.pattern, *(rf"\b{re.escape(name)}\b" for name in macros)]))
     found, depth, head_start, open_function = [], 0, 0, None
     for index, char in enumerate(text):
         if char == "{":
             header = text[head_start:index]
-            if open_function is None and (signature := _signature(header)):
+            if open_function is None and not header.lstrip().startswith("#") and (signature := _signature(header)):
                 open_function = (*signature, bool(device.search(header)), index + 1, depth)
             depth += 1
         elif char == "}":
