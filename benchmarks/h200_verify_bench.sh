@@ -63,11 +63,17 @@
 #   packing: benchmarks/packing_throughput.py (unpacked / neat_packing stock / neat_packing with kernels)
 #   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora-long70b|qlora70b|families|families-bench|moe|library|library-bench|dpo|dpo-fast|packing|pending OUT_DIR [bench args...]
 # (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
+# PACK=1 leaves OUT_DIR as one OUT_DIR.tgz when the part ends (on SIGTERM too, once the running step returns): the
+# device tool brings back at most 8 files a call, and one preset of `tiletune bench` writes 5.
 set -u
 PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora-long70b|qlora70b|families|families-bench|moe|library|library-bench|dpo|dpo-fast|packing|pending OUT_DIR [bench args]}
 OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora-long70b|qlora70b|families|families-bench|moe|library|library-bench|dpo|dpo-fast|packing|pending OUT_DIR [bench args]}
 shift 2
 mkdir -p "$OUT"  # parts tee their logs into it before any tool creates it
+if [ "${PACK:-0}" = 1 ]; then
+    trap 'tar czf "${OUT%/}.tgz" -C "$(dirname "${OUT%/}")" "$(basename "${OUT%/}")" && rm -rf "$OUT"' EXIT
+    trap 'exit 143' TERM INT
+fi
 CONFIG=examples/bench/llama3_8b_lora.yaml
 GOLDEN=/tmp/llama3-8b-2layers.golden.safetensors  # too large to bring back; its report is kept
 VERIFY=(python3 -m tiletune verify "$CONFIG" kernels=all --model-preset llama3-8b --layers 2 --batches 1)
