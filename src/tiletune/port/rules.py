@@ -320,7 +320,8 @@ def _barrier_step(lines: list[str], index: int) -> bool:
 
 def check_lane_arithmetic(text: str) -> Iterable[Hit]:
     """Flag `% 32`, `/ 32`, `& 31`, `>> 5`, `< 32`... applied to a thread, lane or warp index, `> 32`
-    applied to a thread count (`if (blockSize > 32)`: more than one warp), and a loop from the hardware lane id
+    applied to a thread count (`if (blockSize > 32)`: more than one warp), `32 *` a warp count (`32 * num_warps`:
+    threads), and a loop from the hardware lane id
     stepping by 32 (`lane = threadIdx.x % warpSize; for (j = lane; j < n; j += 32)`) or from a lane id whose `% 32`
     is flagged here (fixing that lane id to count 64 lanes leaves the step wrong). A lane-0
     test (`threadIdx.x % 32 == 0`) is flagged only when the statement it guards shuffles, votes or
