@@ -197,6 +197,7 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("#include <nvshmem/nvshmem.h>", "nvshmem"),
     ("typedef cub::BlockReduceRaking<float, 128> Raking;", "cub-internal"),
     ("__host__ __device__ constexpr int warp_size() { return 32; }", "warp-size-define"),  # a function for a constant
+    ("typedef struct : grid_task {\n  double zetp;\n} smem_task;", "typedef-anonymous-struct"),
 ])
 def test_rule_variants_fire(code, rule):
     assert rule in {f.rule for f in lint_text(code, "snippet.cu")}
@@ -347,6 +348,7 @@ def test_rule_variants_fire(code, rule):
     ("#ifdef __CLION_IDE__\n__host__ __device__ void ide_printf(const char*, ...) { asm volatile(\"trap;\"); }\n#endif",
      "inline-asm"),
     ("cub::WarpReduce<float> reduce(storage);  // the public API", "cub-internal"),
+    ("typedef struct { int x; } plain_c;\ntypedef struct tagged : base { int y; } named;", "typedef-anonymous-struct"),
     # a macro whose body is a braced block is no function: nothing falls off its end
     ("#define ErrorCheck(code) { ErrorAssert((code), __FILE__, __LINE__); }\ninline void ErrorAssert(int c, const char* f, int l) {}",
      "missing-return"),

@@ -2609,6 +2609,16 @@ RULES: list[Rule] = [
                            r"|\bthrust::cuda_cub::|thrust/system/cuda/detail/"),
     ),
     Rule(
+        "typedef-anonymous-struct", "warning", "an unnamed struct with a base class named by a typedef",
+        "`typedef struct : Base { ... } T;` gives a non-C-compatible unnamed class a name for linkage through a "
+        "typedef, which C++20 made ill-formed (P1766). nvcc's host compiler (g++) says nothing; clang, which compiles "
+        "every HIP source, warns by default (-Wnon-c-typedef-for-linkage), an error under a project's -Werror.",
+        "Give the struct a tag name: `typedef struct T_struct : Base { ... } T;` (or `struct T : Base { ... };`).",
+        before="typedef struct : task_base { int offset; } smem_task;",
+        after="typedef struct smem_task_struct : task_base { int offset; } smem_task;",
+        pattern=re.compile(r"\btypedef\s+(?:struct|class)\s*:\s*(?!:)"),
+    ),
+    Rule(
         "capture-info-v2", "error", "`cudaStreamGetCaptureInfo` with CUDA 12's six arguments",
         "hipify maps `cudaStreamGetCaptureInfo` to `hipStreamGetCaptureInfo`, which takes three arguments (stream, "
         "status, id); CUDA 12's six-argument form is `hipStreamGetCaptureInfo_v2` in HIP: the call does not compile.",
