@@ -206,6 +206,13 @@ CLASSES: dict[str, ChangeClass] = {
     "texture-reference": ChangeClass(("texture-reference",), False, "a CUDA texture reference replaced on AMD by a `__device__` pointer found with hipModuleGetGlobal"),
     "launch-extra-args": ChangeClass((), False, "a driver-API launch's `kernelParams` packed into one buffer passed through `extra` (HIP_LAUNCH_PARAM_BUFFER_POINTER)"),
     "macro-redefinition": ChangeClass((), False, "a project macro named as one HIP's headers define (`#define __local`), #undef'd first"),
+    # round 21's classes, defined by its labellers (before the round was scored)
+    "solver-backend": ChangeClass((), True, "cuSOLVER calls rewritten for rocSOLVER's API (hipSOLVER, a translator's target today, keeps cuSOLVER's)"),
+    "std-complex-device": ChangeClass((), False, "thrust::complex dropped from the HIP build: complex maths on std::complex with hand-written `__device__` operators"),
+    "loop-carried-uninit": ChangeClass((), False, "a variable declared in a loop body but read as the previous iteration's value, hoisted and initialised: undefined behaviour hip-clang's optimiser breaks"),
+    "device-assert": ChangeClass((), False, "a device-code `assert` routed through a project macro that is empty in the HIP build"),
+    "complex-scalar-brace-init": ChangeClass(("vector-partial-init",), False, "CUDA complex / vector values braced from scalars (`cuDoubleComplex r[4] = {0}`): HIP's double2 is no aggregate, its scalar constructor explicit"),
+    "amd-compile-resource": ChangeClass((), False, "a kernel hip-clang cannot build for lack of registers restructured, or its compile-time array bounds lowered for HIP"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).

@@ -349,6 +349,8 @@ def test_rule_variants_fire(code, rule):
      "inline-asm"),
     ("cub::WarpReduce<float> reduce(storage);  // the public API", "cub-internal"),
     ("typedef struct { int x; } plain_c;\ntypedef struct tagged : base { int y; } named;", "typedef-anonymous-struct"),
+    # an optional NVSHMEM path the project builds without already (as its HIP build must)
+    ("#ifdef HAVE_NVSHMEM\n#include <nvshmem.h>\nvoid fence() { nvshmem_quiet(); }\n#else\nvoid fence() {}\n#endif", "nvshmem"),
     # a macro whose body is a braced block is no function: nothing falls off its end
     ("#define ErrorCheck(code) { ErrorAssert((code), __FILE__, __LINE__); }\ninline void ErrorAssert(int c, const char* f, int l) {}",
      "missing-return"),

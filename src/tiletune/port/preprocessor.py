@@ -65,6 +65,8 @@ def on_amd(condition: str, build: Build = HIPCC) -> bool | None:
         return True if name in DEFINED_ON_AMD | build.defined else False if name in UNDEFINED_ON_AMD | build.undefined else None
     if match := _VERSION_TEST.match(condition):
         return _COMPARE[match.group(2)](_VERSION_ON_AMD.get(match.group(1), 0), int(match.group(3)))
+    if match := re.fullmatch(r"(\d+)[uUlL]*", condition):  # `#if 0`: code kept out of every build
+        return int(match.group(1)) != 0
     return True if condition in DEFINED_ON_AMD | build.defined else False if condition in build.undefined else None
 
 

@@ -1378,6 +1378,29 @@ def _in_named_namespace(text: str, index: int) -> bool:
     return False
 
 
+_NVSHMEM = re.compile(r"#\s*include\s*[<\"](?:\w+/)*nvshmemx?\w*\.h[>\"]|\bnvshmemx?i?_\w+|\bNVSHMEMX?_\w+")
+_CONDITIONAL = re.compile(r"^\s*#\s*(if|ifdef|ifndef|elif|else|endif)\b(.*)$")
+
+
+def check_nvshmem(text: str) -> Iterable[Hit]:
+    """Flag NVSHMEM's headers, calls and constants, except inside a branch taken only when a flag naming NVSHMEM is
+    set (`#ifdef HAVE_NVSHMEM`): the project already builds without it, as a HIP build must."""
+    optional = []  # per open conditional: whether its current branch is taken only with an NVSHMEM flag
+    for number, line in enumerate(text.splitlines(), start=1):
+        if directive := _CONDITIONAL.match(line):
+            kind, condition = directive.groups()
+            if kind in ("if", "ifdef", "ifndef"):
+                optional.append(kind != "ifndef" and "NVSHMEM" in condition.upper() and "!" not in condition)
+            elif kind in ("elif", "else") and optional:
+                optional[-1] = kind == "elif" and "NVSHMEM" in condition.upper() and "!" not in condition
+            elif kind == "endif" and optional:
+                optional.pop()
+            continue
+        if not any(optional):
+            for match in _NVSHMEM.finditer(line):
+                yield Hit(number, match.start() + 1)
+
+
 _ATOMIC_REDEFINITION = re.compile(
     rf"\b{_ATOMIC_TYPE}\s+(atomic(?:Max|Min|Add|Sub|Exch|CAS))\s*\(\s*{_ATOMIC_TYPE}\s*\*[^;{{}}]*\)\s*\{{"
     # and atomicSub on unsigned long long, which CUDA lacks and ROCm 6.0's amd_hip_atomic.h defines
@@ -2593,7 +2616,7 @@ RULES: list[Rule] = [
         "rewrite what uses NVSHMEM internals.",
         before="#include <nvshmem.h>\nnvshmemx_barrier_all_block();",
         after="#include <rocshmem/rocshmem.hpp>\nif (threadIdx.x == 0) rocshmem::rocshmem_barrier_all();",
-        pattern=re.compile(r"#\s*include\s*[<\"](?:\w+/)*nvshmemx?\w*\.h[>\"]|\bnvshmemx?i?_\w+|\bNVSHMEMX?_\w+"),
+        check=check_nvshmem,
     ),
     Rule(
         "cub-internal", "error", "a CUB or Thrust internal that hipCUB / rocThrust lack",
