@@ -1379,24 +1379,28 @@ def _in_named_namespace(text: str, index: int) -> bool:
 
 
 _NVSHMEM = re.compile(r"#\s*include\s*[<\"](?:\w+/)*nvshmemx?\w*\.h[>\"]|\bnvshmemx?i?_\w+|\bNVSHMEMX?_\w+")
-_CONDITIONAL = re.compile(r"^\s*#\s*(if|ifdef|ifndef|elif|else|endif)\b(.*)$")
 
 
 def check_nvshmem(text: str) -> Iterable[Hit]:
     """Flag NVSHMEM's headers, calls and constants, except inside a branch taken only when a flag naming NVSHMEM is
     set (`#ifdef HAVE_NVSHMEM`): the project already builds without it, as a HIP build must."""
+    optional_after = {}  # 0-based line of a directive -> whether the lines after it are in such a branch
     optional = []  # per open conditional: whether its current branch is taken only with an NVSHMEM flag
+    for directive in directives(text):
+        names_flag = "NVSHMEM" in directive.condition.upper() and "!" not in directive.condition
+        if directive.kind in ("if", "ifdef", "ifndef"):
+            optional.append(names_flag)
+        elif directive.kind in ("elif", "else"):
+            optional[-1] = directive.kind == "elif" and names_flag
+        else:
+            optional.pop()
+        optional_after[directive.last] = any(optional)
+    skipping = False
     for number, line in enumerate(text.splitlines(), start=1):
-        if directive := _CONDITIONAL.match(line):
-            kind, condition = directive.groups()
-            if kind in ("if", "ifdef", "ifndef"):
-                optional.append(kind != "ifndef" and "NVSHMEM" in condition.upper() and "!" not in condition)
-            elif kind in ("elif", "else") and optional:
-                optional[-1] = kind == "elif" and "NVSHMEM" in condition.upper() and "!" not in condition
-            elif kind == "endif" and optional:
-                optional.pop()
+        if number - 1 in optional_after:
+            skipping = optional_after[number - 1]
             continue
-        if not any(optional):
+        if not skipping:
             for match in _NVSHMEM.finditer(line):
                 yield Hit(number, match.start() + 1)
 
