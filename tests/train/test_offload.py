@@ -9,7 +9,7 @@ from tiletune.config import build_config
 from tiletune.train.model import prepare_for_training
 from tiletune.train.offload import MIN_BYTES, ActivationOffload
 from tiletune.patch import decoder_layers
-from tiletune.train.recompute import apply_treatments, choose_treatments
+from tiletune.train.recompute import RecomputePlan, apply_treatments, choose_treatments, held_beyond_base
 
 gpu = pytest.mark.gpu
 
@@ -50,14 +50,27 @@ def _assert_same(result, reference):
 
 
 def test_choose_offloads_every_nth_layer_and_shares_the_rest_of_the_budget():
-    # one layer in flight (12) leaves 23: two of the other seven layers kept, the top ones
+    # the top layer's backward starts with the layer 6 in flight, 3 below: one kept layer more (30 + 12) would not fit
     assert choose_treatments(10, 10, 10, 35, offload_every=3, offload_bytes=12) == [
         "offload", "recompute", "recompute", "offload", "recompute", "recompute", "offload", "recompute", "keep", "keep"]
+    # 2 apart, layer 6 is back before the top layer's backward ends (3 kept: 30 there, 20 + 12 a layer below)
+    assert choose_treatments(10, 10, 10, 35, offload_every=2, offload_bytes=12) == [
+        "offload", "recompute", "offload", "recompute", "offload", "recompute", "offload", "keep", "keep", "keep"]
     assert choose_treatments(10, 10, 10, 35, 3, 12, max_offloaded=1).count("offload") == 1
     # no room for one layer in flight: no offload
     assert choose_treatments(4, 10, 10, 11, offload_every=1, offload_bytes=12) == ["recompute"] * 3 + ["keep"]
     # a fast link: every layer but the top one
     assert choose_treatments(4, 20, 20, 12, offload_every=1, offload_bytes=12) == ["offload"] * 3 + ["recompute"]
+
+
+def test_a_layer_in_flight_counts_beside_the_spared_layers_below_the_one_that_brings_it_back():
+    treatments = ["offload", "recompute", "offload", "keep", "keep"]
+    # brought back 2 layers above: on the device beside layer 3 (10 + 12) and layer 4 (20 + 12)
+    assert held_beyond_base(treatments, {"keep": 10}, offload_bytes=12, distance=2) == 32
+    # 1 layer above: back before layer 4's backward, so max(10 + 12, 20)
+    assert held_beyond_base(treatments, {"keep": 10}, 12, 1) == 22
+    plan = RecomputePlan(treatments, 100, 50, 10, 10, "cuda memory", offload_bytes=12, offload_every=1)
+    assert plan.predicted_peak_bytes == 50 + 22
 
 
 def test_offloaded_layers_give_the_same_loss_and_gradients_and_hold_host_copies():

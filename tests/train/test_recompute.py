@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from tiletune.cli import main
 from tiletune.config import build_config
@@ -29,11 +29,11 @@ def test_choose_spares_the_last_layers_and_prefers_the_cheaper_treatment():
     assert choose_treatments(3, 5, 5, -7) == ["recompute"] * 3
 
 
-def _model(layers=4):
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+def _model(layers=4, config_class=LlamaConfig, model_class=LlamaForCausalLM, **shape):
+    config = config_class(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **shape)  # fmt: skip
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = model_class(config)
     cfg = build_config({"model_name_or_path": "x", "finetuning_type": "lora", "lora_target": "q_proj,v_proj",
                         "gradient_checkpointing": "auto", "use_reentrant_gc": False})  # fmt: skip
     return prepare_for_training(cfg, model)
@@ -61,16 +61,26 @@ def test_every_treatment_gives_the_same_loss_and_gradients():
             torch.testing.assert_close(grad, reference_grads[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
-def test_selective_recompute_reruns_elementwise_ops_but_not_matmuls(monkeypatch):
+SELECTIVE_CASES = {  # model, the ops patched in: the GEMM op whose outputs a selective layer keeps, then the norm
+    "llama": ({}, {"linear": "reference", "rms_norm": "reference"}),
+    "qwen3_moe": (dict(config_class=Qwen3MoeConfig, model_class=Qwen3MoeForCausalLM, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16), {"moe_experts": "reference", "rms_norm": "reference"}),
+}
+
+
+@pytest.mark.parametrize("case", SELECTIVE_CASES)
+def test_selective_recompute_reruns_elementwise_ops_but_not_matmuls(monkeypatch, case):
     """Counted where the kernels run (a cached op is still dispatched, so a profiler would count it too)."""
     from tiletune.kernels import registry
     from tiletune.patch import apply_kernels
 
-    model = _model(layers=1)
+    shape, kernels = SELECTIVE_CASES[case]
+    model = _model(layers=1, **shape)
     model.train()
     _, layers = decoder_layers(model)
-    apply_kernels(model, {"linear": "reference", "rms_norm": "reference"})  # through tiletune's custom ops
-    calls = {"linear": 0, "rms_norm": 0}
+    apply_kernels(model, kernels)  # through tiletune's custom ops
+    gemm, norm = kernels
+    calls = dict.fromkeys(kernels, 0)
     for op in calls:
         impl = registry.get(op, "reference")
 
@@ -83,11 +93,11 @@ def test_selective_recompute_reruns_elementwise_ops_but_not_matmuls(monkeypatch)
     counts = {}
     for treatment in ("keep", "selective", "recompute"):
         apply_treatments(layers, [treatment], use_reentrant=False)
-        calls.update(linear=0, rms_norm=0)
+        calls.update(dict.fromkeys(calls, 0))
         _loss_and_grads(model, tokens)
         counts[treatment] = dict(calls)
-    assert counts["selective"]["linear"] == counts["keep"]["linear"] < counts["recompute"]["linear"]
-    assert counts["keep"]["rms_norm"] < counts["selective"]["rms_norm"] == counts["recompute"]["rms_norm"]
+    assert counts["selective"][gemm] == counts["keep"][gemm] < counts["recompute"][gemm]
+    assert counts["keep"][norm] < counts["selective"][norm] == counts["recompute"][norm]
 
 
 def test_plan_on_cpu_measures_saved_activations_and_fits_the_budget():

@@ -29,7 +29,8 @@ impl (the gate and up halves of a row read in place, float32 inside, one roundin
 merged without atomics: put back in (token, k) order and summed by one batched GEMM with the routing weights (the
 hidden states' gradient likewise, the routing weights' gradient by one batched GEMM with dy), in float32 with one
 rounding, the same bits on every run. The forward keeps [rows, 2·intermediate] and [rows, hidden] for the backward
-(Qwen3-30B-A3B at 8,192 tokens: 192 + 256 MiB per layer).
+(Qwen3-30B-A3B at 8,192 tokens: 192 + 256 MiB per layer); a selective layer keeps them too, so its backward runs no
+grouped GEMM of the forward again.
 
 The reference runs the same steps with one PyTorch GEMM per expert (the "eager" loop), in the input dtype
 with float32 accumulation; the TileLang version's GEMMs accumulate in float32 and round once.
@@ -875,7 +876,7 @@ def _experts_forward_binding(site: Site, impl: str, strict: bool, current: Calla
 # GEMMs pass their GPU tests (H200, 2026-12-04) but are slower there than torch's grouped_mm, which transformers
 # runs by default (experts forward + backward 10.9 ms vs 9.0, benchmarks/results/h200-2026-12-04/moe-b9531ff).
 define(Op("moe_experts", (Binding("moe_experts", "experts", _experts_forward_binding, _fit, unfit_now=unfit_now),),
-          opt_in=True, profile_pattern=r"grouped_gemm_(nt|nn)", lowering=lowering_kernels))
+          opt_in=True, keeps_output=True, forms=(LORA,), profile_pattern=r"grouped_gemm_(nt|nn)", lowering=lowering_kernels))
 add(Impl("moe_experts", "reference", reference_forward, reference_backward,
          description="PyTorch: one GEMM per expert (the eager loop)", accumulation="float32"))
 add(Impl("moe_experts", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,

@@ -36,7 +36,8 @@ class Op:
 
     bindings: where in a model it goes (tiletune.kernels.binding). opt_in: `kernels: all` leaves it out
     until named (an op not yet measured faster than PyTorch's own). keeps_output: selective activation
-    checkpointing keeps its outputs as it keeps a matmul's. profile_pattern: a regex naming its device
+    checkpointing keeps its outputs as it keeps a matmul's (those of its `forms` too: the custom ops of its other forms,
+    selected through its binding, as moe_experts' LoRA form). profile_pattern: a regex naming its device
     kernels, for `tiletune bench --profile`. lowering: arch -> {kernel name: PrimFunc builder}, for
     `tiletune kernels lower` (None: no TileLang kernels). default: the implementation `kernels: all` picks when
     it is not the first of PREFERRED (a new kernel is selected by name until a GPU run has checked it). fallback: the
@@ -48,6 +49,7 @@ class Op:
     bindings: tuple[Binding, ...] = ()
     opt_in: bool = False
     keeps_output: bool = False
+    forms: tuple[str, ...] = ()
     profile_pattern: str | None = None
     lowering: Callable[[str], dict[str, Callable]] | None = None
     default: str | None = None

@@ -24,7 +24,9 @@ Offloading costs no device memory beyond one layer in flight, but the host link 
 tensors while the layers after it compute: the probe also times one layer's forward and the link, and
 every n-th layer is offloaded, n = ceil(copy time / forward time), so the copies keep pace with the
 compute in both directions (a layer's tensors go out during the forward of the n layers above it, and
-come back during their backward). The other layers share the budget less that one layer in flight.
+come back during their backward). The other layers share the budget with that layer in flight: it is on the
+device beside the spared layers below the n layers above it, not beside the layers higher up, whose memory is
+free again by the time its copy back starts (`held_beyond_base` walks the layers to find the highest point).
 
 When even every layer recomputed does not fit (a budget below the weights plus one layer's working set,
 or a long sequence), the planner pulls `levers_for(model)`, cheapest first, and probes again after each: the
@@ -78,6 +80,7 @@ class RecomputePlan:
     input_bytes: int = 0  # one layer's input (hidden states): what a recomputed layer holds
     offload_inputs: bool = False  # recomputed layers' inputs wait in host memory
     offload_bytes: int = 0  # what one offloaded layer moves each way (its saved tensors and its input)
+    offload_every: int = 0  # every n-th layer is offloaded, its tensors coming back during the n layers above
     layer_forward_ms: float = 0.0
     host_link_gb_s: float = 0.0
     levers: list[str] = field(default_factory=list)  # what else was done to fit the budget (`levers_for`)
@@ -91,9 +94,7 @@ class RecomputePlan:
         extra = self.input_bytes if self.offload_inputs else 0  # a spared layer's input no longer counted in base
         per_layer = {"keep": self.keep_bytes + extra, "selective": self.selective_bytes + extra, "offload": 0, "recompute": 0,
                      "recompute_device": self.input_bytes}  # fmt: skip
-        spared = sum(per_layer[t] for t in self.treatments)
-        in_flight = self.offload_bytes if "offload" in self.treatments else 0
-        return self.base_bytes + max(spared, in_flight)
+        return self.base_bytes + held_beyond_base(self.treatments, per_layer, self.offload_bytes, self.offload_every)
 
     def summary(self) -> str:
         counts = ", ".join(f"{n} {t}" for t, n in self.counts.items() if n)
@@ -111,44 +112,64 @@ class RecomputePlan:
         return {**asdict(self), "counts": self.counts, "predicted_peak_bytes": self.predicted_peak_bytes}
 
 
+def held_beyond_base(treatments: list[str], held: dict[str, int], offload_bytes: int = 0, distance: int = 1) -> int:
+    """The most the layers' treatments hold at once beyond the all-recomputed step's peak (bytes): while layer p runs
+    (its forward, then its backward), every layer at or below p holds what its treatment keeps (`held`, bytes per
+    treatment), and an offloaded layer fewer than `distance` + 1 below p is on the host link (going out in the
+    forward, coming back in the backward) with its `offload_bytes` on the device."""
+    peak = held_below = 0
+    for p, treatment in enumerate(treatments):
+        held_below += held.get(treatment, 0)
+        in_flight = sum(offload_bytes for t in treatments[max(0, p - distance):p] if t == "offload")
+        peak = max(peak, held_below + in_flight)
+    return peak
+
+
 def choose_treatments(layers: int, keep_bytes: int, selective_bytes: int, free_bytes: int,
                       offload_every: int = 0, offload_bytes: int = 0, max_offloaded: int | None = None) -> list[str]:  # fmt: skip
     """Treatments, first layer to last, that spare the most matmul recomputation within `free_bytes`.
 
     With `offload_every` = n > 0 and room for one offloaded layer in flight (`offload_bytes`), every n-th
     layer from the first is offloaded (at most `max_offloaded`, none of the top n, which have no layer far
-    enough above them to start their prefetch); the other layers share the rest of the budget as before.
+    enough above them to start their prefetch); the other layers are spared from the top down (the cheaper
+    treatment first, then upgraded to ``keep``) while what they hold, with an offloaded layer in flight beside
+    the spared layers below it, fits (`held_beyond_base`).
     """
     offloaded: list[int] = []
     if offload_every > 0 and offload_bytes <= free_bytes:
         offloaded = list(range(0, layers - offload_every, offload_every))[:max_offloaded]
-        free_bytes -= offload_bytes
     others = layers - len(offloaded)
-    cheaper = min(keep_bytes, selective_bytes)
-    spared = others if cheaper <= 0 else max(0, min(others, free_bytes // cheaper))
-    upgrades = 0
-    if selective_bytes < keep_bytes and spared:
-        left = free_bytes - spared * selective_bytes
-        upgrades = max(0, min(spared, left // (keep_bytes - selective_bytes)))
     first_spared = "selective" if selective_bytes < keep_bytes else "keep"
-    treatments = ["recompute"] * (others - spared) + [first_spared] * (spared - upgrades) + ["keep"] * upgrades
-    for index in offloaded:
-        treatments.insert(index, "offload")
-    return treatments
+    held = {"keep": keep_bytes, "selective": selective_bytes}
+
+    def plan(spared: int, upgrades: int) -> list[str]:
+        treatments = ["recompute"] * (others - spared) + [first_spared] * (spared - upgrades) + ["keep"] * upgrades
+        for index in offloaded:
+            treatments.insert(index, "offload")
+        return treatments
+
+    def fits(treatments: list[str]) -> bool:
+        return held_beyond_base(treatments, held, offload_bytes, offload_every) <= free_bytes
+
+    spared = next((n for n in range(others, 0, -1) if fits(plan(n, 0))), 0)
+    upgrades = next((n for n in range(spared, 0, -1) if fits(plan(spared, n))), 0) if first_spared == "selective" else 0
+    return plan(spared, upgrades)
 
 
 def place_recomputed_inputs(treatments: list[str], host_room: int, input_bytes: int, free_bytes: int,
-                            spared_bytes: dict[str, int]) -> list[str]:  # fmt: skip
+                            spared_bytes: dict[str, int], offload_bytes: int = 0, offload_every: int = 0) -> list[str]:  # fmt: skip
     """With recomputed layers' inputs waiting in host memory: the host holds at most `host_room` of them (the
     lowest layers'); the others keep theirs on the device (``recompute_device``, `input_bytes` each, within
-    `free_bytes` beside the spared layers' `spared_bytes` per treatment), spared layers giving way (recomputed
-    instead, lowest first) while they do not fit. ValueError when they do not fit with every layer recomputed."""
+    `free_bytes` beside the spared layers' `spared_bytes` per treatment and the offloaded layers in flight, as
+    `held_beyond_base` counts them), spared layers giving way (recomputed instead, lowest first) while they do not
+    fit. ValueError when they do not fit with every layer recomputed."""
     treatments = list(treatments)
+    held = {**spared_bytes, "recompute_device": input_bytes}
     while True:
         recomputed = [i for i, t in enumerate(treatments) if t in ("recompute", "recompute_device")]
         for rank, index in enumerate(recomputed):
             treatments[index] = "recompute" if rank < host_room else "recompute_device"
-        on_device = treatments.count("recompute_device") * input_bytes + sum(spared_bytes.get(t, 0) for t in treatments)
+        on_device = held_beyond_base(treatments, held, offload_bytes, offload_every)
         if on_device <= max(free_bytes, 0):  # below 0: the step fits the budget, not its margin; nothing more on the GPU
             return treatments
         spared = [i for i, t in enumerate(treatments) if t in ("keep", "selective")]
@@ -221,7 +242,8 @@ def _saved_ops() -> frozenset:
     ops = {getattr(aten, name).default for name in names if hasattr(aten, name)}
     from tiletune.kernels import registry
 
-    ops |= {getattr(torch.ops.tiletune, name).default for name, op in registry.ops().items() if op.keeps_output}
+    kept = [name for op in registry.ops().values() if op.keeps_output for name in (op.name, *op.forms)]
+    ops |= {getattr(torch.ops.tiletune, name).default for name in kept}
     return frozenset(ops)
 
 
@@ -317,6 +339,7 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
         plan.host_link_gb_s = _host_link_bytes_per_s(device, min(plan.offload_bytes, 256 * 2**20)) / 1e9
         copy_ms = plan.offload_bytes / (plan.host_link_gb_s * 1e9) * 1e3
         offload_every = max(1, math.ceil(copy_ms / max(probe.forward_ms, 1e-3))) if spare else 0
+        plan.offload_every = offload_every
         host_bytes = _host_budget_bytes(host_budget_gib)
         max_offloaded = host_bytes // max(plan.offload_bytes, 1)
     if budget < plan.base_bytes:
@@ -339,10 +362,9 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
     if plan.offload_inputs:
         host_room = (host_bytes - plan.treatments.count("offload") * plan.offload_bytes) // max(probe.input_bytes, 1)
         spared = {"keep": keep_bytes + extra, "selective": selective_bytes + extra}
-        in_flight = plan.offload_bytes if "offload" in plan.treatments else 0
         try:
-            plan.treatments = place_recomputed_inputs(plan.treatments, max(host_room, 0), probe.input_bytes,
-                                                      free - in_flight, spared)  # fmt: skip
+            plan.treatments = place_recomputed_inputs(plan.treatments, max(host_room, 0), probe.input_bytes, free,
+                                                      spared, plan.offload_bytes, offload_every)  # fmt: skip
         except ValueError as err:
             raise UserError(f"the step at batch {batch} x {seq} tokens does not fit gradient_checkpointing_budget="
                             f"{budget / GIB:.1f} GiB: {err}; raise the budget, free host memory, or lower "
