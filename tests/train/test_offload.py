@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tiletune.config import build_config
 from tiletune.train.model import prepare_for_training
-from tiletune.train.offload import MIN_BYTES, ActivationOffload
+from tiletune.train.offload import MIN_BYTES, ActivationOffload, pinned_buffer
 from tiletune.patch import decoder_layers
 from tiletune.train.recompute import RecomputePlan, apply_treatments, choose_treatments, held_beyond_base
 
@@ -152,6 +152,19 @@ def test_offload_on_the_gpu_is_exact_prefetches_and_lowers_the_peak(reentrant):
     torch.testing.assert_close(result[0], reference[0], rtol=0, atol=0)
     for name, grad in result[1].items():
         torch.testing.assert_close(grad, reference[1][name], msg=name)
+
+
+@gpu
+def test_pinned_buffers_are_page_locked_exactly_and_copy_asynchronously():
+    nbytes = 3 * 2**20 + 5  # not a power of two: torch's pinned cache would round it up to 4 MiB
+    buffer = pinned_buffer(nbytes)
+    assert buffer.numel() == nbytes and buffer.is_pinned()
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    buffer.copy_(data, non_blocking=True)
+    back = torch.empty_like(data)
+    back.copy_(buffer, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, data)
 
 
 @gpu

@@ -8,7 +8,9 @@ stream while that later layer's backward runs, so the compute stream waits only 
 slower than the layers in between. A tensor needed before its prefetch (no trigger, or the copy is late)
 is fetched on the compute stream. Parameters, tensors already on the host and tensors under `MIN_BYTES`
 stay where they are. The pinned buffers of one step serve the next (a layer's buffers are handed back when
-it runs its forward again), so host memory is pinned once.
+it runs its forward again), so host memory is pinned once, and exactly: each buffer is page-locked in place
+(`pinned_buffer`), not taken from torch's pinned-memory cache, which rounds every block up to a power of two (a
+70B layer's input at 73,728 tokens, 1.125 GiB, took 2 GiB there: the host ran out at about half the budget).
 
 Whole storages move, so views, transposes and tensors sharing a storage come back exactly as they were
 saved, and a storage saved several times in one layer (the normed input read by three projections) moves
@@ -18,10 +20,24 @@ once. On the CPU (tests) the same bookkeeping runs with plain synchronous copies
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
 MIN_BYTES = 1 << 20
+
+
+def pinned_buffer(nbytes: int) -> torch.Tensor:
+    """`nbytes` of page-locked host memory (uint8), registered with the GPU runtime in place and unregistered when
+    the tensor is freed."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes:
+        cudart = torch.cuda.cudart()
+        status = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+        if int(status) != 0:
+            raise torch.OutOfMemoryError(f"could not page-lock {nbytes / 2**30:.2f} GiB of host memory (runtime error {int(status)})")
+        weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+    return buffer
 
 
 class _Offloaded:
@@ -119,7 +135,10 @@ class ActivationOffload:
         raw = torch.empty(0, dtype=torch.uint8, device=self.device).set_(tensor.untyped_storage())
         spare = self.spare.get(raw.numel())
         # pinning host memory is slow: each buffer is allocated in the first step and reused after
-        host, last_read = spare.pop() if spare else (torch.empty(raw.numel(), dtype=torch.uint8, pin_memory=self.on_gpu), None)
+        if spare:
+            host, last_read = spare.pop()
+        else:
+            host, last_read = pinned_buffer(raw.numel()) if self.on_gpu else torch.empty(raw.numel(), dtype=torch.uint8), None
         if not self.on_gpu:
             host.copy_(raw)
             return _Offloaded(host, None)

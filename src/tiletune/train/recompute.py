@@ -341,7 +341,11 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
         offload_every = max(1, math.ceil(copy_ms / max(probe.forward_ms, 1e-3))) if spare else 0
         plan.offload_every = offload_every
         host_bytes = _host_budget_bytes(host_budget_gib)
-        max_offloaded = host_bytes // max(plan.offload_bytes, 1)
+        # the recomputed layers' inputs take the host first (a copy each, where an offloaded layer moves all it
+        # saved): offloaded layers get what is left, each in place of its input there
+        inputs = len(layers) * probe.input_bytes if offload_inputs else 0
+        per_offloaded = plan.offload_bytes - (probe.input_bytes if offload_inputs else 0)
+        max_offloaded = max(0, host_bytes - inputs) // max(per_offloaded, 1)
     if budget < plan.base_bytes:
         raise UserError(
             f"gradient_checkpointing_budget={budget / GIB:.1f} GiB is below the {plan.base_bytes / GIB:.1f} GiB this step "
