@@ -213,6 +213,11 @@ CLASSES: dict[str, ChangeClass] = {
     "device-assert": ChangeClass((), False, "a device-code `assert` routed through a project macro that is empty in the HIP build"),
     "complex-scalar-brace-init": ChangeClass(("vector-partial-init",), False, "CUDA complex / vector values braced from scalars (`cuDoubleComplex r[4] = {0}`): HIP's double2 is no aggregate, its scalar constructor explicit"),
     "amd-compile-resource": ChangeClass((), False, "a kernel hip-clang cannot build for lack of registers restructured, or its compile-time array bounds lowered for HIP"),
+    # round 22's classes, defined by its labellers (before the round was scored)
+    "hipcub-sum-init": ChangeClass((), False, "a type summed by `cub::DeviceReduce::Sum` made constructible from the int 0: hipCUB's rocPRIM backend starts the sum at `T(0)`, CUB at a value-initialised `T()`"),
+    "amd-memory-fence": ChangeClass((), False, "a `__threadfence*()` added on AMD after a cross-block atomic (a reduction's semaphore reset for the next launch)"),
+    "specialization-target-mismatch": ChangeClass((), False, "a `__device__` explicit specialisation of a `__host__ __device__` function template made `__host__ __device__`: hip-clang matches a specialisation only to a template of the same target (nvcc ignores it)"),
+    "partial-warp-shuffle": ChangeClass(("mask-32bit",), False, "a masked `*_sync` shuffle run by a subset of lanes restructured so every lane of the wavefront runs HIP's maskless shuffle, only the loads and stores predicated"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).

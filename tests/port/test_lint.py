@@ -69,6 +69,7 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("#include \"cuda_fp8.h\"", "fp8-type"),
     ("#if FOO\n#elif __CUDA_ARCH__ == 900\nfast_path();\n#endif", "cuda-arch-guard"),
     ("#ifdef __CUDA_ARCH__\n__syncthreads();\n#endif", "cuda-arch-guard"),
+    ("#if EIGEN_CUDA_ARCH >= 530\nreturn __hadd2(a, b);\n#endif", "cuda-arch-guard"),  # defined as __CUDA_ARCH__ elsewhere
     ("bool pick(int n, int& warp_size) { warp_size = (n < 32) ? n : 32; return true; }", "host-warp-size"),
     # a warp-size macro of another header sizing a launch: the host pass cannot know the device's wavefront
     ("void launch(float* x, cudaStream_t s) {\n  dim3 block(WARP_SIZE, 4);\n  k<<<1, block, 0, s>>>(x);\n}",
@@ -391,11 +392,15 @@ def test_rule_variants_stay_silent(code, rule):
     "__device__ int pick(int n) { int warp_size = n < 32 ? n : 32; return warp_size; }",  # device code: warp-size rules
     "__half_raw zero = {0x0000};",  # zero is zero as a value and as bits
     "float2 v = make_float2(0.f, 1.f);\natomicAdd(&acc, v.x);",  # atomicAdd on a float: HIP has it
+    # a float `value` beside another function's half one: each function's own declarations
+    "__device__ void add(half* p, half value) { half2 v = {value, value}; }\n"
+    "__device__ void add(float* address, float value) { atomicAdd(address, value); }",
     "__half2 v = __ldcs(reinterpret_cast<const __half2*>(src) + i);",  # HIP declares the half forms
     "__half2 acc = {};\nfloat f;\nf = {};",  # value-initialised where declared; a float takes `= {}`
     # constructors return nothing, whatever stands before their name
     "template <typename T>\nclass Runner {\npublic:\n    Runner(int n) : n_(n) { setup(); }\n    int n_;\n};",
     "#define HD_INLINE __forceinline__ __device__ __host__\nstruct Vec {\n  HD_INLINE Vec() {}\n  HD_INLINE Vec(int n) : n(n) {}\n  int n;\n};",
+    "IHD GradInfo::GradInfo() {\n  pos = make_float3(0.f, 0.f, 0.f);\n}",  # defined outside its class, declared in a header
     "__global__ void k(float* m, float v) { atomicMax(m, v); }",  # a call of HIP's own, not a definition
     # a mask parameter only the CUDA branch uses
     ("template <typename T>\n__device__ T xor_shfl(T v, int m, unsigned int mask = 0xffffffff) {\n#if CUDA_VERSION >= 9000\n"

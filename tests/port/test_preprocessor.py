@@ -20,6 +20,8 @@ from tiletune.port.preprocessor import Build, blank_branches_dead_on_amd, on_amd
     ("CUDA_VERSION >= 9000", False),  # the old-CUDA branch (unmasked shuffles) is the one hipcc compiles
     ("defined(__NVCC__)", False),  # nvcc's own macro
     ("__GNUC__ < 6", True),  # hipcc's clang says GCC 4 (checked with hipcc 5.2)
+    ("defined(EIGEN_CUDA_ARCH) && EIGEN_CUDA_ARCH >= 530", False),  # a project's name for __CUDA_ARCH__
+    ("defined(CUDA_ARCHITECTURES)", None),  # not one: a build setting of the project
 ])
 def test_conditions_as_hipcc_sees_them(condition, value):
     assert on_amd(condition) is value

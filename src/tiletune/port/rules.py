@@ -853,7 +853,7 @@ def check_warp_size_definitions(text: str) -> Iterable[Hit]:
 
 # ---- __CUDA_ARCH__ tests that compile code out on AMD ---------------------------------------------
 
-_ARCH_TEST = re.compile(r"__CUDA_ARCH__\s*(?:[<>]=?|==|!=)|defined\s*\(?\s*__CUDA_ARCH__\b")
+_ARCH_TEST = re.compile(r"\b(?:__CUDA_ARCH__|\w+_CUDA_ARCH)\s*(?:[<>]=?|==|!=)|defined\s*\(?\s*(?:__CUDA_ARCH__|\w+_CUDA_ARCH)\b")
 
 
 # A condition naming one of these is a port already made (`__HIP_DEVICE_COMPILE__`: hipcc's device pass; the hcc-era
@@ -1279,19 +1279,21 @@ def _points_to(address: str, type_pattern: str, declared: set[str]) -> bool:
 def check_missing_intrinsics(text: str) -> Iterable[Hit]:
     """Flag calls of CUDA intrinsics HIP lacks (the cache-hinted `__ldcs` / `__ldcg` / `__ldca` where a cast
     names a non-half type: HIP has them for half only), `atomicAdd` on half or half2 (HIP has no such overload):
-    its value a variable declared `half` / `half2` in the file or a `__halves2half2(...)`, or its address a half
-    pointer, and `atomicCAS` on a 16-bit address (HIP has none)."""
+    its value a variable declared `half` / `half2` in its function (in the file, outside any function) or a
+    `__halves2half2(...)`, or its address a half pointer, and `atomicCAS` on a 16-bit address (HIP has none)."""
     for call in _MISSING_INTRINSIC.finditer(text):
         yield Hit(*_position(text, call.start()))
     for call in _HALF_ONLY_LOAD.finditer(text):
         if _NON_HALF_TYPE.search(_balanced_args(text, call.end() - 1)):
             yield Hit(*_position(text, call.start()), "HIP has this load for __half / __half2 only")
-    halves = set(re.findall(rf"\b{_HALF_TYPE}\s+(\w+)\s*[=;,)]", text))
     for call in re.finditer(r"\batomicAdd\s*\(", text):
         arguments = _split_top_level(_balanced_args(text, call.end() - 1))
         if len(arguments) != 2:
             continue
         address, value = arguments
+        function = enclosing_function(text, call.start())
+        scope = function_scope(text, function) if function else text
+        halves = set(re.findall(rf"\b{_HALF_TYPE}\s+(\w+)\s*[=;,)]", scope))
         if value in halves or value.startswith("__halves2half2") or _points_to(address, _HALF_TYPE, set()):
             yield Hit(*_position(text, call.start()), "HIP has no atomicAdd for __half / __half2")
     shorts = set(re.findall(rf"\b{_SHORT_TYPE}\s*\*\s*(\w+)\s*[=;,)]", text))
@@ -1342,8 +1344,10 @@ def check_missing_return(text: str) -> Iterable[Hit]:
     classes = set(re.findall(r"\b(?:class|struct)\s+(\w+)", text))  # a function named after one is its constructor
     macros = set(source_constants(text))  # qualifier macros (`#define HOST_DEVICE __host__ __device__`)
     for function in functions(text):
-        if function.name in classes:
-            continue
+        header = function_scope(text, function)[: function.body_start - function.body_end - 1]
+        name = re.escape(function.name)
+        if function.name in classes or re.search(rf"\b{name}\s*(?:<[^<>]*>\s*)?::\s*{name}\s*\(", header):
+            continue  # a constructor, also one defined outside its class (`Point::Point() {`)
         before = re.sub(r"template\s*<(?:[^<>]|<[^<>]*>)*>|__launch_bounds__\s*\([^()]*\)|\b(?:public|private|protected)\s*:",
                         " ", function.before_name)
         words = [word for word in re.findall(r"\w+", before)
