@@ -9,7 +9,8 @@ from tiletune.config import build_config
 from tiletune.train.model import prepare_for_training
 from tiletune.train.offload import MIN_BYTES, ActivationOffload, pinned_buffer
 from tiletune.patch import decoder_layers
-from tiletune.train.recompute import RecomputePlan, apply_treatments, choose_treatments, held_beyond_base
+from tiletune.train.recompute import (RecomputePlan, apply_treatments, choose_treatments, held_beyond_base,
+                                     offload_limit)
 
 gpu = pytest.mark.gpu
 
@@ -61,6 +62,13 @@ def test_choose_offloads_every_nth_layer_and_shares_the_rest_of_the_budget():
     assert choose_treatments(4, 10, 10, 11, offload_every=1, offload_bytes=12) == ["recompute"] * 3 + ["keep"]
     # a fast link: every layer but the top one
     assert choose_treatments(4, 20, 20, 12, offload_every=1, offload_bytes=12) == ["offload"] * 3 + ["recompute"]
+
+
+def test_recomputed_inputs_take_the_host_before_offloaded_layers():
+    # 80 inputs of 10 take 800 of 1000: 200 left, 40 more per offloaded layer (50 in place of its 10)
+    assert offload_limit(1000, 80, input_bytes=10, offload_bytes=50) == 5
+    assert offload_limit(700, 80, 10, 50) == 0  # not even the inputs fit: none offloaded
+    assert offload_limit(1000, 80, 0, 50) == 20  # inputs on the device: the host is the offloaded layers'
 
 
 def test_a_layer_in_flight_counts_beside_the_spared_layers_below_the_one_that_brings_it_back():

@@ -156,6 +156,13 @@ def choose_treatments(layers: int, keep_bytes: int, selective_bytes: int, free_b
     return plan(spared, upgrades)
 
 
+def offload_limit(host_bytes: int, layers: int, input_bytes: int, offload_bytes: int) -> int:
+    """How many layers may be offloaded within `host_bytes` of host memory when every layer's input (`input_bytes`,
+    0 where inputs stay on the device) waits there too: the inputs come first (a copy each, where an offloaded layer
+    moves all it saved), offloaded layers get what is left, each in place of its input."""
+    return max(0, host_bytes - layers * input_bytes) // max(offload_bytes - input_bytes, 1)
+
+
 def place_recomputed_inputs(treatments: list[str], host_room: int, input_bytes: int, free_bytes: int,
                             spared_bytes: dict[str, int], offload_bytes: int = 0, offload_every: int = 0) -> list[str]:  # fmt: skip
     """With recomputed layers' inputs waiting in host memory: the host holds at most `host_room` of them (the
@@ -341,11 +348,7 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
         offload_every = max(1, math.ceil(copy_ms / max(probe.forward_ms, 1e-3))) if spare else 0
         plan.offload_every = offload_every
         host_bytes = _host_budget_bytes(host_budget_gib)
-        # the recomputed layers' inputs take the host first (a copy each, where an offloaded layer moves all it
-        # saved): offloaded layers get what is left, each in place of its input there
-        inputs = len(layers) * probe.input_bytes if offload_inputs else 0
-        per_offloaded = plan.offload_bytes - (probe.input_bytes if offload_inputs else 0)
-        max_offloaded = max(0, host_bytes - inputs) // max(per_offloaded, 1)
+        max_offloaded = offload_limit(host_bytes, len(layers), probe.input_bytes if offload_inputs else 0, plan.offload_bytes)
     if budget < plan.base_bytes:
         raise UserError(
             f"gradient_checkpointing_budget={budget / GIB:.1f} GiB is below the {plan.base_bytes / GIB:.1f} GiB this step "
