@@ -31,8 +31,8 @@
 #   qlora-long: benchmarks/qlora_long_context.py: the longest sequence (of SEQS) an 8B QLoRA step trains in 24 GiB,
 #           then `tiletune verify` of every kernel on 2 quantized decoder layers of the 8B
 #   qlora-long70b: the same on the Llama-3-70B shape within CAP GiB (default 79: an 80 GB card), SEQS (default
-#           "90112,98304") tried longest first until one fits, one step each, offloaded inputs within HOST_GIB
-#           (default: the host's free memory less 10 GiB)
+#           "90112,81920,73728") tried longest first until one fits, one step each, each in a process of its own,
+#           offloaded inputs within HOST_GIB (default: the host's free memory less 30 GiB)
 #   qlora70b: `tiletune bench` of the QLoRA step on the Llama-3-70B shape, all 80 layers built and quantized on the
 #           GPU tensor by tensor: tiletune's QLoRA without kernels (the baseline) and with every kernel under
 #           `gradient_checkpointing: auto` with offload within each of BUDGETS_GIB (default 38); STEPS timed (default 3)
@@ -203,9 +203,10 @@ families-bench)
             --out "$OUT/bench-$PRESET" 2>&1 | tail -8
     done ;;
 qlora-long70b)
-    # Q3 at 70B: longest first (a step at 90k tokens takes minutes), the host's free memory less 10 GiB for the inputs
-    HOST_GIB=${HOST_GIB:-$(free -g | awk '/Mem:/ {print $7 - 10}')}
-    python3 benchmarks/qlora_long_context.py --preset llama3-70b --cap "${CAP:-79}" --seqs "${SEQS:-90112,98304}" \
+    # Q3 at 70B: longest first (a step at 90k tokens takes minutes), each length in a process of its own; for the
+    # inputs the host's free memory less 30 GiB (what the process holds itself: 23 GiB on 2026-12-06)
+    HOST_GIB=${HOST_GIB:-$(free -g | awk '/Mem:/ {print $7 - 30}')}
+    python3 benchmarks/qlora_long_context.py --preset llama3-70b --cap "${CAP:-79}" --seqs "${SEQS:-90112,81920,73728}" \
         --longest-first --host-budget "$HOST_GIB" --steps 1 --out "$OUT/long-context-70b" 2>&1 | grep -v Warning | tail -8 ;;
 qlora70b)
     Q=quantization_bit=4

@@ -1,14 +1,15 @@
 """The longest single sequence a QLoRA step trains within a GPU memory cap (Unsloth's long-context claim).
 
-The model (a preset, random init, built quantized on the GPU tensor by tensor) is built once with every
-tiletune kernel; for each sequence length, longest last, the process is capped at CAP GiB
+For each sequence length (longest last, or first with --longest-first) a process of its own builds the model (a
+preset, random init, quantized on the GPU tensor by tensor) with every tiletune kernel and is capped at CAP GiB
 (torch.cuda.set_per_process_memory_fraction, so going over is an out-of-memory error as on a card of that
 size), activation checkpointing is planned within the cap (`gradient_checkpointing: auto` with offload
 of the saved layer inputs to host memory), and one warm-up step and one timed step run on random tokens
 (`--steps 1`: the timed step alone), batch 1. `--host-budget` sets the pinned host memory the offloaded inputs
 may take (gradient_checkpointing_host_budget; a 70B at 90k tokens needs more than the default half of a 128 GiB
-host). Writes long_context.json (per length: fits or the error, step seconds, peak GiB, the plan) and prints a
-table; the longest length that fits is the answer.
+host). A length whose process dies (the kernel's out-of-memory killer, when pinned host memory runs out) is
+recorded with its exit code and the next length still runs. Writes long_context.json (per length: fits or the
+error, step seconds, peak GiB, the plan) and prints a table; the longest length that fits is the answer.
 
     python benchmarks/qlora_long_context.py --preset llama3-8b --cap 24 --seqs 32768,65536,98304 --out DIR
     python benchmarks/qlora_long_context.py --preset llama3-70b --cap 79 --seqs 90112,98304 --longest-first \
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import time
 
@@ -64,6 +66,21 @@ def one_length(model, seq: int, cap_gib: float, optimizer, host_gib: float | Non
         optimizer.zero_grad(set_to_none=True)
 
 
+def measure(args, seq: int, queue) -> None:
+    """In a process of its own: build the model quantized on the GPU with every kernel, cap the process at args.cap
+    GiB, run `one_length` at `seq` tokens; put (its row, the kernels' report) on `queue`."""
+    cfg = load_config(args.config, ["quantization_bit=4", "gradient_checkpointing=auto",
+                                    "gradient_checkpointing_offload=true", f"gradient_checkpointing_budget={args.cap}"])
+    torch.manual_seed(0)
+    model, report = build_model(cfg, args.preset, "all", torch.device("cuda"))
+    model.train()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap * GIB / total))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    queue.put((one_length(model, seq, args.cap, optimizer, args.host_budget, args.steps),
+               report.to_dict()["ops"] if report else None))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="llama3-8b")
@@ -78,24 +95,27 @@ def main() -> None:
                              "tokens takes minutes: one call cannot afford every length)")
     parser.add_argument("--out", default="benchmarks/results/qlora-long-context")
     args = parser.parse_args()
-    cfg = load_config(args.config, ["quantization_bit=4", "gradient_checkpointing=auto",
-                                    "gradient_checkpointing_offload=true", f"gradient_checkpointing_budget={args.cap}"])
-    torch.manual_seed(0)
-    model, report = build_model(cfg, args.preset, "all", torch.device("cuda"))
-    model.train()
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap * GIB / total))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     os.makedirs(args.out, exist_ok=True)
     rows = []
     result = {"preset": args.preset, "cap_gib": args.cap, "host_budget_gib": args.host_budget, "steps": args.steps,
-              "rows": rows, "environment": run_stamp(),
-              "kernels": report.to_dict()["ops"] if report else None}
+              "rows": rows, "environment": run_stamp(), "kernels": None}
+    context = multiprocessing.get_context("spawn")
     for seq in sorted((int(s) for s in args.seqs.split(",")), reverse=args.longest_first):
-        rows.append(one_length(model, seq, args.cap, optimizer, args.host_budget, args.steps))
+        # each length in a process of its own: a length that fails leaves no pinned buffers behind for the next, and
+        # one the kernel's out-of-memory killer ends (host memory) is recorded instead of ending the run
+        queue = context.Queue()
+        worker = context.Process(target=measure, args=(args, seq, queue))
+        worker.start()
+        worker.join()
+        if worker.exitcode == 0:
+            row, result["kernels"] = queue.get(timeout=60)
+        else:
+            row = {"seq": seq, "fits": False,
+                   "error": f"the process ended with exit code {worker.exitcode}" + (" (killed: host memory?)" if worker.exitcode == -9 else "")}
+        rows.append(row)
         with open(os.path.join(args.out, "long_context.json"), "w") as handle:  # after each length: a timeout keeps the rest
             json.dump(result, handle, indent=1)
-        if args.longest_first and rows[-1]["fits"]:
+        if args.longest_first and row["fits"]:
             break
     print(f"| {args.preset} QLoRA, cap {args.cap:g} GiB | fits | step s | peak GiB |\n|---|---|---|---|")
     for row in rows:
