@@ -441,6 +441,12 @@ def test_warp_size_literal_follows_the_value(code, fires):
     assert any(f.rule == "warp-size-literal" for f in lint_text(code, "snippet.cu")) == fires
 
 
+def test_host_warp_size_flags_a_local_alias_where_it_is_set_and_no_member_of_its_name():
+    code = ("dim3 block_dim_for(int cols) {\n  const int x = GPU_WARP_SIZE;\n  return dim3(x, cols / x);\n}\n"
+            "int blocks(dim3 block_dim, int n) {\n  return n / block_dim.x;\n}\n")
+    assert [f.line for f in lint_text(code, "snippet.cu") if f.rule == "host-warp-size"] == [2]
+
+
 def test_strip_comments_keeps_lines_and_strings():
     text = 'a; // x\n/* two\nlines */ b = "//keep";\n'
     stripped = strip_comments(text)

@@ -1233,12 +1233,16 @@ _WARP_SIZE_MACRO = re.compile(r"\b[A-Z0-9_]*WARP_?SIZE[A-Z0-9_]*\b|\bkWarp(?:Siz
 def check_host_warp_size(text: str) -> Iterable[Hit]:
     """Flag each line of a function not compiled for the device that uses `C10_WARP_SIZE`, sets a warp-size
     variable from a literal 32 (`warp_size = n < 32 ? n : 32;`), or uses a warp-size macro another file defines
-    (`WARP_SIZE` or `kWarpSize` from a compat header, or the file's own alias of it, `constexpr int kLanes =
-    kWarpSize;`: whatever it says, the host pass cannot know the device's width)."""
+    (`WARP_SIZE` or `kWarpSize` from a compat header, or the file's own alias of it outside any function,
+    `constexpr int kLanes = kWarpSize;`: whatever it says, the host pass cannot know the device's width). A local
+    alias is not followed (its defining line is the place to flag), nor a member of the same name (`block.x`)."""
     defined = source_constants(text)
     external = {name for name in set(_WARP_SIZE_MACRO.findall(text)) if name not in defined}
-    aliases = {name for name, value in defined.items() if value in external}
-    use_pattern = re.compile(rf"\b(?:{'|'.join(sorted(external | aliases))})\b") if external else None
+    file_scope = text
+    for function in functions(text):
+        file_scope = file_scope[: function.body_start] + " " * (function.body_end - function.body_start) + file_scope[function.body_end :]
+    aliases = {name for name, value in source_constants(file_scope).items() if value in external}
+    use_pattern = re.compile(rf"(?<!\.)(?<!->)\b(?:{'|'.join(sorted(external | aliases))})\b") if external else None
     for function in functions(text):
         if function.device:
             continue
