@@ -1238,10 +1238,11 @@ def check_host_warp_size(text: str) -> Iterable[Hit]:
     alias is not followed (its defining line is the place to flag), nor a member of the same name (`block.x`)."""
     defined = source_constants(text)
     external = {name for name in set(_WARP_SIZE_MACRO.findall(text)) if name not in defined}
-    file_scope = text
+    pieces, end = [], 0  # the text outside function bodies (bodies do not nest)
     for function in functions(text):
-        file_scope = file_scope[: function.body_start] + " " * (function.body_end - function.body_start) + file_scope[function.body_end :]
-    aliases = {name for name, value in source_constants(file_scope).items() if value in external}
+        pieces += [text[end : function.body_start], " " * (function.body_end - function.body_start)]
+        end = function.body_end
+    aliases = {name for name, value in source_constants("".join([*pieces, text[end:]])).items() if value in external}
     use_pattern = re.compile(rf"(?<!\.)(?<!->)\b(?:{'|'.join(sorted(external | aliases))})\b") if external else None
     for function in functions(text):
         if function.device:
