@@ -441,6 +441,14 @@ def test_warp_size_literal_follows_the_value(code, fires):
     assert any(f.rule == "warp-size-literal" for f in lint_text(code, "snippet.cu")) == fires
 
 
+def test_an_intrinsic_the_file_polyfills_for_hip_is_not_missing():
+    polyfill = "static __device__ __forceinline__ int __vsubss4(const int a, const int b) {\n  return a - b;\n}\n"
+    calls = "__device__ int f(int a, int b) { return __vsubss4(a, b); }\n__device__ int g(int a) { return __dp4a(a, a, 0); }\n"
+    for guard, lines in (("#ifdef USE_ROCM", [7]), ("#ifndef USE_ROCM", [6, 7])):  # the latter: CUDA's copy only
+        code = f"{guard}\n{polyfill}#endif\n{calls}"
+        assert [f.line for f in lint_text(code, "snippet.cu") if f.rule == "missing-intrinsic"] == lines, guard
+
+
 def test_host_warp_size_flags_a_local_alias_where_it_is_set_and_no_member_of_its_name():
     code = ("dim3 block_dim_for(int cols) {\n  const int x = GPU_WARP_SIZE;\n  return dim3(x, cols / x);\n}\n"
             "int blocks(dim3 block_dim, int n) {\n  return n / block_dim.x;\n}\n")

@@ -1285,9 +1285,13 @@ def check_missing_intrinsics(text: str) -> Iterable[Hit]:
     """Flag calls of CUDA intrinsics HIP lacks (the cache-hinted `__ldcs` / `__ldcg` / `__ldca` where a cast
     names a non-half type: HIP has them for half only), `atomicAdd` on half or half2 (HIP has no such overload):
     its value a variable declared `half` / `half2` in its function (in the file, outside any function) or a
-    `__halves2half2(...)`, or its address a half pointer, and `atomicCAS` on a 16-bit address (HIP has none)."""
+    `__halves2half2(...)`, or its address a half pointer, and `atomicCAS` on a 16-bit address (HIP has none). An
+    intrinsic the file defines itself in code hipcc compiles (a polyfill under `#ifdef USE_ROCM`) is flagged neither
+    where it is defined nor where it is called."""
+    polyfilled = {function.name for function in functions(text)}
     for call in _MISSING_INTRINSIC.finditer(text):
-        yield Hit(*_position(text, call.start()))
+        if call.group(0).rstrip("( \t\n") not in polyfilled:
+            yield Hit(*_position(text, call.start()))
     for call in _HALF_ONLY_LOAD.finditer(text):
         if _NON_HALF_TYPE.search(_balanced_args(text, call.end() - 1)):
             yield Hit(*_position(text, call.start()), "HIP has this load for __half / __half2 only")
