@@ -1154,10 +1154,19 @@ def _body_starts(text: str) -> tuple[int, ...]:
     return tuple(f.body_start for f in functions(text))
 
 
+def _header_start(text: str, function: Function) -> int:
+    """Where `function`'s signature starts: just past the statement or block before it."""
+    return max(text.rfind(";", 0, function.body_start - 1), text.rfind("}", 0, function.body_start - 1)) + 1
+
+
+def function_header(text: str, function: Function) -> str:
+    """`function`'s signature, from the end of the statement or block before it to its opening brace."""
+    return text[_header_start(text, function) : function.body_start - 1]
+
+
 def function_scope(text: str, function: Function) -> str:
     """`function`'s signature and body: from the end of the statement or block before it to its closing brace."""
-    header_start = max(text.rfind(";", 0, function.body_start - 1), text.rfind("}", 0, function.body_start - 1)) + 1
-    return text[header_start : function.body_end]
+    return text[_header_start(text, function) : function.body_end]
 
 
 def enclosing_function(text: str, offset: int) -> Function | None:
@@ -1353,7 +1362,7 @@ def check_missing_return(text: str) -> Iterable[Hit]:
     classes = set(re.findall(r"\b(?:class|struct)\s+(\w+)", text))  # a function named after one is its constructor
     macros = set(source_constants(text))  # qualifier macros (`#define HOST_DEVICE __host__ __device__`)
     for function in functions(text):
-        header = function_scope(text, function)[: function.body_start - function.body_end - 1]
+        header = function_header(text, function)
         name = re.escape(function.name)
         if function.name in classes or re.search(rf"\b{name}\s*(?:<[^<>]*>\s*)?::\s*{name}\s*\(", header):
             continue  # a constructor, also one defined outside its class (`Point::Point() {`)

@@ -138,7 +138,8 @@ class ActivationOffload:
         if spare:
             host, last_read = spare.pop()
         else:
-            host, last_read = pinned_buffer(raw.numel()) if self.on_gpu else torch.empty(raw.numel(), dtype=torch.uint8), None
+            host = pinned_buffer(raw.numel()) if self.on_gpu else torch.empty(raw.numel(), dtype=torch.uint8)
+            last_read = None
         if not self.on_gpu:
             host.copy_(raw)
             return _Offloaded(host, None)
