@@ -207,18 +207,19 @@ def test_bench_variant_with_overrides_records_the_plan(tmp_path):
 def test_recomputed_inputs_go_to_the_host_up_to_its_room_then_stay_on_the_device():
     """The host holds 3 layers' inputs; 2 more stay on the device (10 each), within the free bytes; when they do
     not fit, spared layers are recomputed instead, lowest first; when nothing is left to give way, a clear error."""
-    spared = {"keep": 25, "selective": 15}
+    held = {"keep": 25, "selective": 15, "recompute": 0, "recompute_device": 10}
     five = ["recompute"] * 5
-    assert place_recomputed_inputs(five, 3, 10, 20, spared) == ["recompute"] * 3 + ["recompute_device"] * 2
-    assert place_recomputed_inputs(five, 9, 10, 0, spared) == five  # room for all: nothing on the device
-    assert place_recomputed_inputs(five, 9, 10, -5, spared) == five  # within the budget, not its margin: as above
+    assert place_recomputed_inputs(five, 3, 20, held) == ["recompute"] * 3 + ["recompute_device"] * 2
+    assert place_recomputed_inputs(five, 9, 0, held) == five  # room for all: nothing on the device
+    assert place_recomputed_inputs(five, 9, -5, held) == five  # within the budget, not its margin: as above
     mixed = ["recompute"] * 4 + ["selective", "keep"]
     # 1 input on the device (10) + selective (15) + keep (25) = 50 > 45: the selective layer gives way
-    assert place_recomputed_inputs(mixed, 3, 10, 45, spared) == ["recompute"] * 3 + ["recompute_device"] * 2 + ["keep"]
+    assert place_recomputed_inputs(mixed, 3, 45, held) == ["recompute"] * 3 + ["recompute_device"] * 2 + ["keep"]
     with pytest.raises(ValueError, match="host memory holds 3 layers' inputs and the GPU budget 1 more; 5 are recomputed"):
-        place_recomputed_inputs(five, 3, 10, 19, spared)
+        place_recomputed_inputs(five, 3, 19, held)
     plan = RecomputePlan(["recompute", "recompute_device", "keep"], 100, 50, 25, 15, "cuda memory", input_bytes=10,
                          offload_inputs=True)  # fmt: skip
+    assert plan.held_bytes == {"keep": 35, "selective": 25, "offload": 0, "recompute": 0, "recompute_device": 10}
     assert plan.predicted_peak_bytes == 50 + 10 + 25 + 10  # the device-held input and the kept layer (with its input)
 
 

@@ -90,11 +90,15 @@ class RecomputePlan:
         return {t: self.treatments.count(t) for t in TREATMENTS}
 
     @property
-    def predicted_peak_bytes(self) -> int:
+    def held_bytes(self) -> dict[str, int]:
+        """What one layer holds on the device beyond `base_bytes`, per treatment (an offloaded layer: only in flight)."""
         extra = self.input_bytes if self.offload_inputs else 0  # a spared layer's input no longer counted in base
-        per_layer = {"keep": self.keep_bytes + extra, "selective": self.selective_bytes + extra, "offload": 0, "recompute": 0,
-                     "recompute_device": self.input_bytes}  # fmt: skip
-        return self.base_bytes + held_beyond_base(self.treatments, per_layer, self.offload_bytes, self.offload_every)
+        return {"keep": self.keep_bytes + extra, "selective": self.selective_bytes + extra, "offload": 0, "recompute": 0,
+                "recompute_device": self.input_bytes}  # fmt: skip
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.base_bytes + held_beyond_base(self.treatments, self.held_bytes, self.offload_bytes, self.offload_every)
 
     def summary(self) -> str:
         counts = ", ".join(f"{n} {t}" for t, n in self.counts.items() if n)
@@ -163,15 +167,15 @@ def offload_limit(host_bytes: int, layers: int, input_bytes: int, offload_bytes:
     return max(0, host_bytes - layers * input_bytes) // max(offload_bytes - input_bytes, 1)
 
 
-def place_recomputed_inputs(treatments: list[str], host_room: int, input_bytes: int, free_bytes: int,
-                            spared_bytes: dict[str, int], offload_bytes: int = 0, offload_every: int = 0) -> list[str]:  # fmt: skip
+def place_recomputed_inputs(treatments: list[str], host_room: int, free_bytes: int, held: dict[str, int],
+                            offload_bytes: int = 0, offload_every: int = 0) -> list[str]:  # fmt: skip
     """With recomputed layers' inputs waiting in host memory: the host holds at most `host_room` of them (the
-    lowest layers'); the others keep theirs on the device (``recompute_device``, `input_bytes` each, within
-    `free_bytes` beside the spared layers' `spared_bytes` per treatment and the offloaded layers in flight, as
-    `held_beyond_base` counts them), spared layers giving way (recomputed instead, lowest first) while they do not
-    fit. ValueError when they do not fit with every layer recomputed."""
+    lowest layers'); the others keep theirs on the device (``recompute_device``), within `free_bytes` beside the
+    spared layers and the offloaded layers in flight (`held` bytes per treatment, as `held_beyond_base` counts
+    them), spared layers giving way (recomputed instead, lowest first) while they do not fit. ValueError when they
+    do not fit with every layer recomputed."""
     treatments = list(treatments)
-    held = {**spared_bytes, "recompute_device": input_bytes}
+    input_bytes = held["recompute_device"]
     while True:
         recomputed = [i for i, t in enumerate(treatments) if t in ("recompute", "recompute_device")]
         for rank, index in enumerate(recomputed):
@@ -355,23 +359,22 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
             f"needs with every layer recomputed{' and ' + ', '.join(pulled.values()) if pulled else ''}; raise the budget, "
             "or lower per_device_train_batch_size or cutoff_len"
         )
-    extra = probe.input_bytes if plan.offload_inputs else 0
     free = int(budget * (1 - MARGIN)) - plan.base_bytes
     if free < 0:
         log.warning("the step needs %.1f GiB with every layer recomputed: within gradient_checkpointing_budget=%.1f GiB "
                     "but not its %d%% margin for fragmentation, so the peak may pass the budget", plan.base_bytes / GIB,
                     budget / GIB, round(MARGIN * 100))  # fmt: skip
     if spare:
-        plan.treatments = choose_treatments(len(layers), keep_bytes + extra, selective_bytes + extra, free,
-                                            offload_every, plan.offload_bytes, max_offloaded)  # fmt: skip
+        held = plan.held_bytes
+        plan.treatments = choose_treatments(len(layers), held["keep"], held["selective"], free, offload_every,
+                                            plan.offload_bytes, max_offloaded)  # fmt: skip
     else:
         plan.treatments = ["recompute"] * len(layers)
     if plan.offload_inputs:
         host_room = (host_bytes - plan.treatments.count("offload") * plan.offload_bytes) // max(probe.input_bytes, 1)
-        spared = {"keep": keep_bytes + extra, "selective": selective_bytes + extra}
         try:
-            plan.treatments = place_recomputed_inputs(plan.treatments, max(host_room, 0), probe.input_bytes, free,
-                                                      spared, plan.offload_bytes, offload_every)  # fmt: skip
+            plan.treatments = place_recomputed_inputs(plan.treatments, max(host_room, 0), free, plan.held_bytes,
+                                                      plan.offload_bytes, offload_every)  # fmt: skip
         except ValueError as err:
             raise UserError(f"the step at batch {batch} x {seq} tokens does not fit gradient_checkpointing_budget="
                             f"{budget / GIB:.1f} GiB: {err}; raise the budget, free host memory, or lower "
