@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 from tiletune.errors import UserError
-from tiletune.port.engines import select_engine
+import torch
+from torch.utils.hipify import hipify_python
+
+from tiletune.port.engines import TORCH_TABLE_CORRECTIONS, select_engine, torch_table_undeclared
 from tiletune.port.hipify import cuda_names
 
 from port_corpus import CLEAN_SAMPLE
@@ -80,6 +83,47 @@ def test_torch_engine_maps_the_fp8_device_runtime_and_launch_parameter_headers(t
     hip = select_engine("torch").translate(source)
     assert '"hip/hip_runtime.h"' in hip and "<hip/hip_runtime_api.h>" in hip and "<hip/hip_fp8.h>" in hip
     assert not cuda_names(hip)
+
+
+def test_torch_engine_writes_the_names_hip_declares_where_torchs_table_misspells_them(tmp_path):
+    """torch's table writes `hipPointerAttributeMemoryType`, `hipStreamCreate__`, `hipDeviceP2PAttribute...`;
+    HIP declares `HIP_POINTER_ATTRIBUTE_MEMORY_TYPE`, `hipStreamCreateWithFlags`, `hipDevP2PAttr...`."""
+    source = tmp_path / "driver.cpp"
+    source.write_text(
+        "void f(CUdeviceptr p, CUdevice d, CUdevice peer) { CUstream s; cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);\n"
+        "  CUmemorytype type; cuPointerGetAttribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, p);\n"
+        "  int rank; cuDeviceGetP2PAttribute(&rank, CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, d, peer);\n"
+        "  size_t total; cuDeviceTotalMem(&total, d); cuCtxPopCurrent(nullptr); }\n"
+        "size_t bytes = sizeof(__nv_fp8x2_storage_t);\n")
+    hip = select_engine("torch").translate(source)
+    assert "hipStreamCreateWithFlags(&s, hipStreamNonBlocking)" in hip
+    assert "hipPointerGetAttribute(&type, HIP_POINTER_ATTRIBUTE_MEMORY_TYPE, p)" in hip
+    assert "hipDeviceGetP2PAttribute(&rank, hipDevP2PAttrPerformanceRank, d, peer)" in hip
+    assert "hipDeviceTotalMem(&total, d); hipCtxPopCurrent(nullptr);" in hip and "sizeof(__hip_fp8x2_storage_t)" in hip
+    assert not cuda_names(hip)
+
+
+def test_a_name_torchs_table_maps_to_nothing_hip_declares_is_left_and_counted(tmp_path):
+    """`cudaErrorInvalidHostPointer` -> torch's `hipErrorInvalidHostPointer`, which HIP does not declare: the name
+    stays as written, so the report counts it left untranslated instead of a compile error on an AMD machine."""
+    source = tmp_path / "errors.cu"
+    source.write_text("bool f(cudaError_t e) { return e == cudaErrorInvalidHostPointer || e == cudaErrorInvalidValue; }\n")
+    hip = select_engine("torch").translate(source)
+    assert "e == cudaErrorInvalidHostPointer || e == hipErrorInvalidValue" in hip
+    assert cuda_names(hip) == {"cudaErrorInvalidHostPointer": 1}
+
+
+def test_the_undeclared_list_is_torchs_table_of_its_version_and_no_correction_is_on_it():
+    """Regenerate with benchmarks/hipify_eval/torch_table_audit.py when torch's table changes."""
+    header = (Path(__file__).parents[2] / "src/tiletune/port/torch_table_undeclared.txt").read_text()
+    listed_for = re.search(r"torch (\S+)'s hipify table", header).group(1)
+    if listed_for != torch.__version__:
+        pytest.skip(f"the list was written from torch {listed_for}'s table, this is torch {torch.__version__}: "
+                    "run benchmarks/hipify_eval/torch_table_audit.py with HIP's headers to check it against this one")
+    undeclared = torch_table_undeclared()
+    assert len(undeclared) > 400
+    assert all(hipify_python.PYTORCH_MAP.get(name) == target for name, target in undeclared.items())
+    assert not set(undeclared) & set(TORCH_TABLE_CORRECTIONS)
 
 
 def test_a_projects_own_cu_named_variables_are_not_cuda_names():
