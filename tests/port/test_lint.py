@@ -70,6 +70,7 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("#if FOO\n#elif __CUDA_ARCH__ == 900\nfast_path();\n#endif", "cuda-arch-guard"),
     ("#ifdef __CUDA_ARCH__\n__syncthreads();\n#endif", "cuda-arch-guard"),
     ("#if EIGEN_CUDA_ARCH >= 530\nreturn __hadd2(a, b);\n#endif", "cuda-arch-guard"),  # defined as __CUDA_ARCH__ elsewhere
+    ("#if (__CUDA_ARCH__ < 110)\n#define atomicAdd(x, y) *(x) += 0\n#endif", "cuda-arch-guard"),  # sm_1x's no-op, taken
     ("bool pick(int n, int& warp_size) { warp_size = (n < 32) ? n : 32; return true; }", "host-warp-size"),
     # a warp-size macro of another header sizing a launch: the host pass cannot know the device's wavefront
     ("void launch(float* x, cudaStream_t s) {\n  dim3 block(WARP_SIZE, 4);\n  k<<<1, block, 0, s>>>(x);\n}",
@@ -236,6 +237,9 @@ def test_rule_variants_fire(code, rule):
     # AMD loses only the old-GPU trap and compiles the real conversion
     ("__device__ float2 f(bf162 v) {\n#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800\n  assert(false);\n#else\n"
      "  return __bfloat1622float2(v);\n#endif\n}", "cuda-arch-guard"),
+    # an old-GPU branch that only adds a barrier (the safe choice); a branch for new GPUs and the host pass, taken
+    ("#if !defined(__STOCHASTIC_MODE__) || __CUDA_ARCH__ < 700\n  b.sync();\n#endif", "cuda-arch-guard"),
+    ("#if (__CUDA_ARCH__ >= 800 || !defined(__CUDA_ARCH__))\n  st_release(p, v);\n#endif", "cuda-arch-guard"),
     ("#if defined(__NVCC__) || defined(__HIPCC__)\n#define HD __host__ __device__\n#endif", "compiler-guard"),
     ("(void)cudaGetLastError();\ncudaError_t e = cudaGetLastError();\nCHECK(cudaGetLastError());", "discarded-status"),
     (("template <typename T> struct Reduce {\n  void operator()(T* x, int n) {\n    if constexpr (sizeof(T) == 2)\n"

@@ -853,6 +853,7 @@ def check_warp_size_definitions(text: str) -> Iterable[Hit]:
 
 # ---- __CUDA_ARCH__ tests that compile code out on AMD ---------------------------------------------
 
+_OLD_ARCH_TEST = re.compile(r"\b(?:__CUDA_ARCH__|\w+_CUDA_ARCH)\s*<")
 _ARCH_TEST = re.compile(r"\b(?:__CUDA_ARCH__|\w+_CUDA_ARCH)\s*(?:[<>]=?|==|!=)|defined\s*\(?\s*(?:__CUDA_ARCH__|\w+_CUDA_ARCH)\b")
 
 
@@ -864,6 +865,9 @@ _AMD_MACRO = re.compile(rf"\b(?:{'|'.join(sorted(DEFINED_ON_AMD | {'__HIP_DEVICE
 # A branch that only traps: `assert(false);`, `__trap();`, llama.cpp's `NO_DEVICE_CODE;` (nothing lost without it).
 _STUB = re.compile(r"(?:\s*(?:assert\s*\(\s*(?:false|0)\s*\)|__trap\s*\(\s*\)|__builtin_(?:trap|unreachable)\s*\(\s*\)"
                    r"|NO_DEVICE_CODE)\s*;?)*\s*")
+
+# A branch that only synchronises the block or the warp (`__syncthreads();`, a cooperative group's `b.sync();`).
+_BARRIER = re.compile(r"(?:\s*(?:__syncthreads|__syncwarp|\w+\.sync)\s*\(\s*\)\s*;)+\s*")
 
 
 def _branch_body(text: str, opening, following) -> str:
@@ -877,11 +881,11 @@ def _directive_hit(text: str, directive, detail: str) -> Hit:
     return Hit(directive.first + 1, len(line) - len(line.lstrip()) + 1, detail)
 
 
-def _guards_compiling_out(text: str, test: re.Pattern, true_alone: bool = False, skip=None) -> Iterable[Hit]:
+def _guards_compiling_out(text: str, test: re.Pattern, true_alone: re.Pattern | None = None, skip=None) -> Iterable[Hit]:
     """Each `#if` / `#elif` whose condition matches `test` where hipcc compiles a branch of its group out because
     of it: its own (a false test) or, when it is true on AMD, the `#elif` / `#else` after it. A true test with
-    nothing after it only keeps its code, which is then compiled on AMD: flagged only with `true_alone` (a branch
-    meant for another compiler, taken). A condition that also names an AMD macro
+    nothing after it only keeps its code, which is then compiled on AMD: flagged only when its condition matches
+    `true_alone` (a branch meant for another compiler, or for old NVIDIA GPUs, taken). A condition that also names an AMD macro
     (`defined(__NVCC__) || defined(__HIPCC__)`) is a port already made; a group where AMD loses only a trap
     (`#if __CUDA_ARCH__ < 800` / `assert(false);` / `#else` the real code) costs nothing. `text` keeps the
     branches hipcc compiles out (`Rule.reads_dead_code`). `skip(directive, found)` leaves more directives alone."""
@@ -897,7 +901,9 @@ def _guards_compiling_out(text: str, test: re.Pattern, true_alone: bool = False,
                    [_branch_body(text, d, n) for d, n in zip(later, closing[1:])] if value is True else [])
         if dropped and all(_STUB.fullmatch(body) for body in dropped):
             continue  # AMD loses only a trap (`assert(false)` for old GPUs) and compiles the real code
-        if value is not True or later or true_alone:
+        if value is True and not later and closing and _BARRIER.fullmatch(_branch_body(text, directive, closing[0])):
+            continue  # AMD gains only a barrier (`#if __CUDA_ARCH__ < 700` / `__syncthreads();`): the safe choice
+        if value is not True or later or (true_alone is not None and true_alone.search(directive.condition)):
             yield _directive_hit(text, directive,
                       "the branch it opens is compiled out on AMD" if value is False
                       else f"the branch on line {later[0].first + 1} is compiled out on AMD" if value is True and later
@@ -927,8 +933,11 @@ def _arch_defines(text: str) -> Iterable[Hit]:
 def check_arch_guards(text: str) -> Iterable[Hit]:
     """Flag an `#if` / `#elif` that tests `__CUDA_ARCH__` (a comparison, or `#ifdef`) where hipcc compiles a
     branch of its group out because of it (`>= 800` and `defined(__CUDA_ARCH__)` are false on AMD, `< 700` true),
-    and a macro defined as such a test (`#define HAS_BF16 (__CUDA_ARCH__ >= 800)`), which is a constant on AMD."""
-    return sorted([*_guards_compiling_out(text, _ARCH_TEST), *_arch_defines(text)], key=lambda hit: hit.line)
+    and a macro defined as such a test (`#define HAS_BF16 (__CUDA_ARCH__ >= 800)`), which is a constant on AMD. A
+    test for GPUs older than sm_N (`#if __CUDA_ARCH__ < 600`) is true on AMD: its branch (a CAS-loop `atomicAdd`
+    for doubles, a no-op `atomicAdd` macro for sm_1x) is compiled there even with nothing after it."""
+    return sorted([*_guards_compiling_out(text, _ARCH_TEST, true_alone=_OLD_ARCH_TEST), *_arch_defines(text)],
+                  key=lambda hit: hit.line)
 
 
 def check_compiler_guards(text: str) -> Iterable[Hit]:
@@ -941,17 +950,17 @@ def check_compiler_guards(text: str) -> Iterable[Hit]:
     nvcc = list(_guards_compiling_out(text, _NVCC_TEST))
     # an old-compiler or old-toolkit escape (`#if __GNUC__ < 6`, `#if CUDA_VERSION < 8000` / `#error`) is the trap
     # when hipcc takes it, even with nothing after it
-    gcc = list(_guards_compiling_out(text, _GCC_VERSION_TEST, true_alone=True))
+    gcc = list(_guards_compiling_out(text, _GCC_VERSION_TEST, true_alone=_GCC_VERSION_TEST))
     # a CUDA-version test hipcc answers (a `__CUDA_ARCH__` test in it is cuda-arch-guard's), except the one choice
     # that goes AMD's way: `*_sync` warp functions for CUDA >= 9 with an `#else` of the legacy ones HIP has
     def undecided(directive, found) -> bool:
         return (bool(_ARCH_TEST.search(directive.condition)) or on_amd(directive.condition) is None
                 or _legacy_warp_fallback(text, directive, found))
 
-    cuda = list(_guards_compiling_out(text, _CUDA_VERSION_TEST, true_alone=True, skip=undecided))
+    cuda = list(_guards_compiling_out(text, _CUDA_VERSION_TEST, true_alone=_CUDA_VERSION_TEST, skip=undecided))
     # an AMD branch of the hcc era is compiled out from ROCm 6.0, and an `#ifndef __HIP_PLATFORM_HCC__` branch meant
     # for CUDA alone is taken
-    hcc = list(_guards_compiling_out(text, _HCC_TEST, true_alone=True))
+    hcc = list(_guards_compiling_out(text, _HCC_TEST, true_alone=_HCC_TEST))
     # `#ifdef __CUDA_BF16_TYPES_EXIST__`: a feature HIP has, tested by a macro only CUDA's header defines
     feature = list(_guards_compiling_out(text, _CUDA_FEATURE_TEST))
     return sorted({hit.line: hit for hit in cuda + gcc + nvcc + hcc + feature}.values(), key=lambda hit: hit.line)
