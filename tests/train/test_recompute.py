@@ -15,6 +15,7 @@ from tiletune.config import build_config
 from tiletune.errors import UserError
 from tiletune.train.model import prepare_for_training
 from tiletune.patch import decoder_layers
+from tiletune.train import recompute
 from tiletune.train.recompute import (RecomputePlan, apply_treatments, choose_treatments, place_recomputed_inputs,
                                      plan_recomputation)
 
@@ -221,6 +222,26 @@ def test_recomputed_inputs_go_to_the_host_up_to_its_room_then_stay_on_the_device
                          offload_inputs=True)  # fmt: skip
     assert plan.held_bytes == {"keep": 35, "selective": 25, "offload": 0, "recompute": 0, "recompute_device": 10}
     assert plan.predicted_peak_bytes == 50 + 10 + 25 + 10  # the device-held input and the kept layer (with its input)
+
+
+@pytest.mark.parametrize("forward_ms, copy_gib, pulled", [
+    (3.5, 0.6, False),  # an 8-layer MoE step: the lm_head's 24 ms copy spares 3 layers' 10.5 ms of recomputation
+    (30.0, 0.6, True),  # layers of 30 ms: the same copy pays off
+    (30.0, 0.02, False),  # a small head frees too little to spare a layer: nothing gained
+])
+def test_an_eager_lever_is_pulled_only_where_the_recomputation_it_spares_costs_more_than_its_copy(
+        monkeypatch, forward_ms, copy_gib, pulled):  # fmt: skip
+    """8 layers holding 0.25 GiB each when kept, 0.2 GiB free under the budget's margin; the host link 27 GB/s."""
+    monkeypatch.setattr(recompute, "_host_link_bytes_per_s", lambda device, nbytes: 27e9)
+    gib = 2**30
+    probe = recompute._ProbeResult(held={3: gib // 4, 2: gib // 4}, peak=0, peak_below=0, input_bytes=0,
+                                   forward_ms=forward_ms, on_gpu=True, depth=4)  # fmt: skip
+    lever = recompute.Lever("lm_head on host", lambda model: None, lambda model: None, lambda model: "",
+                            eager=True, copied_bytes=lambda model: int(copy_gib * gib))  # fmt: skip
+    budget = 10 * gib
+    base = int(budget * (1 - recompute.MARGIN)) - gib // 5
+    assert recompute._recomputed(probe, base, 8, budget, offload_inputs=False) == 8
+    assert recompute._pays_off(lever, None, probe, base, 8, budget, False, torch.device("cpu")) is pulled
 
 
 def _fresh_gpu_shape(intermediate: int, layers: int):

@@ -316,10 +316,11 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
             levers = [other for other in levers if other.name != lever.name]  # more of it would not help either
         before = None
         if budget is None or (base is not None and base <= budget * (1 - MARGIN)):
-            eager = [lever for lever in levers if lever.eager]
-            if not eager or not spare or not _recomputes(probe, base, len(layers), budget, offload_inputs):
+            eager = [lever for lever in levers if lever.eager and spare
+                     and _pays_off(lever, model, probe, base, len(layers), budget, offload_inputs, device)]  # fmt: skip
+            if not eager:
                 break
-            lever = eager[0]  # the budget makes some layer recompute: a near-free lever spares part of that
+            lever = eager[0]  # the budget makes some layers recompute: a lever whose copy costs less spares some
             levers.remove(lever)
         elif levers:
             lever = levers.pop(0)
@@ -388,14 +389,16 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
 @dataclass(frozen=True)
 class Lever:
     """A way to lower the step's memory at some cost in time, pulled when recomputation is not enough, or, when
-    `eager` (its cost hides behind other work), as soon as the budget makes any layer recompute. One that does
-    not lower the probed peak (the peak is where it does not reach) is undone."""
+    `eager`, as soon as the budget makes layers recompute whose forwards cost more than the lever's copy from the
+    host (`copied_bytes`, `_pays_off`). One that does not lower the probed peak (the peak is where it does not
+    reach) is undone."""
 
     name: str
     why_not: Callable  # model -> the reason it cannot be pulled, or None
     pull: Callable  # model -> a callable that undoes it
     summary: Callable  # model -> what was done, for the plan's summary
     eager: bool = False
+    copied_bytes: Callable = lambda model: 0  # model -> what it copies from the host each step, once pulled
 
 
 def _lowered(before: int | None, after: int | None) -> bool:
@@ -403,13 +406,26 @@ def _lowered(before: int | None, after: int | None) -> bool:
     return after is not None and (before is None or after < before - 2**20)
 
 
-def _recomputes(probe: _ProbeResult, base: int, layers: int, budget: int, offload_inputs: bool) -> bool:
-    """Whether the plan `choose_treatments` makes within `budget` recomputes some layer's matmuls (a spared layer
-    also holds its input when the recomputed ones' wait on the host)."""
+def _recomputed(probe: _ProbeResult, base: int, layers: int, budget: int, offload_inputs: bool, freed: int = 0) -> int:
+    """How many layers the plan `choose_treatments` makes within `budget`, with `freed` more bytes, recomputes (a
+    spared layer also holds its input when the recomputed ones' wait on the host)."""
     keep, selective = probe.spared_bytes()
     extra = probe.input_bytes if offload_inputs else 0
-    free = int(budget * (1 - MARGIN)) - base
-    return "recompute" in choose_treatments(layers, keep + extra, selective + extra, free)
+    free = int(budget * (1 - MARGIN)) - base + freed
+    return choose_treatments(layers, keep + extra, selective + extra, free).count("recompute")
+
+
+def _pays_off(lever: Lever, model, probe: _ProbeResult, base: int, layers: int, budget: int, offload_inputs: bool,
+              device: torch.device) -> bool:  # fmt: skip
+    """Whether an eager lever spares more recomputation (a layer's forward each, in the probe's time) than its copy
+    from the host costs each step (the lm_head of an 8-layer MoE step: 24 ms of copy to spare 3 layers of 3.5 ms)."""
+    copied = lever.copied_bytes(model)
+    spared = _recomputed(probe, base, layers, budget, offload_inputs) - _recomputed(
+        probe, base, layers, budget, offload_inputs, freed=copied)
+    if spared <= 0:
+        return False
+    copy_ms = copied / _host_link_bytes_per_s(device, min(copied, 256 * 2**20)) * 1e3 if copied else 0.0
+    return spared * probe.forward_ms > copy_ms
 
 
 def _mlp_lever(chunks: int) -> Lever:
@@ -449,7 +465,8 @@ def _mlp_lever(chunks: int) -> Lever:
 def levers_for(model) -> list[Lever]:
     """What the planner may pull for `model`, cheapest first: the input embeddings to the host (a CPU gather and
     one copy per step: a few ms), the lm_head to the host (one copy per step, read in slices beside the fused
-    loss's GEMMs or sent whole beside the decoder's forward: eager),
+    loss's GEMMs or sent whole beside the decoder's forward: eager where the recomputation it spares costs more
+    than its copy),
     then the MLPs in 2, 4, ... chunks of tokens up to twice as many as keep a chunk's intermediate within the
     hidden states (each costs one more MLP forward per layer and step unless a re-entrant recomputation can skip it,
     `tiletune.train.tiled_mlp`, and over a quantized base one more
@@ -462,7 +479,7 @@ def levers_for(model) -> list[Lever]:
                   lambda model: "the input embeddings in host memory"),
             Lever("lm_head on host", why_head_not_on_host, _undoable(head_to_host, head_to_device),
                   lambda model: "the lm_head in host memory (copied in during each forward, in slices by the fused loss)",
-                  eager=True),
+                  eager=True, copied_bytes=lambda model: model.get_output_embeddings().weight.nbytes),
             *map(_mlp_lever, chunks)]
 
 
