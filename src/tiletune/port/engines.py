@@ -10,7 +10,9 @@ decides where the text goes, so the input tree stays untouched.
 
 The torch engine applies torch's table the way `torch.utils.hipify` does, plus `TORCH_TABLE_GAPS`:
 what that table misses and hipify-perl / hipify-clang translate (CUB, PyTorch's own CUDA headers,
-the kernel cast `hipFuncSetAttribute` needs), and the HIP runtime include a host-only file needs.
+the kernel cast `hipFuncSetAttribute` needs), and the HIP runtime include a host-only file needs. Before the table
+it writes HIP's own name where the table misspells one (`TORCH_TABLE_CORRECTIONS`), and it leaves a CUDA name whose
+table entry names nothing HIP declares as it is (`torch_table_undeclared.txt`), so the report lists it as left.
 """
 
 from __future__ import annotations
