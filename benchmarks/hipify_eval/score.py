@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import urllib.request
@@ -53,8 +54,15 @@ class ChangeClass:
     kept_covers: bool = False
     # a preprocessor test the translation renames (`__CUDACC__` -> `__HIPCC__`) so that hipcc answers it otherwise
     translation_decides_guard: bool = False
+    # a line the humans inserted (the lines name no `#include`) that the translation inserts too, wherever it puts it:
+    # torch's hipify adds `#include "hip/hip_runtime.h"` at the top of a file with kernel syntax and no CUDA runtime
+    # include, where nvcc had included cuda_runtime.h implicitly
+    translation_inserts: re.Pattern | None = None
 
 
+HIP_RUNTIME_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]hip/hip_runtime\.h[>"]', re.MULTILINE)
+CUDA_RUNTIME_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"](?:cuda|cuda_runtime|cuda_runtime_api)\.h[>"]',
+                                  re.MULTILINE)
 WARP_RULES = ("warp-size-define", "warp-size-literal", "warp-lane-loop", "lane-indexed-warp-array",
               "block-32-threads", "warp-tile-32", "mask-32bit", "ballot-32bit-result", "popc-32bit", "host-warp-size",
               "warp-size-assert", "warp-buffer-passed-on")
@@ -87,7 +95,8 @@ CLASSES: dict[str, ChangeClass] = {
     "wmma-header": ChangeClass(("wmma",), True, "<mma.h> removed"),
     "missing-include": ChangeClass((), False, "a standard header CUDA's headers include transitively, added"),
     "missing-intrinsic": ChangeClass(("missing-intrinsic",), False, "a polyfill for a CUDA intrinsic HIP lacks (__dp4a, __vsubss4)"),
-    "runtime-header": ChangeClass((), True, "CUDA runtime / cuBLAS / fp16 headers -> HIP's"),
+    "runtime-header": ChangeClass((), True, "CUDA runtime / cuBLAS / fp16 headers -> HIP's",
+                                  translation_inserts=HIP_RUNTIME_INCLUDE),
     "blas-workaround": ChangeClass((), False, "a call added to work around a rocBLAS bug"),
     "missing-overload": ChangeClass(("ldg-torch-half",), False, "an at::Half overload HIP lacks (__ldg, __shfl_*) added"),
     "blas-signature": ChangeClass((), True, "a cuBLAS call rewritten for rocBLAS's other arguments (hipBLAS keeps cuBLAS's)"),
@@ -313,7 +322,10 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
         after = "\n".join(line for n in lines for line in translated_of[n])
         rewritten = ((kind.translation_covers and after.strip() != before.strip() and not cuda_names(after))
                      or (kind.kept_covers and after.strip() == before.strip())
-                     or (kind.translation_decides_guard and _guard_decided(before, after, hip_build)))  # fmt: skip
+                     or (kind.translation_decides_guard and _guard_decided(before, after, hip_build))
+                     or (kind.translation_inserts is not None and "#include" not in before
+                         and kind.translation_inserts.search(translated) and not kind.translation_inserts.search(text)
+                         and not CUDA_RUNTIME_INCLUDE.search(text)))  # fmt: skip
         result.covered += bool(flagged or rewritten)
         result.by_translation += bool(rewritten)
         if not (flagged or rewritten):
