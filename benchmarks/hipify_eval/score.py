@@ -323,9 +323,7 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
         rewritten = ((kind.translation_covers and after.strip() != before.strip() and not cuda_names(after))
                      or (kind.kept_covers and after.strip() == before.strip())
                      or (kind.translation_decides_guard and _guard_decided(before, after, hip_build))
-                     or (kind.translation_inserts is not None and "#include" not in before
-                         and kind.translation_inserts.search(translated) and not kind.translation_inserts.search(text)
-                         and not CUDA_RUNTIME_INCLUDE.search(text)))  # fmt: skip
+                     or _inserted_elsewhere(kind, before, text, translated))  # fmt: skip
         result.covered += bool(flagged or rewritten)
         result.by_translation += bool(rewritten)
         if not (flagged or rewritten):
@@ -346,6 +344,14 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
         else:
             notes.append(f"false finding {port['name']}:{finding.line} [{finding.rule}] {label}")
     return result
+
+
+def _inserted_elsewhere(kind: ChangeClass, before: str, text: str, translated: str) -> bool:
+    """Whether the humans inserted a line (their lines hold no include) that the translation inserts too, elsewhere:
+    `kind.translation_inserts` is in the translation and not in the CUDA file, which includes no CUDA runtime header."""
+    pattern = kind.translation_inserts
+    return (pattern is not None and "#include" not in before and bool(pattern.search(translated))
+            and not pattern.search(text) and not CUDA_RUNTIME_INCLUDE.search(text))
 
 
 def _guard_decided(before: str, after: str, build: Build) -> bool:

@@ -26,10 +26,10 @@ UNDEFINED_ON_AMD = {"__CUDA_ARCH__", "__NVCC__", "__HIP_PLATFORM_HCC__",
 _DIRECTIVE = re.compile(r"^\s*#\s*(if|ifdef|ifndef|elif|else|endif)\b(.*)$")
 # CUDA's version macros are undefined under hipcc (0 in a comparison); torch's hipify renames CUDA_VERSION to
 # TORCH_HIP_VERSION (major * 100 + minor, ~600), which compares the same against CUDA's versions (>= 9000).
-_VERSION_TEST = re.compile(r"^(__CUDA_ARCH__|\w+_CUDA_ARCH|CUDA_VERSION|CUDART_VERSION|__CUDACC_VER_MAJOR__|__GNUC__)\s*(>=|<=|==|!=|>|<)\s*(\d+)[uUlL]*$")
-# a project's own name for __CUDA_ARCH__ (Eigen's `#define EIGEN_CUDA_ARCH __CUDA_ARCH__`, in another header): undefined
-# under hipcc as the macro it stands for
-_ARCH_ALIAS = re.compile(r"\w+_CUDA_ARCH")
+# __CUDA_ARCH__, or a project's own name for it (Eigen's `#define EIGEN_CUDA_ARCH __CUDA_ARCH__`, in another header):
+# undefined under hipcc as the macro it stands for
+CUDA_ARCH_NAME = r"(?:__CUDA_ARCH__|\w+_CUDA_ARCH)"
+_VERSION_TEST = re.compile(rf"^({CUDA_ARCH_NAME}|CUDA_VERSION|CUDART_VERSION|__CUDACC_VER_MAJOR__|__GNUC__)\s*(>=|<=|==|!=|>|<)\s*(\d+)[uUlL]*$")
 # hipcc's clang says it is GCC 4.2 (__GNUC__ 4, checked with hipcc 5.2: `#if __GNUC__ < 6` is taken); the others are 0.
 _VERSION_ON_AMD = {"__GNUC__": 4}
 _COMPARE = {">=": int.__ge__, "<=": int.__le__, "==": int.__eq__, "!=": int.__ne__, ">": int.__gt__, "<": int.__lt__}
@@ -67,7 +67,7 @@ def on_amd(condition: str, build: Build = HIPCC) -> bool | None:
         name = match.group(1)
         if name in DEFINED_ON_AMD | build.defined:
             return True
-        return False if name in UNDEFINED_ON_AMD | build.undefined or _ARCH_ALIAS.fullmatch(name) else None
+        return False if name in UNDEFINED_ON_AMD | build.undefined or re.fullmatch(CUDA_ARCH_NAME, name) else None
     if match := _VERSION_TEST.match(condition):
         return _COMPARE[match.group(2)](_VERSION_ON_AMD.get(match.group(1), 0), int(match.group(3)))
     if match := re.fullmatch(r"(\d+)[uUlL]*", condition):  # `#if 0`: code kept out of every build

@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from tiletune.port.preprocessor import DEFINED_ON_AMD, Build, dead_lines, directives, on_amd
+from tiletune.port.preprocessor import CUDA_ARCH_NAME, DEFINED_ON_AMD, Build, dead_lines, directives, on_amd
 
 LDS_LIMIT_BYTES = 64 * 1024
 
@@ -853,8 +853,8 @@ def check_warp_size_definitions(text: str) -> Iterable[Hit]:
 
 # ---- __CUDA_ARCH__ tests that compile code out on AMD ---------------------------------------------
 
-_OLD_ARCH_TEST = re.compile(r"\b(?:__CUDA_ARCH__|\w+_CUDA_ARCH)\s*<")
-_ARCH_TEST = re.compile(r"\b(?:__CUDA_ARCH__|\w+_CUDA_ARCH)\s*(?:[<>]=?|==|!=)|defined\s*\(?\s*(?:__CUDA_ARCH__|\w+_CUDA_ARCH)\b")
+_OLD_ARCH_TEST = re.compile(rf"\b{CUDA_ARCH_NAME}\s*<")
+_ARCH_TEST = re.compile(rf"\b{CUDA_ARCH_NAME}\s*(?:[<>]=?|==|!=)|defined\s*\(?\s*{CUDA_ARCH_NAME}\b")
 
 
 # A condition naming one of these is a port already made (`__HIP_DEVICE_COMPILE__`: hipcc's device pass; the hcc-era

@@ -424,7 +424,7 @@ def _pays_off(lever: Lever, model, probe: _ProbeResult, base: int, layers: int, 
         probe, base, layers, budget, offload_inputs, freed=copied)
     if spared <= 0:
         return False
-    copy_ms = copied / _host_link_bytes_per_s(device, min(copied, 256 * 2**20)) * 1e3 if copied else 0.0
+    copy_ms = copied / _host_link_bytes_per_s(device, min(copied, 256 * 2**20)) * 1e3  # spared > 0: copied > 0
     return spared * probe.forward_ms > copy_ms
 
 
