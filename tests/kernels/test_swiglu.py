@@ -136,7 +136,8 @@ def test_tilelang_matches_float64(name, dtype, tokens, inter):
 @pytest.mark.parametrize("scaled", [False, True])
 def test_packed_kernels_match_float64(name, rows, inter, scaled):
     """The packed [gate | up] kernels (the MoE experts' activation) against float64, with and without the row scale
-    of the backward; the gate of each output against torch's own bf16 computation of the same."""
+    of the backward, and the rows' dots of dy with the output; the gate of each output against torch's own bf16
+    computation of the same."""
     from _gpu_check import poison_allocator
 
     act = {"swiglu": swiglu.SILU, "geglu": geglu.GELU_TANH}[name]
@@ -155,9 +156,15 @@ def test_packed_kernels_match_float64(name, rows, inter, scaled):
 
     ref_y, ref_d = torch_way(gu.double(), dy.double(), None if scale is None else scale.double())
     bar_y, bar_d = torch_way(gu, dy, scale)
+    # each row's dot of dy with the output (the MoE routing weights' gradient): torch's way is a bf16 batched GEMM of
+    # the rounded output, as the experts computed it before the kernel summed it
+    ref_dots = (dy.double() * ref_y).sum(-1)
+    bar_dots = torch.bmm(bar_y.view(rows, 1, inter), dy.view(rows, inter, 1)).view(rows)
     poison_allocator()
     y = swiglu.tilelang_packed_forward(act, gu)
     d = swiglu.tilelang_packed_backward(act, dy, gu, scale)
-    for what, k, t, r in (("y", y, bar_y, ref_y), ("d gate_up", d, bar_d, ref_d)):
+    d_too, dots = swiglu.tilelang_packed_backward_dots(act, dy, gu, scale)
+    assert torch.equal(d, d_too), "the kernel with the rows' dots computes another d gate_up"
+    for what, k, t, r in (("y", y, bar_y, ref_y), ("d gate_up", d, bar_d, ref_d), ("row dots", dots, bar_dots, ref_dots)):
         verdict = gate(k, t, r)
         assert verdict.passed, f"{name} rows={rows} inter={inter} scaled={scaled} {what}: {verdict}"

@@ -28,9 +28,12 @@ The activation is a `GatedRows` record: PyTorch in the reference, swiglu's packe
 impl (the gate and up halves of a row read in place, float32 inside, one rounding). The k outputs of a token are
 merged without atomics: put back in (token, k) order and summed by one batched GEMM with the routing weights (the
 hidden states' gradient likewise, the routing weights' gradient by one batched GEMM with dy), in float32 with one
-rounding, the same bits on every run. The forward keeps [rows, 2·intermediate] and [rows, hidden] for the backward
-(Qwen3-30B-A3B at 8,192 tokens: 192 + 256 MiB per layer); a selective layer keeps them too, so its backward runs no
-grouped GEMM of the forward again.
+rounding, the same bits on every run. The forward keeps only the [rows, 2·intermediate] gate_up rows for the
+backward (Qwen3-30B-A3B at 8,192 tokens: 192 MiB per layer), not the [rows, hidden] expert outputs (256 MiB) the
+routing weights' gradient reads: that gradient is dy·(a·Dᵀ) = (dy·D)·a, the down projection's input gradient (which
+the backward computes anyway, before the routing weight enters) dotted with the activation a, summed in float32 by
+the activation's backward kernel in the same pass. A selective layer keeps the gate_up rows too, so its backward runs
+no grouped GEMM of the forward again.
 
 The reference runs the same steps with one PyTorch GEMM per expert (the "eager" loop), in the input dtype
 with float32 accumulation; the TileLang version's GEMMs accumulate in float32 and round once.
@@ -103,29 +106,31 @@ def route(top_k_index: Tensor, experts: int, block_m: int = BLOCK_M, slots_block
 _silu_gate = functools.partial(swiglu.reference_packed_forward, swiglu.SILU)  # silu(gate)·up of [gate | up] rows
 
 
-def _silu_gate_backward(da: Tensor, h: Tensor, row_scale: Tensor | None = None) -> Tensor:
-    """d[gate, up] of silu(gate)·up for the upstream gradient da (times `row_scale` [rows], if given), in float32
-    (float64 for float64), cast to h's dtype."""
+def _silu_gate_backward(da: Tensor, h: Tensor, row_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(d[gate, up] of silu(gate)·up for the upstream gradient da times `row_scale` [rows] (if given), in h's dtype;
+    [rows]: each row's dot of da (unscaled) with silu(gate)·up), in float32 (float64 for float64)."""
     acc = torch.promote_types(h.dtype, torch.float32)
     gate, up = h.to(acc).chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
+    dots = (da.to(acc) * gate * sig * up).sum(-1)
     da = da.to(acc) if row_scale is None else da.to(acc) * row_scale.to(acc)[:, None]
-    return torch.cat([da * up * sig * (1 + gate * (1 - sig)), da * gate * sig], dim=-1).to(h.dtype)
+    return torch.cat([da * up * sig * (1 + gate * (1 - sig)), da * gate * sig], dim=-1).to(h.dtype), dots
 
 
 @dataclass(frozen=True)
 class GatedRows:
     """The experts' activation on [rows, 2·intermediate] gate_up rows ([gate | up]): silu(gate)·up, and its
-    derivative for an upstream gradient with an optional per-row scale (the routing weight)."""
+    derivative for an upstream gradient with an optional per-row scale (the routing weight), with each row's dot of
+    the unscaled upstream gradient and the activation."""
 
     forward: Callable[[Tensor], Tensor]
-    backward: Callable[..., Tensor]  # (da, h, row_scale=None) -> d h
+    backward: Callable[..., tuple[Tensor, Tensor]]  # (da, h, row_scale=None) -> (d h, [rows] float32 dots)
 
 
 REFERENCE_ACTIVATION = GatedRows(_silu_gate, _silu_gate_backward)
 # swiglu's packed TileLang kernels: the halves read in place, float32 inside, one rounding (the reference's math)
 TILELANG_ACTIVATION = GatedRows(functools.partial(swiglu.tilelang_packed_forward, swiglu.SILU),
-                                functools.partial(swiglu.tilelang_packed_backward, swiglu.SILU))
+                                functools.partial(swiglu.tilelang_packed_backward_dots, swiglu.SILU))
 
 
 def _by_route(rows: Tensor, order: Tensor) -> Tensor:
@@ -151,36 +156,34 @@ def _sum_routes(d_rows: Tensor, order: Tensor, like: Tensor) -> Tensor:
     return _by_route(d_rows, order).view(*like.shape[:1], -1, like.shape[-1]).sum(1).to(like.dtype)
 
 
-def _routing_weights_grad(o: Tensor, dy: Tensor, top_k_weights: Tensor) -> Tensor:
-    """d top_k_weights [tokens, k]: each route's output (`o` in (token, k) order) dotted with its token's dy, in one
-    batched GEMM at the wider of o's and the weights' dtypes (float32 weights, as Mixtral's router gives: float32)."""
-    tokens, k = top_k_weights.shape
-    wide = torch.promote_types(o.dtype, top_k_weights.dtype)
-    return torch.bmm(o.view(tokens, k, -1).to(wide), dy.reshape(tokens, -1, 1).to(wide)).view_as(top_k_weights).to(
-        top_k_weights.dtype)
+def _routing_weights_grad(dots: Tensor, order: Tensor, top_k_weights: Tensor) -> Tensor:
+    """d top_k_weights [tokens, k] from each sorted row's dot of its token's dy with its expert's output (`dots`,
+    float32: the activation backward's), put back in (token, k) order."""
+    return _by_route(dots, order).view_as(top_k_weights).to(top_k_weights.dtype)
 
 
 def _experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
                      down: Tensor, block_m: int = BLOCK_M, activation: GatedRows = REFERENCE_ACTIVATION):  # fmt: skip
-    """(y, the gate_up rows, the down rows, the routing's order, tiles and offsets): the experts' forward with
+    """(y, the gate_up rows, the routing's order, tiles and offsets): the experts' forward with
     `gemm(kind, rows, weights, routing)` on tiles of `block_m` rows; the backward reuses the routing."""
     routing = route(top_k_index, gate_up.shape[0], block_m, BLOCK_M)
     rows = hidden.index_select(0, routing.token)
     h = gemm("nt", rows, gate_up, routing)
     o = _by_route(gemm("nt", activation.forward(h), down, routing), routing.order)
-    return _combine(o, top_k_weights, hidden), h, o, routing.order, routing.tiles, routing.offsets
+    return _combine(o, top_k_weights, hidden), h, routing.order, routing.tiles, routing.offsets
 
 
-def _experts_backward(gemm: Callable, dy: Tensor, h: Tensor, o: Tensor, order: Tensor, tiles: Tensor, offsets: Tensor,
+def _experts_backward(gemm: Callable, dy: Tensor, h: Tensor, order: Tensor, tiles: Tensor, offsets: Tensor,
                       top_k_weights: Tensor, gate_up: Tensor, down: Tensor,
                       activation: GatedRows = REFERENCE_ACTIVATION):  # fmt: skip
     """(d hidden, d top_k_weights) from the forward's kept rows and routing."""
     routing = Routing(order // top_k_weights.shape[-1], order, tiles, offsets)
     weights = top_k_weights.reshape(-1)[routing.order]
-    # the routing weight enters below, in float32
-    da = gemm("nn", dy.index_select(0, routing.token).to(o.dtype), down, routing)
-    d_rows = gemm("nn", activation.backward(da, h, weights), gate_up, routing)
-    return _sum_routes(d_rows, order, dy), _routing_weights_grad(o, dy, top_k_weights)
+    # the routing weight enters below, in float32; the unscaled da dotted with the activation is its gradient
+    da = gemm("nn", dy.index_select(0, routing.token).to(h.dtype), down, routing)
+    dh, dots = activation.backward(da, h, weights)
+    d_rows = gemm("nn", dh, gate_up, routing)
+    return _sum_routes(d_rows, order, dy), _routing_weights_grad(dots, order, top_k_weights)
 
 
 # ---- reference: one PyTorch GEMM per expert --------------------------------------------------------------
@@ -205,16 +208,18 @@ def reference_forward(hidden, top_k_index, top_k_weights, gate_up, down):
     return _experts_forward(_loop_gemm, hidden, top_k_index, top_k_weights, gate_up, down)
 
 
-def reference_backward(dy, h, o, order, tiles, offsets, top_k_weights, gate_up, down):
+def reference_backward(dy, h, order, tiles, offsets, top_k_weights, gate_up, down):
     """(d hidden, d top_k_weights) by the expert loop."""
-    return _experts_backward(_loop_gemm, dy, h, o, order, tiles, offsets, top_k_weights, gate_up, down)
+    return _experts_backward(_loop_gemm, dy, h, order, tiles, offsets, top_k_weights, gate_up, down)
 
 
 # ---- LoRA on the expert weights: the base through `gemm`, the rank-r parts grouped or per expert ------------
 #
 # The rank-r parts of one projection (A [experts, r, in], B [experts, out, r], scaling s): forward x·A_eᵀ (kept for
 # the backward) and (x·A_eᵀ)·B_eᵀ; backward, from dOut: g = s·dOut·B_e, the input's part g·A_e, dA_e = g_eᵀ·x_e and
-# dB_e = (s·dOut_e)ᵀ·(x·A_eᵀ)_e. Each product is rounded in the rows' dtype (as peft's LoRA Linear under autocast);
+# dB_e = (s·dOut_e)ᵀ·(x·A_eᵀ)_e. With a row scale w (the routing weights: dOut = w·dOut_u, dOut_u the token's dy),
+# the input's part is g_u·A_e for dOut_u and w enters dA and dB through [rows, r] products only: dA_e = (w·g_u)ᵀ·x_e,
+# dB_e = (s·dOut_u)ᵀ·(w·x·A_eᵀ). Each product is rounded in the rows' dtype (as peft's LoRA Linear under autocast);
 # two ways to run them, the same arithmetic:
 #
 # - `_GroupedRank`: torch's grouped GEMM (`torch.nn.functional.grouped_mm`, else `torch._grouped_mm`, as
@@ -240,6 +245,14 @@ def _loop_wgrad(x: Tensor, y: Tensor, bounds: list[int], like: Tensor) -> Tensor
     return out.to(like.dtype)
 
 
+def _scaled(t: Tensor, row_scale: Tensor | None) -> Tensor:
+    """t's rows times `row_scale` [rows] (None: t), in float32 (float64 for float64), rounded to t's dtype."""
+    if row_scale is None:
+        return t
+    acc = torch.promote_types(t.dtype, torch.float32)
+    return (t.to(acc) * row_scale.to(acc)[:, None]).to(t.dtype)
+
+
 class _LoopRank:
     """The rank-r parts per expert: one host read of the offsets, then E small GEMMs per product."""
 
@@ -251,11 +264,14 @@ class _LoopRank:
         xa = _loop_gemm("nt", x, a.to(x.dtype), None, self.bounds)
         return xa, _loop_gemm("nt", xa, b.to(x.dtype), None, self.bounds)
 
-    def backward(self, d: Tensor, x: Tensor, xa: Tensor, a: Tensor, b: Tensor, s: float) -> tuple[Tensor, Tensor, Tensor]:
-        """(g·A_e, dA, dB) from dOut `d` with g = s·d·B_e; dA, dB in the factors' dtypes."""
+    def backward(self, d: Tensor, x: Tensor, xa: Tensor, a: Tensor, b: Tensor, s: float,
+                 row_scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """(g·A_e, dA, dB) from dOut `d` (its rows times `row_scale` for dA and dB, not for g·A_e) with g = s·d·B_e;
+        dA, dB in the factors' dtypes."""
         g = _loop_gemm("nn", d, b.to(d.dtype), None, self.bounds) * s
         d_in = _loop_gemm("nn", g, a.to(d.dtype), None, self.bounds)
-        return d_in, _loop_wgrad(g, x, self.bounds, a), _loop_wgrad(d * s, xa, self.bounds, b)
+        return (d_in, _loop_wgrad(_scaled(g, row_scale), x, self.bounds, a),
+                _loop_wgrad(d * s, _scaled(xa, row_scale), self.bounds, b))
 
 
 def grouped_mm_runs(rows: Tensor, experts: int) -> bool:
@@ -339,15 +355,16 @@ class _GroupedRank:
         xa = self._mm(x, a.transpose(-2, -1))  # [rows, padded rank], zero past the rank
         return xa[:, :rank].contiguous(), self._mm(xa, b.transpose(-2, -1))
 
-    def backward(self, d: Tensor, x: Tensor, xa: Tensor, a: Tensor, b: Tensor, s: float) -> tuple[Tensor, Tensor, Tensor]:
+    def backward(self, d: Tensor, x: Tensor, xa: Tensor, a: Tensor, b: Tensor, s: float,
+                 row_scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         rank = a.shape[1]
         if rank == 0 or d.shape[0] == 0:
             return d.new_zeros(d.shape[0], a.shape[2]), torch.zeros_like(a), torch.zeros_like(b)
         ap, bp = _pad_rank(a, b, d.dtype)
         g = self._mm(d, bp) * s  # [rows, padded rank]
         d_in = self._mm(g, ap)
-        d_a = self._wgrad(g, x)[:, :rank]
-        xa = xa.to(d.dtype)
+        d_a = self._wgrad(_scaled(g, row_scale), x)[:, :rank]
+        xa = _scaled(xa.to(d.dtype), row_scale)
         if ap.shape[1] > rank:
             xa = F.pad(xa, (0, ap.shape[1] - rank))
         d_b = self._wgrad(d * s, xa)[..., :rank]
@@ -362,7 +379,7 @@ def _lora_experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, t
                           down: Tensor, gate_up_a: Tensor, gate_up_b: Tensor, down_a: Tensor, down_b: Tensor,
                           gate_up_scaling: float, down_scaling: float, block_m: int = BLOCK_M,
                           grouped: bool = False, activation: GatedRows = REFERENCE_ACTIVATION):  # fmt: skip
-    """(y, the gate_up rows, the down rows, x·Aᵀ, a·A'ᵀ, the routing's order, tiles and offsets) with LoRA on both
+    """(y, the gate_up rows, x·Aᵀ, a·A'ᵀ, the routing's order, tiles and offsets) with LoRA on both
     projections: A [experts, r, in], B [experts, out, r] (rank 0: no adapter there). The base GEMMs by `gemm`, the
     rank-r ones over the expert groups (`grouped`: torch's grouped GEMM, else per expert) in the rows' dtype (as
     peft's LoRA Linear under autocast), each rounded, then added."""
@@ -374,30 +391,31 @@ def _lora_experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, t
     a = activation.forward(h)
     aa, lora_o = rank.forward(a, down_a, down_b)
     o = _by_route(gemm("nt", a, down, routing) + lora_o * down_scaling, routing.order)
-    return _combine(o, top_k_weights, hidden), h, o, xa, aa, routing.order, routing.tiles, routing.offsets
+    return _combine(o, top_k_weights, hidden), h, xa, aa, routing.order, routing.tiles, routing.offsets
 
 
-def _lora_experts_backward(gemm: Callable, dy: Tensor, hidden: Tensor, h: Tensor, o: Tensor, xa: Tensor, aa: Tensor,
+def _lora_experts_backward(gemm: Callable, dy: Tensor, hidden: Tensor, h: Tensor, xa: Tensor, aa: Tensor,
                            order: Tensor, tiles: Tensor, offsets: Tensor, top_k_weights: Tensor, gate_up: Tensor,
                            down: Tensor, gate_up_a: Tensor, gate_up_b: Tensor, down_a: Tensor, down_b: Tensor,
                            gate_up_scaling: float, down_scaling: float, grouped: bool = False,
                            activation: GatedRows = REFERENCE_ACTIVATION):  # fmt: skip
     """(d hidden, d top_k_weights, d gate_up A, d gate_up B, d down A, d down B): with g = s·dOut·B,
-    dIn = dOut·W + g·A, dA = gᵀ·In, dB = s·dOutᵀ·(In·Aᵀ) per expert; the activation recomputed from h."""
+    dIn = dOut·W + g·A, dA = gᵀ·In, dB = s·dOutᵀ·(In·Aᵀ) per expert; the activation recomputed from h. The down
+    projection's rows are the token's dy unscaled, as the plain op's: the routing weight enters the activation's
+    derivative and the rank-r products, and the unscaled da dotted with the activation is its gradient."""
     routing = Routing(order // top_k_weights.shape[-1], order, tiles, offsets)
     rank = _rank_gemms(offsets, grouped)
     weights = top_k_weights.reshape(-1)[routing.order]
-    # the rank-r gradients need the scaled rows whole
-    do = (dy.index_select(0, routing.token) * weights[:, None].to(dy.dtype)).to(o.dtype)
+    d_out = dy.index_select(0, routing.token).to(h.dtype)
     a = activation.forward(h)
-    lora_da, d_down_a, d_down_b = rank.backward(do, a, aa, down_a, down_b, down_scaling)
-    da = gemm("nn", do, down, routing) + lora_da
-    dh = activation.backward(da, h)
+    lora_da, d_down_a, d_down_b = rank.backward(d_out, a, aa, down_a, down_b, down_scaling, weights)
+    da = gemm("nn", d_out, down, routing) + lora_da
+    dh, dots = activation.backward(da, h, weights)
     rows = hidden.index_select(0, routing.token)
     lora_d_rows, d_gate_up_a, d_gate_up_b = rank.backward(dh, rows, xa, gate_up_a, gate_up_b, gate_up_scaling)
     d_rows = gemm("nn", dh, gate_up, routing) + lora_d_rows
-    return (_sum_routes(d_rows, order, dy), _routing_weights_grad(o, dy, top_k_weights), d_gate_up_a, d_gate_up_b,
-            d_down_a, d_down_b)
+    return (_sum_routes(d_rows, order, dy), _routing_weights_grad(dots, order, top_k_weights), d_gate_up_a,
+            d_gate_up_b, d_down_a, d_down_b)
 
 
 def reference_lora_forward(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b, down_a, down_b,
@@ -407,10 +425,10 @@ def reference_lora_forward(hidden, top_k_index, top_k_weights, gate_up, down, ga
                                  down_a, down_b, gate_up_scaling, down_scaling)
 
 
-def reference_lora_backward(dy, hidden, h, o, xa, aa, order, tiles, offsets, top_k_weights, gate_up, down, gate_up_a,
+def reference_lora_backward(dy, hidden, h, xa, aa, order, tiles, offsets, top_k_weights, gate_up, down, gate_up_a,
                             gate_up_b, down_a, down_b, gate_up_scaling, down_scaling):  # fmt: skip
     """(d hidden, d top_k_weights, d A, d B of gate_up and of down) by the expert loop."""
-    return _lora_experts_backward(_loop_gemm, dy, hidden, h, o, xa, aa, order, tiles, offsets, top_k_weights, gate_up,
+    return _lora_experts_backward(_loop_gemm, dy, hidden, h, xa, aa, order, tiles, offsets, top_k_weights, gate_up,
                                   down, gate_up_a, gate_up_b, down_a, down_b, gate_up_scaling, down_scaling)
 
 
@@ -645,10 +663,10 @@ def tilelang_forward(hidden, top_k_index, top_k_weights, gate_up, down, variant:
                             TILELANG_ACTIVATION)
 
 
-def tilelang_backward(dy, h, o, order, tiles, offsets, top_k_weights, gate_up, down, variant: str | None = None):
+def tilelang_backward(dy, h, order, tiles, offsets, top_k_weights, gate_up, down, variant: str | None = None):
     """(d hidden, d top_k_weights) with the grouped GEMMs in TileLang (the forward's config)."""
     config = op_config(dy, gate_up, variant)
-    return _experts_backward(grouped_gemm(config), dy, h, o, order, tiles, offsets, top_k_weights, gate_up, down,
+    return _experts_backward(grouped_gemm(config), dy, h, order, tiles, offsets, top_k_weights, gate_up, down,
                              TILELANG_ACTIVATION)
 
 
@@ -673,13 +691,13 @@ def tilelang_lora_forward(hidden, top_k_index, top_k_weights, gate_up, down, gat
                                  TILELANG_ACTIVATION)
 
 
-def tilelang_lora_backward(dy, hidden, h, o, xa, aa, order, tiles, offsets, top_k_weights, gate_up, down, gate_up_a,
+def tilelang_lora_backward(dy, hidden, h, xa, aa, order, tiles, offsets, top_k_weights, gate_up, down, gate_up_a,
                            gate_up_b, down_a, down_b, gate_up_scaling, down_scaling, variant: str | None = None,
                            grouped: bool | None = None):  # fmt: skip
     """The LoRA form's backward: the input-gradient GEMMs in TileLang, the rank-r ones and dA, dB as the forward's."""
     config = op_config(dy, gate_up, variant)
-    grouped = grouped_mm_runs(o, gate_up.shape[0]) if grouped is None else grouped
-    return _lora_experts_backward(grouped_gemm(config), dy, hidden, h, o, xa, aa, order, tiles, offsets, top_k_weights,
+    grouped = grouped_mm_runs(h, gate_up.shape[0]) if grouped is None else grouped
+    return _lora_experts_backward(grouped_gemm(config), dy, hidden, h, xa, aa, order, tiles, offsets, top_k_weights,
                                   gate_up, down, gate_up_a, gate_up_b, down_a, down_b, gate_up_scaling, down_scaling,
                                   grouped, TILELANG_ACTIVATION)
 
@@ -696,19 +714,19 @@ def tilelang_lora_unsupported(hidden, top_k_index, top_k_weights, gate_up, down,
 
 moe_experts_op = make_custom_op(Signature(
     "moe_experts", "Tensor hidden, Tensor top_k_index, Tensor top_k_weights, Tensor gate_up, Tensor down",
-    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-    backward_inputs="Tensor h, Tensor o, Tensor order, Tensor tiles, Tensor offsets, Tensor top_k_weights, "
+    "(Tensor, Tensor, Tensor, Tensor, Tensor)",
+    backward_inputs="Tensor h, Tensor order, Tensor tiles, Tensor offsets, Tensor top_k_weights, "
                     "Tensor gate_up, Tensor down",
     backward_outputs="(Tensor, Tensor)",
     fake=lambda hidden, top_k_index, top_k_weights, gate_up, down: (
         torch.empty_like(hidden), hidden.new_empty(top_k_index.numel(), gate_up.shape[1]),
-        hidden.new_empty(top_k_index.numel(), hidden.shape[-1]), top_k_index.new_empty(top_k_index.numel()),
+        top_k_index.new_empty(top_k_index.numel()),
         torch.empty(-(-top_k_index.numel() // BLOCK_M) + gate_up.shape[0], 3, dtype=torch.int32, device=hidden.device),
         torch.empty(gate_up.shape[0] + 1, dtype=torch.int32, device=hidden.device)),
-    backward_fake=lambda dy, h, o, order, tiles, offsets, top_k_weights, gate_up, down: (
+    backward_fake=lambda dy, h, order, tiles, offsets, top_k_weights, gate_up, down: (
         torch.empty_like(dy), torch.empty_like(top_k_weights)),
     save=lambda inputs, outputs, needs: (*outputs[1:], *inputs[2:]),
-    judged_on=lambda grads, saved: (grads[0], saved[2], saved[5], saved[6], saved[7]),
+    judged_on=lambda grads, saved: (grads[0], saved[1], saved[4], saved[5], saved[6]),
     grad_of=(0, None, 1, None, None),
 ))
 
@@ -729,8 +747,8 @@ _LORA_INPUTS = ("Tensor gate_up_a, Tensor gate_up_b, Tensor down_a, Tensor down_
 
 def _lora_fake(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b, down_a, down_b, s1, s2):
     rows = top_k_index.numel()
-    return (torch.empty_like(hidden), hidden.new_empty(rows, gate_up.shape[1]), hidden.new_empty(rows, hidden.shape[-1]),
-            hidden.new_empty(rows, gate_up_a.shape[1]), hidden.new_empty(rows, down_a.shape[1]), top_k_index.new_empty(rows),
+    return (torch.empty_like(hidden), hidden.new_empty(rows, gate_up.shape[1]), hidden.new_empty(rows, gate_up_a.shape[1]),
+            hidden.new_empty(rows, down_a.shape[1]), top_k_index.new_empty(rows),
             torch.empty(-(-rows // BLOCK_M) + gate_up.shape[0], 3, dtype=torch.int32, device=hidden.device),
             torch.empty(gate_up.shape[0] + 1, dtype=torch.int32, device=hidden.device))
 
@@ -738,16 +756,16 @@ def _lora_fake(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gat
 registry.define_form(LORA)
 moe_experts_lora_op = make_custom_op(Signature(
     LORA, f"Tensor hidden, Tensor top_k_index, Tensor top_k_weights, Tensor gate_up, Tensor down, {_LORA_INPUTS}",
-    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-    backward_inputs="Tensor hidden, Tensor h, Tensor o, Tensor xa, Tensor aa, Tensor order, Tensor tiles, Tensor offsets, "
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    backward_inputs="Tensor hidden, Tensor h, Tensor xa, Tensor aa, Tensor order, Tensor tiles, Tensor offsets, "
                     f"Tensor top_k_weights, Tensor gate_up, Tensor down, {_LORA_INPUTS}",
     backward_outputs="(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     fake=_lora_fake,
-    backward_fake=lambda dy, hidden, h, o, xa, aa, order, tiles, offsets, top_k_weights, gate_up, down, a1, b1, a2, b2, s1, s2: (
+    backward_fake=lambda dy, hidden, h, xa, aa, order, tiles, offsets, top_k_weights, gate_up, down, a1, b1, a2, b2, s1, s2: (
         torch.empty_like(dy), torch.empty_like(top_k_weights), torch.empty_like(a1), torch.empty_like(b1),
         torch.empty_like(a2), torch.empty_like(b2)),
     save=lambda inputs, outputs, needs: (inputs[0], *outputs[1:], *inputs[2:]),
-    judged_on=lambda grads, saved: (grads[0], None, *saved[8:]),
+    judged_on=lambda grads, saved: (grads[0], None, *saved[7:]),
     grad_of=(0, None, 1, None, None, 2, 3, 4, 5, None, None),
 ))
 

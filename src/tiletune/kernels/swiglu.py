@@ -114,9 +114,12 @@ def forward_kernel(act: Activation, n: int, dtype: str, block: tuple[int, int] =
 
 
 def backward_kernel(act: Activation, n: int, dtype: str, block: tuple[int, int] = _BLOCK, threads: int = _THREADS,
-                    packed: bool = False):  # fmt: skip
+                    packed: bool = False, row_dots: bool = False):  # fmt: skip
     """PrimFunc (dG, dU) from (dY, G, U) over (m, n), m dynamic. packed: GU and dGU are (m, 2n) as in
-    forward_kernel, and dY's rows are scaled by S (m,) float32 first (the MoE experts' routing weights)."""
+    forward_kernel, and dY's rows are scaled by S (m,) float32 first (the MoE experts' routing weights). row_dots
+    (packed only): also DOT (m, column blocks) float32, each block's sum over its columns of dY·act(G)·U with dY
+    unscaled; a row's partial sums add up to the dot of dY's row with the forward's output row (the routing weight's
+    gradient, without keeping the expert outputs)."""
     import tilelang.language as T
 
     bm, bn = block
@@ -124,29 +127,47 @@ def backward_kernel(act: Activation, n: int, dtype: str, block: tuple[int, int] 
     up_column = n if packed else 0
 
     @T.macro
-    def compute(DY, G, U, S, DG, DU):
+    def compute(DY, G, U, S, DG, DU, DOT):
         with T.Kernel(T.ceildiv(n, bn), T.ceildiv(m, bm), threads=threads) as (bx, by):
             dy = T.alloc_fragment((bm, bn), dtype)
             g = T.alloc_fragment((bm, bn), dtype)
             u = T.alloc_fragment((bm, bn), dtype)
             dg = T.alloc_fragment((bm, bn), dtype)
             du = T.alloc_fragment((bm, bn), dtype)
+            products = T.alloc_fragment((bm, bn), "float32")
+            dots = T.alloc_fragment((bm,), "float32")
             T.copy(DY[by * bm, bx * bn], dy)
             T.copy(G[by * bm, bx * bn], g)
             T.copy(U[by * bm, up_column + bx * bn], u)
             for i, j in T.Parallel(bm, bn):
                 gf = T.cast(g[i, j], "float32")
-                df = T.cast(dy[i, j], "float32") * (S[by * bm + i] if packed else 1.0)
-                dg[i, j] = T.cast(df * T.cast(u[i, j], "float32") * act.tl_grad(gf), dtype)
+                uf = T.cast(u[i, j], "float32")
+                dyf = T.cast(dy[i, j], "float32")
+                df = dyf * (S[by * bm + i] if packed else 1.0)
+                dg[i, j] = T.cast(df * uf * act.tl_grad(gf), dtype)
                 du[i, j] = T.cast(df * act.tl_forward(gf), dtype)
+                if row_dots:
+                    products[i, j] = dyf * act.tl_forward(gf) * uf
             T.copy(dg, DG[by * bm, bx * bn])
             T.copy(du, DU[by * bm, up_column + bx * bn])
+            if row_dots:
+                T.reduce_sum(products, dots, dim=1)
+                for i in T.Parallel(bm):
+                    if by * bm + i < m:
+                        DOT[by * bm + i, bx] = dots[i]
 
-    if packed:
+    if row_dots:
+        assert packed, "row dots are the packed kernel's (the MoE experts')"
+
+        @T.prim_func
+        def gated_bwd(DY: T.Tensor((m, n), dtype), GU: T.Tensor((m, 2 * n), dtype), S: T.Tensor((m,), "float32"),
+                      DGU: T.Tensor((m, 2 * n), dtype), DOT: T.Tensor((m, -(-n // bn)), "float32")):  # fmt: skip
+            compute(DY, GU, GU, S, DGU, DGU, DOT)
+    elif packed:
         @T.prim_func
         def gated_bwd(DY: T.Tensor((m, n), dtype), GU: T.Tensor((m, 2 * n), dtype), S: T.Tensor((m,), "float32"),
                       DGU: T.Tensor((m, 2 * n), dtype)):  # fmt: skip
-            compute(DY, GU, GU, S, DGU, DGU)
+            compute(DY, GU, GU, S, DGU, DGU, None)
     else:
         @T.prim_func
         def gated_bwd(
@@ -156,9 +177,10 @@ def backward_kernel(act: Activation, n: int, dtype: str, block: tuple[int, int] 
             DG: T.Tensor((m, n), dtype),
             DU: T.Tensor((m, n), dtype),
         ):
-            compute(DY, G, U, None, DG, DU)
+            compute(DY, G, U, None, DG, DU, None)
 
-    return gated_bwd.with_attr("global_symbol", f"{act_op_name(act)}_bwd{'_packed' if packed else ''}")
+    suffix = "_packed_dots" if row_dots else "_packed" if packed else ""
+    return gated_bwd.with_attr("global_symbol", f"{act_op_name(act)}_bwd{suffix}")
 
 
 def act_op_name(act: Activation) -> str:
@@ -246,18 +268,32 @@ def tilelang_packed_forward(act: Activation, gate_up: Tensor) -> Tensor:
 def tilelang_packed_backward(act: Activation, dy: Tensor, gate_up: Tensor, row_scale: Tensor | None = None) -> Tensor:
     """d[gate | up] [rows, 2n] of tilelang_packed_forward for dy [rows, n] (each row times `row_scale` [rows], if
     given), float32 inside, one rounding."""
+    return _packed_backward(act, dy, gate_up, row_scale, row_dots=False)[0]
+
+
+def tilelang_packed_backward_dots(act: Activation, dy: Tensor, gate_up: Tensor,
+                                  row_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(tilelang_packed_backward's d[gate | up], [rows] float32: each row's dot of dy (unscaled) with the forward's
+    output act(gate)·up), from one pass over the rows."""
+    dgu, partial = _packed_backward(act, dy, gate_up, row_scale, row_dots=True)
+    return dgu, partial.sum(-1)
+
+
+def _packed_backward(act: Activation, dy: Tensor, gate_up: Tensor, row_scale: Tensor | None,
+                     row_dots: bool) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     n, dtype = gate_up.shape[-1] // 2, _tilelang.DTYPES[gate_up.dtype]
     block = _packed_block(n)
-    kernel = _tilelang.compiled((act.name, "bwd_packed", n, dtype),
-                                lambda: backward_kernel(act, n, dtype, block, packed=True))
+    kernel = _tilelang.compiled((act.name, "bwd_packed_dots" if row_dots else "bwd_packed", n, dtype),
+                                lambda: backward_kernel(act, n, dtype, block, packed=True, row_dots=row_dots))
     gu = gate_up.reshape(-1, 2 * n).contiguous()
     rows = gu.shape[0]
     scale = (torch.ones(rows, dtype=torch.float32, device=gu.device) if row_scale is None
              else row_scale.reshape(rows).to(torch.float32).contiguous())
     dgu = torch.empty_like(gu)
+    partial = gu.new_zeros(rows, -(-n // block[1]), dtype=torch.float32) if row_dots else None
     if rows:
-        kernel(dy.reshape(rows, n).to(gu.dtype).contiguous(), gu, scale, dgu)
-    return dgu.view_as(gate_up)
+        kernel(dy.reshape(rows, n).to(gu.dtype).contiguous(), gu, scale, dgu, *([partial] if row_dots else []))
+    return dgu.view_as(gate_up), partial
 
 
 # ---- custom ops and binding ------------------------------------------------------------------------
@@ -344,7 +380,10 @@ def define_gated(act: Activation, opt_in: bool = False) -> Callable:
                 f"{name}_bwd": lambda: backward_kernel(act, 14336, "bfloat16"),
                 # the packed form, at the Qwen3-30B-A3B experts' width (768: 256-column blocks)
                 f"{name}_fwd_packed": lambda: forward_kernel(act, 768, "bfloat16", _packed_block(768), packed=True),
-                f"{name}_bwd_packed": lambda: backward_kernel(act, 768, "bfloat16", _packed_block(768), packed=True)}
+                f"{name}_bwd_packed": lambda: backward_kernel(act, 768, "bfloat16", _packed_block(768), packed=True),
+                # with the rows' dots (the MoE experts' routing-weight gradient)
+                f"{name}_bwd_packed_dots": lambda: backward_kernel(act, 768, "bfloat16", _packed_block(768), packed=True,
+                                                                   row_dots=True)}
 
     def bound(function: Callable) -> Callable:
         def with_act(*args):
