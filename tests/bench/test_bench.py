@@ -54,10 +54,10 @@ def test_all_joined_with_an_opt_in_op_is_every_kernel_plus_that_op(tmp_path):
     from tiletune.kernels.registry import OPT_IN
     from tiletune.patch.spec import parse_kernel_spec
 
-    check_variants(["baseline", "all+moe_experts"])  # accepted, like `kernels: {all: true, moe_experts: true}`
-    selected = {selection.op for selection in parse_kernel_spec(variant_kernels("all+moe_experts")).ops}
+    check_variants(["baseline", "all+attention"])  # accepted, like `kernels: {all: true, attention: true}`
+    selected = {selection.op for selection in parse_kernel_spec(variant_kernels("all+attention")).ops}
     everyday = {selection.op for selection in parse_kernel_spec("all").ops}
-    assert "moe_experts" in OPT_IN and selected == everyday | {"moe_experts"}
+    assert "attention" in OPT_IN and selected == everyday | {"attention"}
 
 
 def test_a_variant_picks_an_ops_implementation_and_an_unknown_one_is_refused():

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from tiletune.errors import UserError
 from tiletune.kernels import moe_experts as moe
 from tiletune.kernels import registry
 from tiletune.kernels.moe_experts import moe_experts, route
@@ -240,6 +241,32 @@ def test_bound_into_moe_models_with_the_stock_loss_and_gradients(model_type):
     report = apply_kernels(model, {"moe_experts": "reference"})
     entry = next(e for e in report.entries if e.op == "moe_experts" and e.layer == 0)
     assert not entry.installed and "expert weights train" in entry.fallback
+
+
+def test_where_the_kernels_cannot_run_the_stock_experts_compute_not_the_per_expert_loop(monkeypatch):
+    """`kernels: all` on a machine without the TileLang kernels (this one): each experts call runs transformers' own
+    experts and counts a fallback naming why; the op's reference loop (as slow as the eager experts) never runs;
+    `strict` refuses when patching."""
+    config_class, model_class, extra = MOE_MODELS["qwen3_moe"]
+    config = getattr(transformers, config_class)(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, **extra)  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).requires_grad_(False)
+    ids = torch.randint(0, 128, (2, 19))
+    with torch.no_grad():
+        stock = model(input_ids=ids).logits
+    monkeypatch.setitem(registry._impls["moe_experts"], "tilelang", registry.Impl(
+        "moe_experts", "tilelang", moe.tilelang_forward, moe.tilelang_backward, lambda: "no GPU here"))
+    monkeypatch.setattr(moe, "_loop_gemm", None)  # the reference's GEMMs: calling them fails the test
+    monkeypatch.setattr(registry, "runtime_fallbacks", {})
+    report = apply_kernels(model, {"moe_experts": "tilelang"})
+    assert report.to_dict()["ops"]["moe_experts"]["patched"] == 2
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, stock)
+    assert registry.runtime_fallbacks == {("moe_experts", "tilelang", "no GPU here: stock experts"): 2}
+    report.revert()
+    with pytest.raises(UserError, match="no GPU here"):
+        apply_kernels(model, {"moe_experts": "tilelang", "strict": True})
 
 
 # ---- LoRA on the expert weights -------------------------------------------------------------------------

@@ -82,7 +82,7 @@ def test_a_family_record_alone_binds_every_op_and_trains_like_stock(plugins):
     report = apply_kernels(model, {"all": True, "plugins": ["olmo2_family"]})
     counts = {op: info["patched"] for op, info in report.to_dict()["ops"].items()}
     assert counts == {"rms_norm": 8, "swiglu": 2, "rope": 2, "linear": 14, "lora_linear": 0, "linear_cross_entropy": 1,
-                      "quant_linear": 0, "quant_lora_linear": 0, "geglu": 0, "linear_logprobs": 0}
+                      "quant_linear": 0, "quant_lora_linear": 0, "geglu": 0, "linear_logprobs": 0, "moe_experts": 0}
     assert report.family == "olmo2"
     assert all("no CUDA" in reason or "not installed" in reason for reason in report.fallbacks().values())  # the machine's
     patched = train(model, {"all": True, "plugins": ["olmo2_family"]})

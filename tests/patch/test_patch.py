@@ -91,7 +91,7 @@ def test_apply_all_patches_every_op_and_keeps_parameters():
     report = apply_kernels(model, "all")
     counts = {op: info["patched"] for op, info in report.to_dict()["ops"].items()}
     assert counts == {"rms_norm": 4, "swiglu": 2, "rope": 2, "linear": 14, "lora_linear": 0, "linear_cross_entropy": 1,
-                      "quant_linear": 0, "quant_lora_linear": 0, "geglu": 0, "linear_logprobs": 0}
+                      "quant_linear": 0, "quant_lora_linear": 0, "geglu": 0, "linear_logprobs": 0, "moe_experts": 0}
     assert [(n, id(p)) for n, p in model.named_parameters()] == params
     with torch.no_grad():
         torch.testing.assert_close(model(tokens()).logits, before, rtol=1e-5, atol=1e-5)

@@ -883,18 +883,25 @@ def _experts_forward_binding(site: Site, impl: str, strict: bool, current: Calla
         gate_up, down = experts.gate_up_proj, experts.down_proj
         if dtype is not None:  # under autocast the GEMMs run in its dtype, as F.linear's would
             hidden_states, gate_up, down = hidden_states.to(dtype), gate_up.to(dtype), down.to(dtype)
+        inputs = (hidden_states, top_k_index, top_k_weights, gate_up, down, *(factors or ()))
+        # where the implementation cannot run, the stock experts (transformers' grouped_mm), not the op's reference: the
+        # per-expert loop is as slow as transformers' eager experts (8.6x its grouped_mm on the H200)
+        reason = None if strict else registry.unrunnable(LORA if factors else "moe_experts", impl, *inputs)
+        if reason:
+            note_fallback("moe_experts", impl, f"{reason}: stock experts")
+            return current(self, hidden_states, top_k_index, top_k_weights)
         if factors is None:  # no LoRA, or its adapters disabled (a preference stage's reference): the base experts
-            return moe_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, impl, strict)
-        return moe_experts_lora(hidden_states, top_k_index, top_k_weights, gate_up, down, *factors, impl, strict)
+            return moe_experts(*inputs, impl, strict)
+        return moe_experts_lora(*inputs, impl, strict)
 
     return forward
 
 
-# No compile key yet: `tiletune kernels warmup` leaves the grouped GEMMs to their first call. Opt-in: the grouped
-# GEMMs pass their GPU tests (H200, 2026-12-04) but are slower there than torch's grouped_mm, which transformers
-# runs by default (experts forward + backward 10.9 ms vs 9.0, benchmarks/results/h200-2026-12-04/moe-b9531ff).
+# No compile key yet: `tiletune kernels warmup` leaves the grouped GEMMs to their first call. In `kernels: all`: on the
+# 8-layer Qwen3-30B-A3B step (H100) the fastest dense set runs 0.81x stock without the op and 0.75x with it
+# (benchmarks/results/h100-2026-12-06/moe-glue; 0.49x with the packed activation and TileLang loss since).
 define(Op("moe_experts", (Binding("moe_experts", "experts", _experts_forward_binding, _fit, unfit_now=unfit_now),),
-          opt_in=True, keeps_output=True, forms=(LORA,), profile_pattern=r"grouped_gemm_(nt|nn)", lowering=lowering_kernels))
+          keeps_output=True, forms=(LORA,), profile_pattern=r"grouped_gemm_(nt|nn)", lowering=lowering_kernels))
 add(Impl("moe_experts", "reference", reference_forward, reference_backward,
          description="PyTorch: one GEMM per expert (the eager loop)", accumulation="float32"))
 add(Impl("moe_experts", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,

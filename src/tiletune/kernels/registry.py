@@ -181,13 +181,17 @@ def get(op: str, name: str) -> Impl:
     return found
 
 
+def unrunnable(op: str, name: str, *inputs) -> str | None:
+    """Why implementation `name` of `op` cannot run these inputs here, or None (the reference always can)."""
+    impl = get(op, name)
+    return None if name == REFERENCE else impl.unavailable() or impl.unsupported(*inputs)
+
+
 def select(op: str, name: str, strict: bool, *inputs) -> Impl:
     """The implementation to run for these inputs: `name` if it can, else the op's fallback, the reference unless
     its record names another (reason kept)."""
     impl = get(op, name)
-    if name == REFERENCE:
-        return impl
-    reason = impl.unavailable() or impl.unsupported(*inputs)
+    reason = unrunnable(op, name, *inputs)
     if reason is None:
         return impl
     if strict:
