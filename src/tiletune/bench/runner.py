@@ -45,7 +45,7 @@ def check_variants(variants: list[str], stage: str = "sft") -> None:
     unknown = [op for op, _, _ in parts if op not in (*OPS, "all")]
     if unknown:
         raise UserError(f"bench variant {unknown[0]!r} is unknown; available: {', '.join(sorted(known))}, ops joined "
-                        "by + (rms_norm+rope, all+moe_experts: every kernel plus an opt-in op; op=impl picks an "
+                        "by + (rms_norm+rope, all+attention: every kernel plus an opt-in op; op=impl picks an "
                         "implementation), each optionally with :key=value config overrides "
                         "(all:gradient_checkpointing=auto)")  # fmt: skip
     for op, _, impl in parts:
