@@ -13,7 +13,8 @@ include attention only if it beats both). Variants are interleaved (A B C A B C 
 variant time from the same run (> 1 is faster).
 
     python benchmarks/kernel_bench.py [--tune] [--rounds 5] [--out benchmarks/results] [--only attention]
-    python benchmarks/kernel_bench.py --only moe [--moe-variants m64,m128,...]   (the grouped GEMM config sweep)
+    python benchmarks/kernel_bench.py --only moe [--moe-shape mixtral-8x7b] [--moe-variants m64,m128,...]
+                                                              (the grouped GEMM config sweep)
 
 --tune autotunes the linear GEMM tile configuration per shape first (linear.CANDIDATES) and prints
 the entries for linear.TUNED. Writes kernels_<gpu>.json and .csv (GPU, date, git commit, medians,
@@ -232,7 +233,9 @@ def quant_cases():
         yield f"qlora fwd+bwd {name}", {v: fwd_bwd(lambda f=f, x=x: f(x), (x, a, b), dy) for v, f in layers.items()}
 
 
-MOE_SHAPE = {"experts": 128, "k": 8, "hidden": 2048, "inter": 768}  # Qwen3-30B-A3B's routed experts
+MOE_SHAPES = {"qwen3-30b-a3b": {"experts": 128, "k": 8, "hidden": 2048, "inter": 768},  # the routed experts
+              "mixtral-8x7b": {"experts": 8, "k": 2, "hidden": 4096, "inter": 14336}}
+MOE_SHAPE = MOE_SHAPES["qwen3-30b-a3b"]  # --moe-shape
 MOE_VARIANTS: list[str] | None = None  # --moe-variants: the grouped GEMM configs swept (default: the arch's candidates)
 
 
@@ -247,8 +250,8 @@ def moe_candidates() -> list[str]:
 
 
 def moe_cases():
-    """(case, {variant: callable}): Qwen3-30B-A3B's experts (128 experts, top 8, hidden 2048, intermediate 768) at
-    8192 tokens. Each of the four grouped GEMMs (forward gate_up and down `nt`, their input gradients `nn`) against
+    """(case, {variant: callable}): MOE_SHAPE's experts (--moe-shape; default Qwen3-30B-A3B's: 128 experts, top 8,
+    hidden 2048, intermediate 768) at 8192 tokens. Each of the four grouped GEMMs (forward gate_up and down `nt`, their input gradients `nn`) against
     a dense cuBLAS GEMM over the same rows (the issue's bar: >= 70% of its TFLOP/s; ratio = dense time / grouped
     time = the fraction of the dense rate) and torch's grouped_mm (transformers' default path), the TileLang
     grouped GEMM once per config swept (`tl:<name>`, moe_experts.CANDIDATES); then the whole experts forward +
@@ -368,11 +371,14 @@ def main() -> None:
     parser.add_argument("--only", choices=list(GROUPS), help="run one group")
     parser.add_argument("--moe-variants", help="comma-separated grouped GEMM configs to sweep (moe_experts.VARIANTS; "
                                                "default: the GPU's moe_experts.CANDIDATES)")
+    parser.add_argument("--moe-shape", choices=list(MOE_SHAPES), default="qwen3-30b-a3b",
+                        help="the experts shape `--only moe` times (default: qwen3-30b-a3b)")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, profile each variant once: device ms per kernel category (profile_<gpu>.md)")
     args = parser.parse_args()
-    global MOE_VARIANTS
+    global MOE_VARIANTS, MOE_SHAPE
     MOE_VARIANTS = args.moe_variants.split(",") if args.moe_variants else None
+    MOE_SHAPE = MOE_SHAPES[args.moe_shape]
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernel_bench.py needs a GPU")
     if args.tune:

@@ -269,6 +269,35 @@ def test_where_the_kernels_cannot_run_the_stock_experts_compute_not_the_per_expe
         apply_kernels(model, {"moe_experts": "tilelang", "strict": True})
 
 
+def test_the_binding_runs_the_grouped_gemms_only_at_shapes_a_sweep_measured(monkeypatch):
+    """An implementation that could run (here: the reference's math under the name tilelang) still leaves experts of a
+    shape without a TUNED config to the stock path, naming the sweep that would measure one; once TUNED has the shape
+    it runs."""
+    config_class, model_class, extra = MOE_MODELS["mixtral"]
+    config = getattr(transformers, config_class)(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, **extra)  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).requires_grad_(False)
+    ids = torch.randint(0, 128, (2, 19))
+    with torch.no_grad():
+        stock = model(input_ids=ids).logits
+    ran = []
+    monkeypatch.setitem(registry._impls["moe_experts"], "tilelang", registry.Impl(
+        "moe_experts", "tilelang", lambda *a: ran.append(1) or moe.reference_forward(*a), moe.reference_backward))
+    monkeypatch.setattr(registry, "runtime_fallbacks", {})
+    apply_kernels(model, {"moe_experts": "tilelang"})
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, stock)
+    (key, calls), = registry.runtime_fallbacks.items()
+    assert not ran and calls == 2 and key[2] == (
+        "no grouped GEMM config measured for 4 experts of 64 x 128 (float32) on sm_90; benchmarks/kernel_bench.py "
+        "--only moe sweeps them, moe_experts.TUNED takes the fastest: stock experts")
+    monkeypatch.setitem(moe.TUNED, ("sm_90", 4, 64, 128, "float32"), "m64")
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, stock)
+    assert len(ran) == 2
+
+
 # ---- LoRA on the expert weights -------------------------------------------------------------------------
 
 

@@ -78,9 +78,10 @@ def test_llamafactory_trains_with_tiletune_kernels(tmp_path, capfd):
     report = json.loads((out / "kernels.json").read_text())
     # lora_target all: every projection is a LoRA layer, so lora_linear takes them all and linear none; the base is
     # not quantized, so the quantized ops have no site; a Llama's MLP is SwiGLU, so geglu has none either; the
-    # preference stages' log-prob op binds to no module
+    # preference stages' log-prob op binds to no module; a Llama has no MoE experts
     assert {op: info["patched"] > 0 for op, info in report["ops"].items()} == dict.fromkeys(ALL, True) | {
-        "linear": False, "quant_linear": False, "quant_lora_linear": False, "geglu": False, "linear_logprobs": False}
+        "linear": False, "quant_linear": False, "quant_lora_linear": False, "geglu": False, "linear_logprobs": False,
+        "moe_experts": False}
     assert report["decoder_layers"]["count"] == 4
     ran = {item["op"] for item in report["runtime_fallbacks"] if item["calls"] > 0}
     assert all(op in ran for op, info in report["ops"].items() if info["fallback"])  # patched forwards ran

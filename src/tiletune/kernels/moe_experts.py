@@ -594,6 +594,20 @@ def config_for(arch: str, experts: int = 128, hidden: int = 2048, inter: int = 7
     return VARIANTS[variant]
 
 
+def unmeasured(hidden: Tensor, gate_up: Tensor) -> str | None:
+    """Why a model's experts of this shape stay stock although the grouped GEMMs could run them: no config of theirs
+    measured on this GPU (TUNED, from a sweep against torch's grouped_mm); None where one was. The arch default is
+    not enough: on Mixtral-8x7B's experts it made the 2-layer step 1.55x stock's time (H100,
+    benchmarks/results/h100-2026-12-06/mixtral-3a181b2)."""
+    experts, inter2, size = gate_up.shape
+    arch = _tilelang.device_arch(hidden.device) or "sm_90"
+    dtype = _tilelang.DTYPES.get(hidden.dtype, "bfloat16")
+    if (arch, experts, size, inter2 // 2, dtype) in TUNED:
+        return None
+    return (f"no grouped GEMM config measured for {experts} experts of {size} x {inter2 // 2} ({dtype}) on {arch}; "
+            "benchmarks/kernel_bench.py --only moe sweeps them, moe_experts.TUNED takes the fastest")
+
+
 def lowering_kernels(arch: str) -> dict[str, Callable]:
     """Kernel name -> PrimFunc builder at Qwen3-30B-A3B's gate_up shape (128 experts, 1536 x 2048)."""
     return {f"grouped_gemm_{kind}": (lambda kind=kind: grouped_gemm_kernel(kind, 128, 1536, 2048, "bfloat16", config_for(arch)))
@@ -884,9 +898,11 @@ def _experts_forward_binding(site: Site, impl: str, strict: bool, current: Calla
         if dtype is not None:  # under autocast the GEMMs run in its dtype, as F.linear's would
             hidden_states, gate_up, down = hidden_states.to(dtype), gate_up.to(dtype), down.to(dtype)
         inputs = (hidden_states, top_k_index, top_k_weights, gate_up, down, *(factors or ()))
-        # where the implementation cannot run, the stock experts (transformers' grouped_mm), not the op's reference: the
-        # per-expert loop is as slow as transformers' eager experts (8.6x its grouped_mm on the H200)
-        reason = None if strict else registry.unrunnable(LORA if factors else "moe_experts", impl, *inputs)
+        # where the implementation cannot run, or its grouped GEMMs were never measured at this shape, the stock experts
+        # (transformers' grouped_mm), not the op's reference: the per-expert loop is as slow as transformers' eager
+        # experts (8.6x its grouped_mm on the H200)
+        reason = None if strict else (registry.unrunnable(LORA if factors else "moe_experts", impl, *inputs)
+                                      or (unmeasured(hidden_states, gate_up) if impl == "tilelang" else None))
         if reason:
             note_fallback("moe_experts", impl, f"{reason}: stock experts")
             return current(self, hidden_states, top_k_index, top_k_weights)
