@@ -227,6 +227,9 @@ CLASSES: dict[str, ChangeClass] = {
     "amd-memory-fence": ChangeClass((), False, "a `__threadfence*()` added on AMD after a cross-block atomic (a reduction's semaphore reset for the next launch)"),
     "specialization-target-mismatch": ChangeClass((), False, "a `__device__` explicit specialisation of a `__host__ __device__` function template made `__host__ __device__`: hip-clang matches a specialisation only to a template of the same target (nvcc ignores it)"),
     "partial-warp-shuffle": ChangeClass(("mask-32bit",), False, "a masked `*_sync` shuffle run by a subset of lanes restructured so every lane of the wavefront runs HIP's maskless shuffle, only the loads and stores predicated"),
+    # round 23's classes, defined by its labeller (before the round was scored)
+    "rtc-execution-space": ChangeClass((), False, "functions or data a runtime-compiled source left device-only by NVRTC's `--device-as-default-execution-space` (which hiprtc lacks) given `__host__ __device__` or made `constexpr`"),
+    "mpi-stream-sync": ChangeClass((), False, "a device synchronise added after a kernel writes a buffer GPU-aware MPI then reads: on AMD the send read it before the kernel finished"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).

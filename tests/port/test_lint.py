@@ -184,6 +184,8 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
       "  blockReduceSum(o[group]);\n}"), "warp-size-literal"),  # another header's helper, by its name
     ("#ifdef __CUDA_BF16_TYPES_EXIST__\ntemplate <> struct IsFloat<__nv_bfloat16> { static constexpr bool value = true; };\n#endif",
      "compiler-guard"),  # only cuda_bf16.h defines it: the bf16 code is compiled out on AMD
+    ("#ifdef __CUDACC_VER_MAJOR__\n  __host__ __device__ Complex(float2 v) : x(v.x), y(v.y) {}\n#endif",
+     "compiler-guard"),  # nvcc's version macro: hipcc never defines it, the vector conversions are lost on AMD
     ("__device__ uint32_t smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }",
      "missing-intrinsic"),
     ("struct Pool {\n  CUdeviceptr base = 0;\n  size_t used = 0;\n  void* next() { return (void*) (base + used); }\n};",
@@ -358,6 +360,13 @@ def test_rule_variants_fire(code, rule):
     ("#ifdef HAVE_NVSHMEM\n#include <nvshmem.h>\nvoid fence() { nvshmem_quiet(); }\n#else\nvoid fence() {}\n#endif", "nvshmem"),
     # a macro whose body is a braced block is no function: nothing falls off its end
     ("#define ErrorCheck(code) { ErrorAssert((code), __FILE__, __LINE__); }\ninline void ErrorAssert(int c, const char* f, int l) {}",
+     "missing-return"),
+    # a fix for old nvcc releases: hipcc compiles it out and takes the general code
+    (("#if defined(__CUDACC_VER_MAJOR__) && \\\n    ((__CUDACC_VER_MAJOR__ < 12) || (__CUDACC_VER_MAJOR__ == 12 && "
+      "__CUDACC_VER_MINOR__ <= 8))\n  return q * __frsqrt_rn(dot(q, q));\n#else\n  return normalize(q);\n#endif"),
+     "compiler-guard"),
+    # the project's macro returns (bifrost's `BF_TRY_RETURN(...)` expands to `return ...`)
+    ("BFstatus bfInit(BFplan plan) {\n  BF_ASSERT(plan, BF_STATUS_INVALID_HANDLE);\n  BF_TRY_RETURN(plan->init());\n}",
      "missing-return"),
 ])
 def test_rule_variants_stay_silent(code, rule):

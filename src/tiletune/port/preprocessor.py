@@ -19,6 +19,8 @@ DEFINED_ON_AMD = {"USE_ROCM", "__HIP_PLATFORM_AMD__", "__HIPCC__", "__HIP__"}
 # hcc-era platform macro, which hip_common.h still defined up to ROCm 5.7 and ROCm 6.0 dropped (as torch 2.3 dropped
 # it from its extension flags); and the CUDA headers' feature-test macros.
 UNDEFINED_ON_AMD = {"__CUDA_ARCH__", "__NVCC__", "__HIP_PLATFORM_HCC__",
+                    # nvcc's own version macros (a comparison is _VERSION_TEST's: 0 there)
+                    "__CUDACC_VER_MAJOR__", "__CUDACC_VER_MINOR__", "__CUDACC_VER_BUILD__",
                     # feature-test macros only CUDA's cuda_bf16.h / cuda_fp8.h define (not HIP's headers, through 6.2)
                     "__CUDA_BF16_TYPES_EXIST__", "__CUDA_FP8_TYPES_EXIST__",
                     # what IDEs' code models define for their indexing, never a compiler

@@ -941,13 +941,19 @@ def check_arch_guards(text: str) -> Iterable[Hit]:
 
 
 def check_compiler_guards(text: str) -> Iterable[Hit]:
-    """Flag an `#if` / `#elif` testing `__NVCC__` (nvcc's own macro: hipcc never defines it), the GCC version
+    """Flag an `#if` / `#elif` testing `__NVCC__` or whether nvcc's `__CUDACC_VER_MAJOR__` is defined (nvcc's own
+    macros: hipcc never defines them), the GCC version
     (hipcc's clang says 4) or the CUDA toolkit's version (undefined under hipcc; torch's hipify makes `CUDA_VERSION`
     TORCH_HIP_VERSION, about 600) where hipcc compiles a branch of its group out because of it: a `#if CUDART_VERSION
     >= 12000` around a whole fp8 section builds its stubs on AMD, a `#if CUDA_VERSION < 8000` / `#error` stops the build;
     `__HIP_PLATFORM_HCC__` alone (the hcc-era platform macro ROCm 6.0 no longer defines): its AMD branch is lost; and
     `__CUDA_BF16_TYPES_EXIST__` / `__CUDA_FP8_TYPES_EXIST__`, which only CUDA's headers define: the bf16 code is lost."""
-    nvcc = list(_guards_compiling_out(text, _NVCC_TEST))
+    def old_nvcc_workaround(directive, found) -> bool:
+        """`#if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ < 12`: a fix for old nvcc releases only, which
+        hipcc rightly compiles out (its `#else` is the general code)."""
+        return bool(_OLD_NVCC.search(directive.condition)) and not _NEWER_NVCC.search(directive.condition)
+
+    nvcc = list(_guards_compiling_out(text, _NVCC_TEST, skip=old_nvcc_workaround))
     # an old-compiler or old-toolkit escape (`#if __GNUC__ < 6`, `#if CUDA_VERSION < 8000` / `#error`) is the trap
     # when hipcc takes it, even with nothing after it
     gcc = list(_guards_compiling_out(text, _GCC_VERSION_TEST, true_alone=_GCC_VERSION_TEST))
@@ -955,7 +961,7 @@ def check_compiler_guards(text: str) -> Iterable[Hit]:
     # that goes AMD's way: `*_sync` warp functions for CUDA >= 9 with an `#else` of the legacy ones HIP has
     def undecided(directive, found) -> bool:
         return (bool(_ARCH_TEST.search(directive.condition)) or on_amd(directive.condition) is None
-                or _legacy_warp_fallback(text, directive, found))
+                or _legacy_warp_fallback(text, directive, found) or old_nvcc_workaround(directive, found))
 
     cuda = list(_guards_compiling_out(text, _CUDA_VERSION_TEST, true_alone=_CUDA_VERSION_TEST, skip=undecided))
     # an AMD branch of the hcc era is compiled out from ROCm 6.0, and an `#ifndef __HIP_PLATFORM_HCC__` branch meant
@@ -998,8 +1004,11 @@ def _legacy_warp_fallback(text: str, directive, found) -> bool:
                 and _LEGACY_WARP_CALL.search(_branch_body(text, following[0], following[1])))
 
 
-_NVCC_TEST = re.compile(r"\b__NVCC__\b")
+# nvcc's own macros: `__NVCC__`, and its version macros tested for being defined (a comparison is a CUDA-version test)
+_NVCC_TEST = re.compile(r"\b__NVCC__\b|\bdefined\s*\(?\s*__CUDACC_VER_(?:MAJOR|MINOR|BUILD)__\b")
 _HCC_TEST = re.compile(r"\b__HIP_PLATFORM_HCC__\b")
+_OLD_NVCC = re.compile(r"\b__CUDACC_VER_\w+__\s*<")
+_NEWER_NVCC = re.compile(r"\b__CUDACC_VER_\w+__\s*>")
 _CUDA_FEATURE_TEST = re.compile(r"\b__CUDA_(?:BF16|FP8)_TYPES_EXIST__\b")
 _GCC_VERSION_TEST = re.compile(r"\b__GNUC__\s*(?:[<>]=?|==|!=)")
 _CUDA_VERSION_TEST = re.compile(r"\b(?:CUDA_VERSION|CUDART_VERSION|__CUDACC_VER_MAJOR__)\s*(?:[<>]=?|==|!=)")
@@ -1365,9 +1374,9 @@ _NOT_A_RETURN_TYPE = {"static", "inline", "constexpr", "extern", "virtual", "exp
 
 def check_missing_return(text: str) -> Iterable[Hit]:
     """Flag a function with a return type other than void (or auto) whose body has no `return` (nor a
-    `throw`, `abort`, `__builtin_unreachable` or `__trap`), at its closing brace: falling off the end of such a
-    function is undefined behaviour that clang (hipcc) optimises as unreachable, while nvcc returns whatever the
-    register held."""
+    `throw`, `abort`, `__builtin_unreachable` or `__trap`, nor a project macro named for a return such as
+    `BF_TRY_RETURN(...)`), at its closing brace: falling off the end of such a function is undefined behaviour
+    that clang (hipcc) optimises as unreachable, while nvcc returns whatever the register held."""
     classes = set(re.findall(r"\b(?:class|struct)\s+(\w+)", text))  # a function named after one is its constructor
     macros = set(source_constants(text))  # qualifier macros (`#define HOST_DEVICE __host__ __device__`)
     for function in functions(text):
@@ -1383,7 +1392,8 @@ def check_missing_return(text: str) -> Iterable[Hit]:
         if not words or returns_nothing or "operator" in words or function.name == "main":
             continue
         body = text[function.body_start : function.body_end]
-        if not re.search(r"\b(?:return|throw|abort|exit|__builtin_unreachable|__trap|assert\s*\(\s*(?:false|0))\b", body):
+        if not re.search(r"\b(?:return|throw|abort|exit|__builtin_unreachable|__trap|assert\s*\(\s*(?:false|0))\b"
+                         r"|\b[A-Z0-9_]*RETURN[A-Z0-9_]*\s*\(", body):
             yield Hit(*_position(text, function.body_end), f"`{function.name}` returns `{' '.join(words)}` and ends here")
 
 
@@ -2551,8 +2561,8 @@ RULES: list[Rule] = [
     ),
     Rule(
         "compiler-guard", "warning", "`__NVCC__`, GCC-version or old-CUDA test",
-        "`__NVCC__` is nvcc's own macro: hipcc never defines it and no translator renames it (torch's hipify "
-        "renames `__CUDACC__`, not `__NVCC__`). And hipcc's clang reports `__GNUC__` 4, so `#if __GNUC__ < 6` (an "
+        "`__NVCC__` (and `__CUDACC_VER_MAJOR__`, tested for being defined) is nvcc's own macro: hipcc never defines it "
+        "and no translator renames it (torch's hipify renames `__CUDACC__`, not `__NVCC__`). And hipcc's clang reports `__GNUC__` 4, so `#if __GNUC__ < 6` (an "
         "old-host-compiler escape) is taken. Code under such tests is compiled out on AMD, or an `#else` meant for "
         "other compilers is taken: `__host__ __device__` qualifiers chosen there vanish (device code calling the "
         "helpers stops compiling), or a whole op is built empty. CUDA's version macros are undefined under hipcc "
