@@ -322,8 +322,9 @@ def moe_summary(rows: list[dict]) -> dict:
     time = {(r["case"], r["variant"]): r["gpu_median_ms"] for r in rows if r["case"].startswith("moe ")}
     cases = list(dict.fromkeys(r["case"] for r in gemm_cases))
     names = list(dict.fromkeys(r["variant"] for r in gemm_cases if r["variant"].startswith("tl:")))
-    print("\nmoe grouped GEMMs (Qwen3-30B-A3B experts, 8192 tokens x top-8; gpu ms, % of dense cuBLAS TFLOP/s over "
-          "the same rows, x = grouped_mm time / this)")
+    shape = MOE_SHAPE
+    print(f"\nmoe grouped GEMMs ({shape['experts']} experts of {shape['hidden']} x {shape['inter']}, {TOKENS} tokens x "
+          f"top-{shape['k']}; gpu ms, % of dense cuBLAS TFLOP/s over the same rows, x = grouped_mm time / this)")
     print(f"{'config':20s} " + " ".join(f"{c.removeprefix('moe ').removesuffix(' grouped'):>24s}" for c in cases)
           + f" {'sum ms':>8s} {'fwd+bwd ms':>10s}")
     ranking = {}
