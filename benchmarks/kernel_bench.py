@@ -270,9 +270,7 @@ def moe_cases():
     routings = {bm: moe_experts.route(index, experts, bm, moe_experts.BLOCK_M) for bm in {c.block_m for c in configs.values()}}
     base = moe_experts.route(index, experts)
 
-    def grouped_mm(kind, rows, weights, routing):
-        mat_b = weights.transpose(-2, -1) if kind == "nt" else weights
-        return torch._grouped_mm(rows, mat_b, offs=routing.offsets[1:].contiguous())
+    grouped_mm = moe_experts.vendor_gemm  # the op's grouped_mm implementation's GEMMs
 
     # (case, kind, weights, reduction, output columns)
     gemms = [("gate_up fwd", "nt", gate_up, hidden, 2 * inter), ("down fwd", "nt", down, inter, hidden),

@@ -298,6 +298,18 @@ def test_the_binding_runs_the_grouped_gemms_only_at_shapes_a_sweep_measured(monk
     assert len(ran) == 2
 
 
+@pytest.mark.parametrize("kind", ["nt", "nn"])
+def test_torchs_grouped_gemm_computes_the_expert_loop(kind):
+    """The grouped_mm implementation's GEMMs (torch's grouped GEMM over the routing's offsets; on the CPU aten's loop,
+    on sm_90 one CUTLASS kernel) against the per-expert loop, float32, an expert with no rows included."""
+    index, _ = routes(61, 8, 2)
+    routing = route(index, 8)
+    weights = torch.randn(8, 48, 32)  # [experts, n, k]
+    rows = torch.randn(index.numel(), 32 if kind == "nt" else 48)
+    torch.testing.assert_close(moe.vendor_gemm(kind, rows, weights, routing), moe._loop_gemm(kind, rows, weights, routing))
+    assert "one kernel only for bf16" in moe.grouped_mm_unsupported(rows, index, None, weights, weights)
+
+
 # ---- LoRA on the expert weights -------------------------------------------------------------------------
 
 
@@ -670,8 +682,22 @@ def test_tilelang_matches_float64(dtype, name, tokens, experts, k, hidden, inter
     check_against_float64(f"{name} tokens={tokens}", dtype, tokens, experts, k, hidden, inter)
 
 
-def check_against_float64(label: str, dtype, tokens: int, experts: int, k: int, hidden: int, inter: int) -> None:
-    """The whole op on the TileLang kernels (both forward GEMMs, both input-gradient GEMMs) against float64 on
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,tokens,experts,k,hidden,inter", [
+    ("qwen3-30b-a3b", 8192, 128, 8, 2048, 768), ("qwen3-30b-a3b", 77, 128, 8, 2048, 768),
+    ("mixtral-8x7b", 1024, 8, 2, 4096, 14336), ("mixtral-8x7b", 3, 8, 2, 4096, 14336),
+])
+def test_grouped_mm_implementation_matches_float64(name, tokens, experts, k, hidden, inter):
+    """The grouped_mm implementation (torch's grouped GEMM, the packed activation kernels) against float64, bf16."""
+    probe = torch.zeros(1, device="cuda", dtype=torch.bfloat16)
+    if not moe.grouped_mm_runs(probe, experts):
+        pytest.skip(f"torch's grouped GEMM is one kernel on sm_90 / sm_100 only, not {torch.cuda.get_device_name()}")
+    check_against_float64(f"{name} tokens={tokens}", torch.bfloat16, tokens, experts, k, hidden, inter, "grouped_mm")
+
+
+def check_against_float64(label: str, dtype, tokens: int, experts: int, k: int, hidden: int, inter: int,
+                          impl: str = "tilelang") -> None:  # fmt: skip
+    """The whole op on implementation `impl` (both forward GEMMs, both input-gradient GEMMs) against float64 on
     fresh random routes, inputs and expert weights."""
     from _gpu_check import check
 
@@ -682,7 +708,7 @@ def check_against_float64(label: str, dtype, tokens: int, experts: int, k: int, 
     down = (torch.randn(experts, hidden, inter, device="cuda") / inter**0.5).to(dtype)
     check("moe", label, dtype, [x, w, gate_up, down],
           lambda x, w, gu, d: moe_experts(x, index, w, gu, d),
-          lambda x, w, gu, d: moe_experts(x, index, w, gu, d, impl="tilelang", strict=True),
+          lambda x, w, gu, d: moe_experts(x, index, w, gu, d, impl=impl, strict=True),
           ["y", "dhidden", "dweights"])
 
 

@@ -716,12 +716,74 @@ def tilelang_lora_backward(dy, hidden, h, xa, aa, order, tiles, offsets, top_k_w
                                   grouped, TILELANG_ACTIVATION)
 
 
+def _adapters_elsewhere(hidden: Tensor, *factors: Tensor) -> str | None:
+    if any(t.device != hidden.device for t in factors):
+        return "LoRA on expert weights: adapter weights on another device than the input"
+    return None
+
+
 def tilelang_lora_unsupported(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b, down_a, down_b,
                               gate_up_scaling, down_scaling) -> str | None:  # fmt: skip
     """Why the LoRA form's grouped GEMMs cannot run these inputs, or None."""
-    if any(t.device != hidden.device for t in (gate_up_a, gate_up_b, down_a, down_b)):
-        return "LoRA on expert weights: adapter weights on another device than the input"
-    return tilelang_unsupported(hidden, top_k_index, top_k_weights, gate_up, down)
+    return (_adapters_elsewhere(hidden, gate_up_a, gate_up_b, down_a, down_b)
+            or tilelang_unsupported(hidden, top_k_index, top_k_weights, gate_up, down))
+
+
+# ---- torch's grouped GEMM for the four GEMMs, the op's glue and packed activation around it ---------------------
+#
+# Where torch's grouped GEMM is one CUTLASS kernel (bf16 on sm_90 / sm_100) it runs Mixtral-8x7B's expert GEMMs at 95%
+# of a dense GEMM, where no TileLang config passes 80%; with the op's glue and packed activation kernels the experts'
+# forward + backward takes 19.7 ms there, 27.1 with the TileLang GEMMs (H100,
+# benchmarks/results/h100-2026-12-06/kernels-moe-mixtral). Selected by name (`kernels: {moe_experts: grouped_mm}`)
+# until the training step measures it.
+
+
+def vendor_gemm(kind: str, rows: Tensor, weights: Tensor, routing: Routing) -> Tensor:
+    """`gemm` over the expert groups by torch's grouped GEMM (the routing's offsets read on the device): ``nt``
+    rows·W_eᵀ, ``nn`` rows·W_e, in the rows' dtype with float32 accumulation."""
+    mat_b = weights.transpose(-2, -1) if kind == "nt" else weights
+    return _grouped_mm(_rows(rows), _weights(mat_b), routing.offsets[1:])
+
+
+def grouped_mm_forward(hidden, top_k_index, top_k_weights, gate_up, down):
+    """(y, kept rows and routing) with torch's grouped GEMMs and the packed activation kernels."""
+    return _experts_forward(vendor_gemm, hidden, top_k_index, top_k_weights, gate_up, down, BLOCK_M, TILELANG_ACTIVATION)
+
+
+def grouped_mm_backward(dy, h, order, tiles, offsets, top_k_weights, gate_up, down):
+    """(d hidden, d top_k_weights) with torch's grouped GEMMs and the packed activation kernels."""
+    return _experts_backward(vendor_gemm, dy, h, order, tiles, offsets, top_k_weights, gate_up, down, TILELANG_ACTIVATION)
+
+
+def grouped_mm_unsupported(hidden, top_k_index, top_k_weights, gate_up, down) -> str | None:
+    """Why torch's grouped GEMM (one kernel) and the packed activation cannot run these inputs, or None."""
+    if not grouped_mm_runs(hidden, gate_up.shape[0]):
+        return "torch's grouped GEMM is one kernel only for bf16 on CUDA sm_90 / sm_100 (under 1024 experts)"
+    if any(d % _align(hidden) for d in gate_up.shape[1:]):
+        return f"expert shapes {tuple(gate_up.shape)}: rows not a multiple of 16 bytes, as torch's grouped GEMM needs"
+    return _tilelang.unsupported_inputs(hidden, gate_up, down) or swiglu.packed_unsupported(gate_up.shape[1] // 2)
+
+
+def grouped_mm_lora_forward(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b, down_a, down_b,
+                            gate_up_scaling, down_scaling):  # fmt: skip
+    """The LoRA form's forward, every GEMM (base and rank-r) by torch's grouped GEMM."""
+    return _lora_experts_forward(vendor_gemm, hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b,
+                                 down_a, down_b, gate_up_scaling, down_scaling, BLOCK_M, True, TILELANG_ACTIVATION)
+
+
+def grouped_mm_lora_backward(dy, hidden, h, xa, aa, order, tiles, offsets, top_k_weights, gate_up, down, gate_up_a,
+                             gate_up_b, down_a, down_b, gate_up_scaling, down_scaling):  # fmt: skip
+    """The LoRA form's backward, every GEMM by torch's grouped GEMM."""
+    return _lora_experts_backward(vendor_gemm, dy, hidden, h, xa, aa, order, tiles, offsets, top_k_weights, gate_up,
+                                  down, gate_up_a, gate_up_b, down_a, down_b, gate_up_scaling, down_scaling, True,
+                                  TILELANG_ACTIVATION)
+
+
+def grouped_mm_lora_unsupported(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b, down_a, down_b,
+                                gate_up_scaling, down_scaling) -> str | None:  # fmt: skip
+    """Why the LoRA form cannot run these inputs on torch's grouped GEMM, or None."""
+    return (_adapters_elsewhere(hidden, gate_up_a, gate_up_b, down_a, down_b)
+            or grouped_mm_unsupported(hidden, top_k_index, top_k_weights, gate_up, down))
 
 
 # ---- custom ops and binding ------------------------------------------------------------------------------
@@ -928,3 +990,9 @@ add(Impl(LORA, "reference", reference_lora_forward, reference_lora_backward,
 add(Impl(LORA, "tilelang", tilelang_lora_forward, tilelang_lora_backward, _tilelang.machine_unavailable_reason,
          tilelang_lora_unsupported, "TileLang grouped GEMMs for the base weights, the rank-r products and adapter "
          "gradients through torch's grouped_mm (bf16 on sm_90/sm_100; else one GEMM per expert)", accumulation="float32"))
+add(Impl("moe_experts", "grouped_mm", grouped_mm_forward, grouped_mm_backward, _tilelang.machine_unavailable_reason,
+         grouped_mm_unsupported, "torch's grouped GEMM (one CUTLASS kernel, bf16 on sm_90/sm_100) for the four GEMMs, "
+         "the op's glue and swiglu's packed TileLang activation kernels", accumulation="float32"))
+add(Impl(LORA, "grouped_mm", grouped_mm_lora_forward, grouped_mm_lora_backward, _tilelang.machine_unavailable_reason,
+         grouped_mm_lora_unsupported, "torch's grouped GEMM for the base and rank-r GEMMs, the packed TileLang "
+         "activation", accumulation="float32"))
