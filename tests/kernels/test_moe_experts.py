@@ -212,13 +212,18 @@ MOE_MODELS = {
 }
 
 
-@pytest.mark.parametrize("model_type", MOE_MODELS)
-def test_bound_into_moe_models_with_the_stock_loss_and_gradients(model_type):
+def tiny_moe(model_type: str):
+    """A 2-layer random-init model of the family (4 experts, top 2), seeded."""
     config_class, model_class, extra = MOE_MODELS[model_type]
     config = getattr(transformers, config_class)(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, **extra)  # fmt: skip
     torch.manual_seed(0)
-    model = getattr(transformers, model_class)(config)
+    return getattr(transformers, model_class)(config)
+
+
+@pytest.mark.parametrize("model_type", MOE_MODELS)
+def test_bound_into_moe_models_with_the_stock_loss_and_gradients(model_type):
+    model = tiny_moe(model_type)
     for name, param in model.named_parameters():
         param.requires_grad_("experts" not in name)  # frozen experts, as under LoRA
     ids = torch.randint(0, 128, (2, 19))
@@ -247,11 +252,7 @@ def test_where_the_kernels_cannot_run_the_stock_experts_compute_not_the_per_expe
     """`kernels: all` on a machine without the TileLang kernels (this one): each experts call runs transformers' own
     experts and counts a fallback naming why; the op's reference loop (as slow as the eager experts) never runs;
     `strict` refuses when patching."""
-    config_class, model_class, extra = MOE_MODELS["qwen3_moe"]
-    config = getattr(transformers, config_class)(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, **extra)  # fmt: skip
-    torch.manual_seed(0)
-    model = getattr(transformers, model_class)(config).requires_grad_(False)
+    model = tiny_moe("qwen3_moe").requires_grad_(False)
     ids = torch.randint(0, 128, (2, 19))
     with torch.no_grad():
         stock = model(input_ids=ids).logits
@@ -273,11 +274,7 @@ def test_the_binding_runs_the_grouped_gemms_only_at_shapes_a_sweep_measured(monk
     """An implementation that could run (here: the reference's math under the name tilelang) still leaves experts of a
     shape without a TUNED config to the stock path, naming the sweep that would measure one; once TUNED has the shape
     it runs."""
-    config_class, model_class, extra = MOE_MODELS["mixtral"]
-    config = getattr(transformers, config_class)(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, **extra)  # fmt: skip
-    torch.manual_seed(0)
-    model = getattr(transformers, model_class)(config).requires_grad_(False)
+    model = tiny_moe("mixtral").requires_grad_(False)
     ids = torch.randint(0, 128, (2, 19))
     with torch.no_grad():
         stock = model(input_ids=ids).logits
