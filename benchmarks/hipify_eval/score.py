@@ -177,7 +177,7 @@ CLASSES: dict[str, ChangeClass] = {
     # round 17's classes, defined by its labellers (before the round was scored)
     "device-global-used": ChangeClass((), False, "a device global the host looks up by name marked `__attribute__((used))` (hip-clang drops unreferenced ones)"),
     "opaque-handle-type": ChangeClass((), False, "a CUDA handle the file declares as an integer (`CUtexObject`) where HIP's is a pointer"),
-    "runtime-compile-command": ChangeClass((), False, "a kernel compiled at run time by nvcc, rewritten to invoke hipcc (`--genco`)"),
+    "runtime-compile-command": ChangeClass(("nvrtc-option",), False, "a kernel compiled at run time by nvcc, rewritten to invoke hipcc (`--genco`)"),
     "its-spinlock": ChangeClass((), False, "a per-lane spin lock relying on independent thread scheduling, run one lane at a time (AMD has none)"),
     "hipblas-v1-types": ChangeClass((), True, "cuBLAS's CUDA types written as hipBLAS's own (hipblasComplex, hipblasDatatype_t) for hipBLAS < 3.0"),
     "bf16-pair-missing": ChangeClass((), False, "the bf16 pair or complex bf16 types (`__nv_bfloat162`, CUDA_C_16BF) dropped: the HIP build had no counterpart"),
@@ -188,7 +188,7 @@ CLASSES: dict[str, ChangeClass] = {
     "lds-budget": ChangeClass(("lds-limit",), False, "a dynamic shared-memory request above the 64 KiB an AMD workgroup gets, made per-architecture"),
     "hip-no-half-operators": ChangeClass((), False, "a `__half` operator torch's HIP build removes (-D__HIP_NO_HALF_OPERATORS__), replaced by a conversion"),
     # round 18's classes, defined by its labellers (before the round was scored)
-    "rtc-arch-option": ChangeClass((), False, "NVRTC's `-arch=compute_XY` option rewritten as hiprtc's `--gpu-architecture=gfx...` from the device's gcnArchName"),
+    "rtc-arch-option": ChangeClass(("nvrtc-option",), False, "NVRTC's `-arch=compute_XY` option rewritten as hiprtc's `--gpu-architecture=gfx...` from the device's gcnArchName"),
     "cub-internal-api": ChangeClass(("cub-internal",), False, "a CUB / Thrust internal (`cub::WarpReduceShfl`, `thrust::cuda_cub::core`) replaced by the public API: hipCUB and rocThrust expose only that"),
     "fp-atomic-workaround": ChangeClass((), False, "a float `atomicAdd` replaced on AMD by an `atomicCAS` loop on its bits (a HIP defect of 2019)"),
     "device-clock": ChangeClass(("device-clock",), False, "a `clock64()` timeout rewritten with `wall_clock64()`: AMD's clock64 counts a shader clock of varying rate"),

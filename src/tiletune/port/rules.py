@@ -1397,6 +1397,22 @@ def check_missing_return(text: str) -> Iterable[Hit]:
             yield Hit(*_position(text, function.body_end), f"`{function.name}` returns `{' '.join(words)}` and ends here")
 
 
+_NVRTC_CALL = re.compile(r"\bnvrtc\w+\s*\(")
+_NVRTC_ONLY = re.compile(r"\"(?:-arch=|--gpu-architecture=|-arch\s|--gpu-architecture\s)?compute_\w*\"|\"-arch=\"?"
+                         r"|--device-as-default-execution-space\b|-?-use_fast_math\b")
+
+
+def check_nvrtc_options(text: str) -> Iterable[Hit]:
+    """In a file that calls NVRTC: its virtual-architecture options (`-arch=compute_XY`), the default-device option
+    hiprtc lacks and `--use_fast_math`. (`nvrtcGetPTX` alone is left: a code object kept as bytes loads as PTX did;
+    only its use as a C string breaks, which a line cannot show.)"""
+    if not _NVRTC_CALL.search(text):
+        return
+    for number, line in enumerate(text.splitlines(), start=1):
+        if (match := _NVRTC_ONLY.search(line)) is not None:
+            yield Hit(number, match.start() + 1)
+
+
 # ---- what HIP's headers already define: a second definition is a clash or an ambiguous call ----
 
 _VECTOR_TYPE = r"(?:u?char|u?short|u?int|u?long|u?longlong|float|double)[1-4]"
@@ -2624,6 +2640,25 @@ RULES: list[Rule] = [
                            r"|DeviceUpdatableKernelNode|PreferredSharedMemoryCarveout)\b"
                            r"|\bprogrammaticStreamSerializationAllowed\b"
                            r"|\b(?:cudaGridDependencySynchronize|cudaTriggerProgrammaticLaunchCompletion)\s*\("),
+    ),
+    Rule(
+        "nvrtc-option", "warning", "an NVRTC-only compile option",
+        "hipify makes NVRTC hiprtc, which compiles with clang for the GPU the process runs on: a virtual architecture "
+        "(`-arch=compute_80`) means nothing to it; it has no `--device-as-default-execution-space` (functions the JIT "
+        "source leaves unannotated stay host functions, and the kernel's calls to them stop compiling) and takes clang's "
+        "`-ffast-math` for `--use_fast_math` (Bifrost's hipify branch, libCEED's HIP backend). Where the result is read, "
+        "`hiprtcGetCode` returns an AMD code object, binary with NUL bytes, not `nvrtcGetPTX`'s text: kept in a C "
+        "string or printed, it is cut at its first NUL.",
+        "Under HIP pass `--gpu-architecture=` with `hipDeviceProp_t::gcnArchName` (or no architecture), mark the JIT "
+        "headers' functions `__host__ __device__`, use `-ffast-math`, and keep the code object as bytes with its size "
+        "(`hiprtcGetCodeSize`) up to `hipModuleLoadData`.",
+        before='options.push_back("-arch=compute_" + std::to_string(major * 10 + minor));\n'
+               'options.push_back("--device-as-default-execution-space");\n'
+               'nvrtcCompileProgram(program, options.size(), options.data());\nnvrtcGetPTX(program, ptx);',
+        after='options.push_back(std::string("--gpu-architecture=") + prop.gcnArchName);\n'
+              'hiprtcCompileProgram(program, options.size(), options.data());\n'
+              'std::vector<char> code(size);  hiprtcGetCode(program, code.data());',
+        check=check_nvrtc_options,
     ),
     Rule(
         "cuda-library-dlopen", "error", "an NVIDIA library loaded by name at run time",
