@@ -85,6 +85,16 @@ def test_torch_engine_maps_the_fp8_device_runtime_and_launch_parameter_headers(t
     assert not cuda_names(hip)
 
 
+def test_the_driver_header_without_a_space_is_translated_and_the_runtime_include_not_added_twice(tmp_path):
+    """torch's table maps `include <cuda.h` with one space, and its header magic looks for the runtime include spelt
+    so: `#include<cuda.h>` stayed (Cholla) and `#include<cuda_runtime.h>` got a second runtime include above it."""
+    source = tmp_path / "kernel.cu"
+    source.write_text("#include<cuda.h>\n#include<cuda_runtime.h>\n__global__ void k(float* x) { x[0] = 0; }\n")
+    hip = select_engine("torch").translate(source)
+    assert hip == ("#include<hip/hip_runtime.h>\n#include<hip/hip_runtime.h>\n"
+                   "__global__ void k(float* x) { x[0] = 0; }\n")
+
+
 def test_torch_engine_writes_the_names_hip_declares_where_torchs_table_misspells_them(tmp_path):
     """torch's table writes `hipPointerAttributeMemoryType`, `hipStreamCreate__`, `hipDeviceP2PAttribute...`;
     HIP declares `HIP_POINTER_ATTRIBUTE_MEMORY_TYPE`, `hipStreamCreateWithFlags`, `hipDevP2PAttr...`."""

@@ -97,6 +97,9 @@ TORCH_TABLE_GAPS: list[Rewrite] = [
     Rewrite(re.compile(r"\bCubDebug\b"), "HipcubDebug", "hipify-clang's CUB table"),
     Rewrite(re.compile(r"\bCUB_NAMESPACE_BEGIN\b"), "BEGIN_HIPCUB_NAMESPACE", "hipify-clang's CUB table"),
     Rewrite(re.compile(r"\bCUB_NAMESPACE_END\b"), "END_HIPCUB_NAMESPACE", "hipify-clang's CUB table"),
+    Rewrite(re.compile(r"(#\s*include\s*)([<\"])cuda\.h([>\"])"), r"\1\2hip/hip_runtime.h\3",
+            "torch's table maps the driver header only as `include <cuda.h` / `include \"cuda.h` with one space, so "
+            "`#include<cuda.h>` stayed (Cholla's gravity solver); ROCm has no cuda.h"),
     Rewrite(re.compile(r"\bcudaKernelNodeParams\b"), "hipKernelNodeParams", "HIP graph API, missing from torch's table"),
     Rewrite(re.compile(r"\bnv_bfloat16(2?)\b"), r"__hip_bfloat16\1",
             "cuda_bf16.h's typedef names `nv_bfloat16` / `nv_bfloat162`, which HIP does not declare; torch's table "
@@ -209,6 +212,9 @@ def torch_table_undeclared() -> dict[str, str]:
     return dict(line.split(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
 
 
+_HIP_RUNTIME_INCLUDE = re.compile(r"#\s*include\s*[<\"]hip/hip_runtime(?:_api)?\.h[>\"]")
+
+
 def _runtime_include(text: str) -> str:
     """`text` with `#include <hip/hip_runtime.h>` first when it calls the HIP runtime and includes nothing at all:
     nvcc includes cuda_runtime.h implicitly, hipcc nothing, and torch's hipify adds the include only to files
@@ -234,7 +240,11 @@ def _torch_engine() -> Engine:
         text = hipify_python.RE_PYTORCH_PREPROCESSOR.sub(table_name, text)
         for rewrite in TORCH_TABLE_GAPS:
             text = rewrite.pattern.sub(rewrite.replacement, text)
-        return _runtime_include(hipify_python.hip_header_magic(text))
+        # torch's hip_header_magic looks for the runtime include spelt with one space: `#include<hip/hip_runtime.h>`
+        # would get a second one above it
+        if not _HIP_RUNTIME_INCLUDE.search(text):
+            text = hipify_python.hip_header_magic(text)
+        return _runtime_include(text)
 
     return Engine("torch", f"torch.utils.hipify's mapping table from torch {torch.__version__}", translate)
 
