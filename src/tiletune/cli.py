@@ -188,7 +188,7 @@ def env(ctx: click.Context, as_json: bool, strict: bool, library: str | None) ->
 @click.option("--steps", default=10, show_default=True, help="Timed steps per run.")
 @click.option("--warmup", default=3, show_default=True, help="Untimed steps first.")
 @click.option("--repeats", default=2, show_default=True, help="Fresh-process runs per variant, interleaved.")
-@click.option("--profile", is_flag=True, help="Profile one extra step per variant (GPU): profile.md, device time by kernel category.")
+@click.option("--profile", is_flag=True, help="Profile two extra steps per variant (GPU): profile.md, device time by kernel category and what is live at the peak, by allocating line.")
 @click.option("--out", "out_dir", default="bench", show_default=True, type=click.Path(file_okay=False))
 def bench(config, overrides, variants, ablation, model_preset, layers, batch, seq, steps, warmup, repeats, profile,
           out_dir) -> None:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tiletune.bench.profile import category, profile_table, summarise_kernels
+from tiletune.bench.profile import BACKWARD_ENGINE, BEFORE_STEP, category, profile_table, summarise_kernels, summarise_peak
 
 
 @pytest.mark.parametrize("kernel,expected", [
@@ -33,3 +33,30 @@ def test_summary_and_table_add_up():
     text = profile_table({"baseline": summary, "all": summarise_kernels({"sm90_xmma_gemm_x": (40.0, 10)})})
     assert "| matmul (cuBLAS) | 50.0 | 40.0 |" in text and "| tiletune linear | 30.0 | 0.0 |" in text
     assert "| **total** | **86.0** | **40.0** |" in text and "### all: heaviest kernels" in text
+
+
+def _event(action, addr, size, file=None, line=0):
+    frames = [{"filename": "/x/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"}]
+    frames += [{"filename": f"/repo/src/{file}", "line": line, "name": "f"}] if file else []
+    return {"action": action, "addr": addr, "size": size, "frames": frames if file else []}
+
+
+def test_memory_peak_names_what_is_live_at_the_peak():
+    mib = 2**20
+    events = [
+        _event("alloc", 1, 100 * mib, "tiletune/kernels/moe_experts.py", 171),
+        _event("alloc", 2, 50 * mib, "transformers/models/x.py", 9),
+        _event("free_completed", 2, 50 * mib),
+        _event("alloc", 3, 30 * mib),  # from the C++ backward: no Python frame
+        _event("free_completed", 9, 20 * mib),  # allocated before the trace: comes off what the step started with
+        _event("alloc", 4, 60 * mib, "transformers/models/x.py", 9),  # the peak: 1000 - 20 + 100 + 30 + 60
+        _event("free_completed", 1, 100 * mib),
+    ]
+    summary = summarise_peak(events, before=1000 * mib)
+    assert summary["peak_gib"] * 1024 == pytest.approx(1170)
+    sites = {site["site"]: site["gib"] * 1024 for site in summary["sites"]}
+    assert sites == pytest.approx({BEFORE_STEP: 980, "tiletune/kernels/moe_experts.py:171 f": 100,
+                                   "transformers/models/x.py:9 f": 60, BACKWARD_ENGINE: 30})
+    text = profile_table({"all": {**summarise_kernels({"x": (1.0, 1)}), "memory": summary}})
+    assert "### all: live at the step's peak (1.14 GiB allocated)" in text
+    assert "| 0.10 | `tiletune/kernels/moe_experts.py:171 f` |" in text

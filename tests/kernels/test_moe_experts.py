@@ -270,6 +270,40 @@ def test_where_the_kernels_cannot_run_the_stock_experts_compute_not_the_per_expe
         apply_kernels(model, {"moe_experts": "tilelang", "strict": True})
 
 
+def test_kernels_all_picks_torchs_grouped_gemm_and_elsewhere_the_stock_experts(monkeypatch):
+    """The op's default is the grouped_mm implementation (the step's fastest on an H100 at both MoE shapes); on a
+    machine where torch's grouped GEMM is no single kernel (this CPU), each call runs the stock experts and says why."""
+    assert registry.default_impl("moe_experts") == "grouped_mm"
+    model = tiny_moe("qwen3_moe").requires_grad_(False)
+    ids = torch.randint(0, 128, (2, 19))
+    with torch.no_grad():
+        stock = model(input_ids=ids).logits
+    monkeypatch.setattr(registry, "runtime_fallbacks", {})
+    report = apply_kernels(model, {"moe_experts": True})
+    assert {e.impl for e in report.entries if e.op == "moe_experts"} == {"grouped_mm"}
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, stock)
+    (key, calls), = registry.runtime_fallbacks.items()
+    assert calls == 2 and key[1] == "grouped_mm" and key[2] == "no CUDA or ROCm GPU visible to torch: stock experts"
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_routes_merge_chunk_by_chunk_as_whole(monkeypatch, weighted):
+    """Each token's k routes merged (summed, or weighted by the routing weights) from rows sorted by expert, in chunks
+    of 5 tokens (the last one short), equal the routes put back in token order and reduced at once, in float64."""
+    tokens, k, width = 37, 4, 24
+    order = torch.randperm(tokens * k)
+    rows = torch.randn(tokens * k, width, dtype=torch.float64)
+    weights = torch.rand(tokens, k, dtype=torch.float64) if weighted else None
+    by_route = torch.empty_like(rows)
+    by_route[order] = rows  # row j of the sorted rows is route order[j]
+    routes = by_route.view(tokens, k, width)
+    expected = (routes * weights[..., None]).sum(1) if weighted else routes.sum(1)
+    monkeypatch.setattr(moe, "MERGE_CHUNK_BYTES", 5 * k * width * rows.element_size())
+    merged = moe._merge_routes(rows, order, torch.empty(tokens, width, dtype=torch.float64), weights)
+    torch.testing.assert_close(merged, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_the_binding_runs_the_grouped_gemms_only_at_shapes_a_sweep_measured(monkeypatch):
     """An implementation that could run (here: the reference's math under the name tilelang) still leaves experts of a
     shape without a TUNED config to the stock path, naming the sweep that would measure one; once TUNED has the shape
@@ -588,18 +622,21 @@ def _lora_case(tokens, dtype=torch.bfloat16, experts=128, k=8, hidden=2048, inte
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["tilelang", "grouped_mm"])
 @pytest.mark.parametrize("name,tokens,experts,k,hidden,inter", [
     ("qwen3-30b-a3b", 1024, 128, 8, 2048, 768), ("mixtral-8x7b", 77, 8, 2, 4096, 14336)])
-def test_tilelang_lora_form_matches_float64(name, tokens, experts, k, hidden, inter):
-    """The LoRA form on the TileLang grouped GEMMs (rank 8 on both weights) against float64, bf16: y and the gradients
-    of the hidden states, the routing weights and the four factors."""
+def test_lora_form_matches_float64(impl, name, tokens, experts, k, hidden, inter):
+    """The LoRA form on implementation `impl` (TileLang's or torch's grouped GEMMs; rank 8 on both weights) against
+    float64, bf16: y and the gradients of the hidden states, the routing weights and the four factors."""
     from _gpu_check import check
 
+    if impl == "grouped_mm":
+        _skip_unless_grouped_mm_runs()
     index, inputs = _lora_case(tokens, experts=experts, k=k, hidden=hidden, inter=inter)
-    check("moe_lora", name, torch.bfloat16, inputs,
+    check("moe_lora", f"{name} {impl}", torch.bfloat16, inputs,
           lambda x, w, gu, d, a1, b1, a2, b2: moe.moe_experts_lora(x, index, w, gu, d, a1, b1, a2, b2, 2.0, 2.0),
           lambda x, w, gu, d, a1, b1, a2, b2: moe.moe_experts_lora(x, index, w, gu, d, a1, b1, a2, b2, 2.0, 2.0,
-                                                                   "tilelang", True),
+                                                                   impl, True),
           ["y", "dhidden", "dweights", "dA_gu", "dB_gu", "dA_down", "dB_down"])
 
 

@@ -2,7 +2,8 @@
 
 `tiletune bench --profile` runs this in every variant's process after the timed steps (so it never
 touches the timings) and writes profile.md: milliseconds per category and variant, and each variant's
-heaviest kernels.
+heaviest kernels. A second extra step records the CUDA allocator's history: what was live at the step's peak,
+by the line of Python that allocated it (`memory_peak`).
 """
 
 from __future__ import annotations
@@ -70,8 +71,66 @@ def summarise_kernels(kernels: dict[str, tuple[float, int]], top: int = 12) -> d
     }
 
 
+def memory_peak(step: Callable[[], None], top: int = 12) -> dict:
+    """Run `step` once recording the CUDA allocator's history: the step's peak of allocated bytes and what was live
+    then, by allocating site (`summarise_peak`)."""
+    import torch
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return summarise_peak(snapshot["device_traces"][torch.cuda.current_device()], before, top)
+
+
+BEFORE_STEP = "before the step (weights, optimizer state, kept buffers)"
+BACKWARD_ENGINE = "autograd's C++ backward (no Python frame)"
+
+
+def _site(frames: list[dict]) -> str:
+    """The innermost frame outside torch's own files, as `package/file.py:line function` (the allocating line)."""
+    for frame in frames:
+        name = frame["filename"].replace("\\", "/")
+        if "/torch/" in name or not name.endswith(".py"):
+            continue
+        tail = name.rsplit("site-packages/", 1)[-1].rsplit("/src/", 1)[-1]
+        return f"{tail}:{frame['line']} {frame['name']}"
+    return BACKWARD_ENGINE if not frames else frames[0]["filename"].rsplit("/", 1)[-1] + " (torch)"
+
+
+def summarise_peak(events: list[dict], before: int, top: int = 12) -> dict:
+    """The allocator's trace of one step (alloc / free_completed events with addr, size and frames) after `before`
+    bytes were allocated -> the peak of allocated bytes and the `top` sites holding the most then (bytes freed that
+    were allocated before the trace come off `before`)."""
+    live: dict[int, tuple[int, str]] = {}
+    carried, total, peak, peak_index = before, before, before, -1
+    for index, event in enumerate(events):
+        if event["action"] == "alloc":
+            total += event["size"]
+        elif event["action"] == "free_completed":
+            total -= event["size"]
+        if total > peak:
+            peak, peak_index = total, index
+    for event in events[: peak_index + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], _site(event.get("frames", [])))
+        elif event["action"] == "free_completed" and live.pop(event["addr"], None) is None:
+            carried -= event["size"]
+    by_site: dict[str, int] = {BEFORE_STEP: carried}
+    for size, site in live.values():
+        by_site[site] = by_site.get(site, 0) + size
+    heaviest = sorted(by_site.items(), key=lambda item: -item[1])[:top]
+    return {"peak_gib": peak / 2**30, "sites": [{"site": site, "gib": size / 2**30} for site, size in heaviest]}
+
+
 def profile_table(profiles: dict[str, dict]) -> str:
-    """Markdown: device ms per category (rows) and variant (columns), then each variant's heaviest kernels."""
+    """Markdown: device ms per category (rows) and variant (columns), then each variant's heaviest kernels and what
+    was live at its peak."""
     variants = list(profiles)
     names = sorted({c for p in profiles.values() for c in p["categories"]},
                    key=lambda c: -max(p["categories"].get(c, 0.0) for p in profiles.values()))  # fmt: skip
@@ -82,4 +141,9 @@ def profile_table(profiles: dict[str, dict]) -> str:
     for variant in variants:
         lines += ["", f"### {variant}: heaviest kernels", "", "| ms | calls | category | kernel |", "|---|---|---|---|"]
         lines += [f"| {k['ms']:.1f} | {k['calls']} | {k['category']} | `{k['name'][:90]}` |" for k in profiles[variant]["kernels"]]
+        if "memory" in profiles[variant]:
+            memory = profiles[variant]["memory"]
+            lines += ["", f"### {variant}: live at the step's peak ({memory['peak_gib']:.2f} GiB allocated)", "",
+                      "| GiB | allocated by |", "|---|---|"]
+            lines += [f"| {site['gib']:.2f} | `{site['site']}` |" for site in memory["sites"]]
     return "\n".join(lines)

@@ -214,10 +214,10 @@ def run(job: dict) -> dict:
         "peak_allocated_gib": peak_allocated,
         "peak_reserved_gib": peak_reserved,
     }
-    if job.get("profile") and device.type == "cuda":  # one more step, after the timed ones and the memory reading
-        from tiletune.bench.profile import profile_step
+    if job.get("profile") and device.type == "cuda":  # two more steps, after the timed ones and the memory reading
+        from tiletune.bench.profile import memory_peak, profile_step
 
-        result["profile"] = profile_step(train_step)
+        result["profile"] = {**profile_step(train_step), "memory": memory_peak(train_step)}
     return result
 
 

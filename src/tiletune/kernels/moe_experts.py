@@ -133,27 +133,42 @@ TILELANG_ACTIVATION = GatedRows(functools.partial(swiglu.tilelang_packed_forward
                                 functools.partial(swiglu.tilelang_packed_backward_dots, swiglu.SILU))
 
 
+def _positions(order: Tensor) -> Tensor:
+    """The inverse permutation of `order`: where route i of the flat top-k index sits among the rows sorted by
+    expert."""
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=order.device)
+    return position
+
+
 def _by_route(rows: Tensor, order: Tensor) -> Tensor:
     """Rows sorted by expert put back in (token, k) order: row i of the result is route i of the flat top-k index.
     A gather through the inverse permutation (`index_select`, vectorized rows), not a scatter by `order`
     (`index_copy_`, element by element: 0.42 ms a call in the 8-layer step's profile on an H100, against 0.17 ms
     for `index_select`'s gathers of as many rows; benchmarks/results/h100-2026-12-06/moe-act)."""
-    position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel(), device=order.device)
-    return rows.index_select(0, position)
+    return rows.index_select(0, _positions(order))
 
 
-def _combine(o: Tensor, top_k_weights: Tensor, like: Tensor) -> Tensor:
-    """[tokens, hidden]: each token's k expert outputs (`o` in (token, k) order) weighted by its routing weights and
-    summed in one batched GEMM (float32 accumulation, one rounding, no atomics: deterministic), in like's dtype."""
-    tokens, k = top_k_weights.shape
-    return torch.bmm(top_k_weights.reshape(tokens, 1, k).to(o.dtype), o.view(tokens, k, -1)).view_as(like).to(like.dtype)
+MERGE_CHUNK_BYTES = 2**26  # the routes gathered at a time when merging each token's k routes: 64 MiB
 
 
-def _sum_routes(d_rows: Tensor, order: Tensor, like: Tensor) -> Tensor:
-    """The hidden states' gradient: each token's k route gradients (rows sorted by expert) summed (float32
-    accumulation, one rounding, deterministic), in like's dtype."""
-    return _by_route(d_rows, order).view(*like.shape[:1], -1, like.shape[-1]).sum(1).to(like.dtype)
+def _merge_routes(rows: Tensor, order: Tensor, like: Tensor, top_k_weights: Tensor | None = None) -> Tensor:
+    """[tokens, hidden] in like's dtype: each token's k route rows (`rows` sorted by expert) summed, weighted by its
+    routing weights if given (rounded to the rows' dtype; one batched GEMM per chunk), float32 accumulation, one
+    rounding, no atomics (deterministic). The routes are gathered `MERGE_CHUNK_BYTES` at a time, so no [routes,
+    hidden] copy is ever whole: 256 MiB spared at the peak of Qwen3-30B-A3B's experts at 8,192 tokens."""
+    tokens, width = like.shape[0], rows.shape[-1]
+    k = order.numel() // max(tokens, 1)
+    position = _positions(order).view(tokens, k)
+    out = torch.empty_like(like)
+    chunk = max(1, MERGE_CHUNK_BYTES // max(1, k * width * rows.element_size()))
+    for start in range(0, tokens, chunk):
+        routes = rows.index_select(0, position[start : start + chunk].reshape(-1)).view(-1, k, width)
+        if top_k_weights is None:
+            out[start : start + chunk] = routes.sum(1)
+        else:
+            out[start : start + chunk] = torch.bmm(top_k_weights[start : start + chunk, None].to(rows.dtype), routes)[:, 0]
+    return out
 
 
 def _routing_weights_grad(dots: Tensor, order: Tensor, top_k_weights: Tensor) -> Tensor:
@@ -167,10 +182,9 @@ def _experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, top_k_
     """(y, the gate_up rows, the routing's order, tiles and offsets): the experts' forward with
     `gemm(kind, rows, weights, routing)` on tiles of `block_m` rows; the backward reuses the routing."""
     routing = route(top_k_index, gate_up.shape[0], block_m, BLOCK_M)
-    rows = hidden.index_select(0, routing.token)
-    h = gemm("nt", rows, gate_up, routing)
-    o = _by_route(gemm("nt", activation.forward(h), down, routing), routing.order)
-    return _combine(o, top_k_weights, hidden), h, routing.order, routing.tiles, routing.offsets
+    h = gemm("nt", hidden.index_select(0, routing.token), gate_up, routing)
+    o = gemm("nt", activation.forward(h), down, routing)
+    return _merge_routes(o, routing.order, hidden, top_k_weights), h, routing.order, routing.tiles, routing.offsets
 
 
 def _experts_backward(gemm: Callable, dy: Tensor, h: Tensor, order: Tensor, tiles: Tensor, offsets: Tensor,
@@ -182,8 +196,10 @@ def _experts_backward(gemm: Callable, dy: Tensor, h: Tensor, order: Tensor, tile
     # the routing weight enters below, in float32; the unscaled da dotted with the activation is its gradient
     da = gemm("nn", dy.index_select(0, routing.token).to(h.dtype), down, routing)
     dh, dots = activation.backward(da, h, weights)
+    del da  # each [rows, ·] temporary released once read: the backward's peak is the experts' largest
     d_rows = gemm("nn", dh, gate_up, routing)
-    return _sum_routes(d_rows, order, dy), _routing_weights_grad(dots, order, top_k_weights)
+    del dh
+    return _merge_routes(d_rows, order, dy), _routing_weights_grad(dots, order, top_k_weights)
 
 
 # ---- reference: one PyTorch GEMM per expert --------------------------------------------------------------
@@ -390,8 +406,10 @@ def _lora_experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, t
     h = gemm("nt", rows, gate_up, routing) + up * gate_up_scaling
     a = activation.forward(h)
     aa, lora_o = rank.forward(a, down_a, down_b)
-    o = _by_route(gemm("nt", a, down, routing) + lora_o * down_scaling, routing.order)
-    return _combine(o, top_k_weights, hidden), h, xa, aa, routing.order, routing.tiles, routing.offsets
+    del rows, up
+    o = gemm("nt", a, down, routing) + lora_o * down_scaling
+    del a, lora_o
+    return _merge_routes(o, routing.order, hidden, top_k_weights), h, xa, aa, routing.order, routing.tiles, routing.offsets
 
 
 def _lora_experts_backward(gemm: Callable, dy: Tensor, hidden: Tensor, h: Tensor, xa: Tensor, aa: Tensor,
@@ -411,10 +429,12 @@ def _lora_experts_backward(gemm: Callable, dy: Tensor, hidden: Tensor, h: Tensor
     lora_da, d_down_a, d_down_b = rank.backward(d_out, a, aa, down_a, down_b, down_scaling, weights)
     da = gemm("nn", d_out, down, routing) + lora_da
     dh, dots = activation.backward(da, h, weights)
+    del d_out, a, lora_da, da
     rows = hidden.index_select(0, routing.token)
     lora_d_rows, d_gate_up_a, d_gate_up_b = rank.backward(dh, rows, xa, gate_up_a, gate_up_b, gate_up_scaling)
     d_rows = gemm("nn", dh, gate_up, routing) + lora_d_rows
-    return (_sum_routes(d_rows, order, dy), _routing_weights_grad(dots, order, top_k_weights), d_gate_up_a,
+    del dh, rows, lora_d_rows
+    return (_merge_routes(d_rows, order, dy), _routing_weights_grad(dots, order, top_k_weights), d_gate_up_a,
             d_gate_up_b, d_down_a, d_down_b)
 
 
@@ -734,8 +754,9 @@ def tilelang_lora_unsupported(hidden, top_k_index, top_k_weights, gate_up, down,
 # Where torch's grouped GEMM is one CUTLASS kernel (bf16 on sm_90 / sm_100) it runs Mixtral-8x7B's expert GEMMs at 95%
 # of a dense GEMM, where no TileLang config passes 80%; with the op's glue and packed activation kernels the experts'
 # forward + backward takes 19.7 ms there, 27.1 with the TileLang GEMMs (H100,
-# benchmarks/results/h100-2026-12-06/kernels-moe-mixtral). Selected by name (`kernels: {moe_experts: grouped_mm}`)
-# until the training step measures it.
+# benchmarks/results/h100-2026-12-06/kernels-moe-mixtral). On the training step (H100, the fastest dense set): 0.68x
+# stock's time at Mixtral-8x7B's 2 layers (the TileLang GEMMs, ungated, 1.55x), 0.46x at Qwen3-30B-A3B's 8 layers
+# (TileLang 0.47x): the op's default (`kernels: all`) since; elsewhere its binding runs the stock experts.
 
 
 def vendor_gemm(kind: str, rows: Tensor, weights: Tensor, routing: Routing) -> Tensor:
@@ -979,7 +1000,8 @@ def _experts_forward_binding(site: Site, impl: str, strict: bool, current: Calla
 # 8-layer Qwen3-30B-A3B step (H100) the fastest dense set runs 0.81x stock without the op and 0.75x with it
 # (benchmarks/results/h100-2026-12-06/moe-glue; 0.49x with the packed activation and TileLang loss since).
 define(Op("moe_experts", (Binding("moe_experts", "experts", _experts_forward_binding, _fit, unfit_now=unfit_now),),
-          keeps_output=True, forms=(LORA,), profile_pattern=r"grouped_gemm_(nt|nn)", lowering=lowering_kernels))
+          keeps_output=True, forms=(LORA,), profile_pattern=r"grouped_gemm_(nt|nn)", lowering=lowering_kernels,
+          default="grouped_mm"))
 add(Impl("moe_experts", "reference", reference_forward, reference_backward,
          description="PyTorch: one GEMM per expert (the eager loop)", accumulation="float32"))
 add(Impl("moe_experts", "tilelang", tilelang_forward, tilelang_backward, _tilelang.machine_unavailable_reason,
