@@ -95,6 +95,16 @@ def test_the_driver_header_without_a_space_is_translated_and_the_runtime_include
                    "__global__ void k(float* x) { x[0] = 0; }\n")
 
 
+def test_nvrtcs_macro_becomes_hiprtcs(tmp_path):
+    """A header shared by offline and run-time compilation tests NVRTC's macro to keep standard headers out of the
+    run-time compile; under hiprtc that test must name hiprtc's macro, or the branch for offline builds is taken."""
+    source = tmp_path / "compat.h"
+    source.write_text("#ifdef __CUDACC_RTC__\ntypedef unsigned int uint32_t;\n#else\n#  include <stdint.h>\n#endif\n"
+                      "#if !defined(__CUDACC_RTC__) && defined(__CUDACC__)\n#include <cmath>\n#endif\n")
+    hip = select_engine("torch").translate(source)
+    assert hip.count("__HIPCC_RTC__") == 2 and "__CUDACC_RTC__" not in hip
+
+
 def test_torch_engine_writes_the_names_hip_declares_where_torchs_table_misspells_them(tmp_path):
     """torch's table writes `hipPointerAttributeMemoryType`, `hipStreamCreate__`, `hipDeviceP2PAttribute...`;
     HIP declares `HIP_POINTER_ATTRIBUTE_MEMORY_TYPE`, `hipStreamCreateWithFlags`, `hipDevP2PAttr...`."""

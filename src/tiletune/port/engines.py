@@ -101,6 +101,9 @@ TORCH_TABLE_GAPS: list[Rewrite] = [
             "torch's table maps the driver header only as `include <cuda.h` / `include \"cuda.h` with one space, so "
             "`#include<cuda.h>` stayed (Cholla's gravity solver); ROCm has no cuda.h"),
     Rewrite(re.compile(r"\bcudaKernelNodeParams\b"), "hipKernelNodeParams", "HIP graph API, missing from torch's table"),
+    Rewrite(re.compile(r"\b__CUDACC_RTC__\b"), "__HIPCC_RTC__",
+            "NVRTC's macro for a source compiled at run time; hiprtc defines __HIPCC_RTC__ instead (clang D100652), so "
+            "a test of __CUDACC_RTC__ takes its offline branch under hiprtc (standard headers it cannot find)"),
     Rewrite(re.compile(r"\bnv_bfloat16(2?)\b"), r"__hip_bfloat16\1",
             "cuda_bf16.h's typedef names `nv_bfloat16` / `nv_bfloat162`, which HIP does not declare; torch's table "
             "maps only `__nv_bfloat16` / `__nv_bfloat162`"),
