@@ -326,7 +326,7 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
         rewritten = ((kind.translation_covers and after.strip() != before.strip() and not cuda_names(after))
                      or (kind.kept_covers and after.strip() == before.strip())
                      or (kind.translation_decides_guard and _guard_decided(before, after, hip_build))
-                     or _inserted_elsewhere(kind, before, text, translated))  # fmt: skip
+                     or _inserted_elsewhere(kind, change, before, text, translated))  # fmt: skip
         result.covered += bool(flagged or rewritten)
         result.by_translation += bool(rewritten)
         if not (flagged or rewritten):
@@ -349,11 +349,13 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
     return result
 
 
-def _inserted_elsewhere(kind: ChangeClass, before: str, text: str, translated: str) -> bool:
-    """Whether the humans inserted a line (their lines hold no include) that the translation inserts too, elsewhere:
-    `kind.translation_inserts` is in the translation and not in the CUDA file, which includes no CUDA runtime header."""
+def _inserted_elsewhere(kind: ChangeClass, change: dict, before: str, text: str, translated: str) -> bool:
+    """Whether the humans inserted a line that the translation inserts too, elsewhere: their lines hold no include,
+    or only the line their insertion is anchored at (a note that starts "anchor:"), `kind.translation_inserts` is
+    in the translation and not in the CUDA file, which includes no CUDA runtime header."""
     pattern = kind.translation_inserts
-    return (pattern is not None and "#include" not in before and bool(pattern.search(translated))
+    inserted = "#include" not in before or change.get("note", "").startswith("anchor:")
+    return (pattern is not None and inserted and bool(pattern.search(translated))
             and not pattern.search(text) and not CUDA_RUNTIME_INCLUDE.search(text))
 
 
