@@ -14,6 +14,11 @@ def rand(*shape, grad: bool = True):
     return torch.randn(*shape, dtype=torch.float32, requires_grad=grad)
 
 
+def _moe_inputs():
+    return (rand(7, 16), torch.tensor([[0, 2], [1, 2], [2, 0], [0, 1], [2, 1], [1, 0], [0, 2]]), rand(7, 2),
+            rand(3, 24, 16, grad=False), rand(3, 16, 12, grad=False))
+
+
 # Small CPU inputs per op (the reference implementation runs), awkward sizes included.
 CASES = {
     "rms_norm": lambda: (rand(5, 16), rand(16), 1e-5, 0.0),
@@ -30,8 +35,8 @@ CASES = {
     "linear_cross_entropy (soft-capped)": lambda: (rand(5, 16), rand(32, 16), torch.tensor([1, -100, 2, 3, 4]), 4.0, True, 30.0),
     "linear_logprobs": lambda: (rand(5, 16), rand(32, 16), torch.tensor([1, 2, -100, 3, 4]), 0.0),
     "linear_logprobs (soft-capped, frozen weight)": lambda: (rand(5, 16), rand(32, 16, grad=False), torch.tensor([1, -100, 2, 3, 4]), 30.0),
-    "moe_experts": lambda: (rand(7, 16), torch.tensor([[0, 2], [1, 2], [2, 0], [0, 1], [2, 1], [1, 0], [0, 2]]),
-                            rand(7, 2), rand(3, 24, 16, grad=False), rand(3, 16, 12, grad=False)),
+    "moe_experts": lambda: (*_moe_inputs(), True),
+    "moe_experts (input kept, gate_up rows computed again)": lambda: (*_moe_inputs(), False),
     "attention": lambda: (rand(1, 4, 5, 16), rand(1, 2, 5, 16), rand(1, 2, 5, 16), 0.25, None),
     "attention (packed sequences)": lambda: (rand(1, 4, 7, 16), rand(1, 2, 7, 16), rand(1, 2, 7, 16), 0.25,
                                              torch.tensor([0, 2, 3, 7], dtype=torch.int32)),

@@ -186,12 +186,33 @@ def test_reference_is_transformers_experts_in_float64(config_class, shape):
         torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
 
 
+def test_without_keep_rows_the_input_waits_for_the_backward_and_the_result_is_the_same():
+    """keep_rows off: the op returns no gate_up rows and saves the hidden states instead (fewer bytes: the rows are
+    k·2·intermediate wide, the hidden states hidden wide); the backward computes the rows again, so the output and
+    every gradient equal the op's that kept them (float64, the expert loop: bit for bit)."""
+    index, weights = routes(37, 6, 2)
+    hidden = torch.randn(37, 16, dtype=torch.float64)
+    gate_up, down = torch.randn(6, 24, 16, dtype=torch.float64) / 4, torch.randn(6, 16, 12, dtype=torch.float64) / 4
+    results, saved_bytes = {}, {}
+    for keep in (True, False):
+        x, w = hidden.clone().requires_grad_(), weights.double().requires_grad_()
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.nbytes) or t, lambda t: t):
+            y, rows, *_ = torch.ops.tiletune.moe_experts(x, index, w, gate_up, down, keep, "reference", False)
+        (y * torch.linspace(-1, 1, 16, dtype=torch.float64)).sum().backward()
+        results[keep], saved_bytes[keep] = (rows.shape[0], y.detach(), x.grad, w.grad), sum(packed)
+    assert results[True][0] == 74 and results[False][0] == 0
+    assert saved_bytes[True] - saved_bytes[False] == (74 * 24 - 37 * 16) * 8
+    for mine, theirs in zip(results[False][1:], results[True][1:], strict=True):
+        assert torch.equal(mine, theirs)
+
+
 def test_a_kernel_with_the_wrong_activation_fails_the_gate():
     """An implementation computing gelu(gate)·up: the gate must catch it (so the GPU check can fail)."""
-    def wrong_forward(hidden, top_k_index, top_k_weights, gate_up, down):
+    def wrong_forward(hidden, top_k_index, top_k_weights, gate_up, down, keep_rows):
         gelu_gate = moe.GatedRows(lambda h: F.gelu(h.chunk(2, dim=-1)[0]) * h.chunk(2, dim=-1)[1], moe._silu_gate_backward)
         return moe._experts_forward(moe._loop_gemm, hidden, top_k_index, top_k_weights, gate_up, down,
-                                    activation=gelu_gate)
+                                    activation=gelu_gate, keep_rows=keep_rows)
 
     registry.add(registry.Impl("moe_experts", "gelu_by_mistake", wrong_forward, moe.reference_backward))
     try:
@@ -723,14 +744,22 @@ def test_tilelang_matches_float64(dtype, name, tokens, experts, k, hidden, inter
 ])
 def test_grouped_mm_implementation_matches_float64(name, tokens, experts, k, hidden, inter):
     """The grouped_mm implementation (torch's grouped GEMM, the packed activation kernels) against float64, bf16."""
-    probe = torch.zeros(1, device="cuda", dtype=torch.bfloat16)
-    if not moe.grouped_mm_runs(probe, experts):
-        pytest.skip(f"torch's grouped GEMM is one kernel on sm_90 / sm_100 only, not {torch.cuda.get_device_name()}")
+    _skip_unless_grouped_mm_runs()
     check_against_float64(f"{name} tokens={tokens}", torch.bfloat16, tokens, experts, k, hidden, inter, "grouped_mm")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["tilelang", "grouped_mm"])
+def test_the_rows_computed_again_in_the_backward_match_float64(impl):
+    """Without keep_rows (a selective layer's), Qwen3-30B-A3B's shape at 8,192 tokens: the backward's second gate_up
+    GEMM feeds the same gradients, against float64, bf16."""
+    if impl == "grouped_mm":
+        _skip_unless_grouped_mm_runs()
+    check_against_float64("qwen3-30b-a3b rows computed again", torch.bfloat16, 8192, 128, 8, 2048, 768, impl, False)
+
+
 def check_against_float64(label: str, dtype, tokens: int, experts: int, k: int, hidden: int, inter: int,
-                          impl: str = "tilelang") -> None:  # fmt: skip
+                          impl: str = "tilelang", keep_rows: bool = True) -> None:  # fmt: skip
     """The whole op on implementation `impl` (both forward GEMMs, both input-gradient GEMMs) against float64 on
     fresh random routes, inputs and expert weights."""
     from _gpu_check import check
@@ -742,7 +771,7 @@ def check_against_float64(label: str, dtype, tokens: int, experts: int, k: int, 
     down = (torch.randn(experts, hidden, inter, device="cuda") / inter**0.5).to(dtype)
     check("moe", label, dtype, [x, w, gate_up, down],
           lambda x, w, gu, d: moe_experts(x, index, w, gu, d),
-          lambda x, w, gu, d: moe_experts(x, index, w, gu, d, impl=impl, strict=True),
+          lambda x, w, gu, d: moe_experts(x, index, w, gu, d, impl=impl, strict=True, keep_rows=keep_rows),
           ["y", "dhidden", "dweights"])
 
 

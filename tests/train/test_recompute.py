@@ -101,6 +101,34 @@ def test_selective_recompute_reruns_elementwise_ops_but_not_matmuls(monkeypatch,
     assert counts["keep"][norm] < counts["selective"][norm] == counts["recompute"][norm]
 
 
+def test_a_selective_moe_layer_keeps_the_experts_input_and_computes_their_rows_again(monkeypatch):
+    """In a selective layer moe_experts runs without keep_rows, in its forward and its recomputation: the backward
+    computes the gate_up rows again from the kept input. A kept layer keeps the rows; loss and gradients agree."""
+    from tiletune.kernels import moe_experts as moe
+    from tiletune.patch import apply_kernels
+
+    shape, kernels = SELECTIVE_CASES["qwen3_moe"]
+    model = _model(layers=1, **shape)
+    model.train()
+    _, layers = decoder_layers(model)
+    apply_kernels(model, kernels)
+    calls, backward_inputs = [], []
+    op, backward = moe.moe_experts, moe._experts_backward
+    monkeypatch.setattr(moe, "moe_experts", lambda *args, keep_rows=True: calls.append(keep_rows) or op(*args, keep_rows=keep_rows))
+    monkeypatch.setattr(moe, "_experts_backward", lambda *args, **kwargs: backward_inputs.append(
+        kwargs.get("hidden") is not None) or backward(*args, **kwargs))
+    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(2))
+    results = {}
+    for treatment, keeps in (("keep", [True]), ("selective", [False, False])):
+        apply_treatments(layers, [treatment], use_reentrant=False)
+        calls.clear(), backward_inputs.clear()
+        results[treatment] = _loss_and_grads(model, tokens)
+        assert calls == keeps and backward_inputs == [not keeps[0]]
+    torch.testing.assert_close(results["selective"][0], results["keep"][0], rtol=0, atol=0)
+    for name, grad in results["selective"][1].items():
+        torch.testing.assert_close(grad, results["keep"][1][name], rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_plan_on_cpu_measures_saved_activations_and_fits_the_budget():
     model = _model()
     plan = plan_recomputation(model, batch=2, seq=32, dtype=torch.float32, budget_gib=None, use_reentrant=False)

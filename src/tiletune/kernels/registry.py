@@ -9,11 +9,13 @@ reason (``strict`` raises instead).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import logging
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,6 +26,26 @@ REFERENCE = "reference"
 PREFERRED = ("tilelang", "chunked")  # what `kernels: all` (or an op without `impl`) chooses, first found
 
 log = logging.getLogger("tiletune.kernels")
+
+# True while a decoder layer under selective activation checkpointing runs its forward or its recomputation
+# (`tiletune.train.recompute`): a layer that runs its cheap work again may have an op keep its inputs for the backward
+# instead of wider intermediates it can compute again (moe_experts' gate_up rows)
+_SELECTIVE_LAYER = contextvars.ContextVar("tiletune_selective_layer", default=False)
+
+
+@contextlib.contextmanager
+def selective_layer() -> Iterator[None]:
+    """Mark the code inside as a selective layer's forward or recomputation (`in_selective_layer`)."""
+    token = _SELECTIVE_LAYER.set(True)
+    try:
+        yield
+    finally:
+        _SELECTIVE_LAYER.reset(token)
+
+
+def in_selective_layer() -> bool:
+    """Whether a selective layer's forward or recomputation is running in this context."""
+    return _SELECTIVE_LAYER.get()
 
 
 class KernelUnavailable(RuntimeError):

@@ -4,7 +4,9 @@ Each decoder layer gets one of four treatments:
 
 - ``keep``: not checkpointed; what its backward needs stays in memory from its forward.
 - ``selective``: PyTorch's selective activation checkpointing; the outputs of matmuls and attention are
-  kept, the cheap elementwise ops (norms, RoPE, the activation, casts) run again in the backward.
+  kept, the cheap elementwise ops (norms, RoPE, the activation, casts) run again in the backward. The layer runs
+  marked (`registry.selective_layer`): moe_experts then keeps its input instead of its [routes, 2·intermediate]
+  gate_up rows and runs that grouped GEMM again in the backward.
 - ``offload``: not checkpointed; what its backward needs waits in pinned host memory (`tiletune.train.offload`)
   and comes back while a later layer's backward runs. Only with ``gradient_checkpointing_offload``.
 - ``recompute``: full checkpointing; only the layer's input is kept and its whole forward runs again.
@@ -262,8 +264,18 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+@contextlib.contextmanager
+def _as_selective_layer(context):
+    """`context` (PyTorch's selective checkpointing) with the layer marked selective for the kernels inside it."""
+    from tiletune.kernels import registry
+
+    with context, registry.selective_layer():
+        yield
+
+
 def _selective_contexts():
-    return create_selective_checkpoint_contexts(_selective_policy)
+    forward, recompute = create_selective_checkpoint_contexts(_selective_policy)
+    return _as_selective_layer(forward), _as_selective_layer(recompute)
 
 
 def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_gib: float | None,
