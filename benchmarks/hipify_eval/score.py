@@ -127,7 +127,7 @@ CLASSES: dict[str, ChangeClass] = {
     # round 9's classes, defined by its labellers (before the round was scored)
     "register-keyword": ChangeClass(("register-storage",), False, "the `register` storage class, which clang rejects in C++17 (nvcc accepts it)"),
     "warpsize-constexpr": ChangeClass(("warpsize-constexpr",), False, "`warpSize` in a constant expression (an array bound): not constexpr from ROCm 7.0"),
-    "unroll-warning": ChangeClass((), False, "`#pragma unroll` on a loop hip-clang cannot unroll (a -Wpass-failed warning nvcc does not give)"),
+    "unroll-warning": ChangeClass(("unroll-unknown-trip",), False, "`#pragma unroll` on a loop hip-clang cannot unroll (a -Wpass-failed warning nvcc does not give)"),
     "fp8-format": ChangeClass(("fp8-type",), False, "CUDA's OCP fp8 (e4m3fn) replaced by the fnuz encoding MI300 computes in"),
     "libstdcxx-device-assert": ChangeClass(("device-std-clamp",), False, "a standard-library call in device code that gcc 14's libstdc++ asserts through a host function"),
     # round 10's classes, defined by its labellers (before the round was scored)
@@ -154,7 +154,7 @@ CLASSES: dict[str, ChangeClass] = {
     "hipify-kernel-launch": ChangeClass((), False, "a `<<<>>>` launch torch's hipify rewrote into broken code, rewritten by hand",
                                         kept_covers=True),
     "driver-api-gap": ChangeClass(("cuda-library-dlopen",), False, "a CUDA driver call with no HIP counterpart (cuFuncSetCacheConfig, cuStreamGetCtx)"),
-    "ptx-module": ChangeClass((), False, "a module built from PTX by the driver, loaded from an AMD code object instead"),
+    "ptx-module": ChangeClass(("code-object-text",), False, "a module built from PTX by the driver, loaded from an AMD code object instead"),
     "warp-lds-sync": ChangeClass((), False, "a `__syncwarp` added to a warp-synchronous shared-memory loop"),
     "pragma-placement": ChangeClass((), False, "a `#pragma unroll` with no loop after it (clang rejects it)"),
     "missing-runtime-feature": ChangeClass(("launch-attribute-missing",), False,

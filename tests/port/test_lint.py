@@ -368,6 +368,16 @@ def test_rule_variants_fire(code, rule):
     # the project's macro returns (bifrost's `BF_TRY_RETURN(...)` expands to `return ...`)
     ("BFstatus bfInit(BFplan plan) {\n  BF_ASSERT(plan, BF_STATUS_INVALID_HANDLE);\n  BF_TRY_RETURN(plan->init());\n}",
      "missing-return"),
+    # LLVM counts these: a geometric step between constants, a run-time start with a compile-time bound and step
+    # (at most that many trips), a `break` that leaves only an inner loop, a bound a member call returns
+    ("__device__ float f(float v) {\n#pragma unroll\n  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor(v, o);\n  return v;\n}",
+     "unroll-unknown-trip"),
+    ("template <int N> __global__ void k(float* x) {\n#pragma unroll\n  for (int i = threadIdx.x * 4; i < N * 64; i += 256) {\n"
+     "    if (x[i] < 0) break;\n  }\n}", "unroll-unknown-trip"),
+    ("__global__ void k(float* x, int n) {\n#pragma unroll\n  for (int i = 0; i < 8; ++i) {\n"
+     "    for (int j = 0; j < n; ++j) { if (x[j] < 0) break; }\n  }\n}", "unroll-unknown-trip"),
+    ("__global__ void k(const Strides s, float* x) {\n#pragma unroll\n  for (int d = 0; d < s.Capacity(); d++) {\n"
+     "    if (d >= s.rank) break;\n  }\n}", "unroll-unknown-trip"),
 ])
 def test_rule_variants_stay_silent(code, rule):
     found = [f for f in lint_text(code, "snippet.cu") if f.rule in ({rule} if rule else {"libcudacxx"})]

@@ -1404,13 +1404,48 @@ _NVRTC_ONLY = re.compile(r"\"(?:-arch=|--gpu-architecture=|-arch\s|--gpu-archite
 
 def check_nvrtc_options(text: str) -> Iterable[Hit]:
     """In a file that calls NVRTC: its virtual-architecture options (`-arch=compute_XY`), the default-device option
-    hiprtc lacks and `--use_fast_math`. (`nvrtcGetPTX` alone is left: a code object kept as bytes loads as PTX did;
-    only its use as a C string breaks, which a line cannot show.)"""
+    hiprtc lacks and `--use_fast_math`."""
     if not _NVRTC_CALL.search(text):
         return
     for number, line in enumerate(text.splitlines(), start=1):
         if (match := _NVRTC_ONLY.search(line)) is not None:
             yield Hit(number, match.start() + 1)
+
+
+_GET_PTX = re.compile(r"\bnvrtcGetPTX\s*\(")
+_PTX_NAME = r"\w*(?i:ptx)\w*"
+_PTX_C_STRING_ARGUMENT = re.compile(rf"\b({_PTX_NAME})\s*\.\s*c_str\s*\(\s*\)")
+
+
+def _c_string_uses(name: str) -> re.Pattern:
+    """Where a `char*` named `name` is read up to its first NUL: printed, assigned to a string, measured, copied."""
+    word = re.escape(name)
+    return re.compile(rf"<<\s*{word}\b(?!\s*[.\[(])|=\s*{word}\s*;|\b(?:strlen|strcpy|strdup|std::string)\s*\(\s*{word}\s*\)"
+                      rf"|\bstd::string\s+\w+\s*\(\s*{word}\s*\)")
+
+
+def check_code_object_text(text: str) -> Iterable[Hit]:
+    """In a file that calls `nvrtcGetPTX` (hipify: `hiprtcGetCode`, an AMD code object with NUL bytes): a `char*` the
+    result is written through and read as a C string (printed, assigned to a `std::string`, `strlen`), and a PTX
+    string's `c_str()` passed on without its size (`kernel.set(name, ptx.c_str())`), where a callee taking a C string
+    cuts the code object at its first NUL. A buffer kept with its size (`std::vector<char>`, `write(p, size)`) is fine."""
+    if not _GET_PTX.search(text):
+        return
+    aliases = set()
+    for call in _GET_PTX.finditer(text):
+        arguments = _split_top_level(_balanced_args(text, call.end() - 1))
+        buffer = re.match(r"\s*&?\s*(\w+)\s*(?:\[\s*0\s*\])?\s*$", arguments[-1]) if len(arguments) == 2 else None
+        if buffer and re.search(rf"\bchar\s*\*\s*{buffer.group(1)}\s*=", text):
+            aliases.add(buffer.group(1))
+    for name in sorted(aliases):
+        declaration = re.search(rf"\bchar\s*\*\s*{name}\s*=", text)
+        yield Hit(*_position(text, declaration.start()), f"the code object in `char* {name}`")
+        for use in _c_string_uses(name).finditer(text):
+            yield Hit(*_position(text, use.start()), f"`{name}` read as a C string")
+    for use in _PTX_C_STRING_ARGUMENT.finditer(text):
+        call = text[text.rfind("(", 0, use.start()) : _statement_end(text, use.end())]
+        if not re.search(rf"\b{use.group(1)}\s*\.\s*(?:size|length)\s*\(", call):
+            yield Hit(*_position(text, use.start()), f"`{use.group(1)}.c_str()` passed on without its size")
 
 
 # ---- what HIP's headers already define: a second definition is a clash or an ambiguous call ----
@@ -1884,6 +1919,94 @@ def check_inline_asm(text: str) -> Iterable[Hit]:
         amd_only = _AMD_MNEMONIC.search(template) and not _PTX_INSTRUCTION.search(template)
         if template.strip() and not amd_only:
             yield Hit(*_position(text, call.start()))
+
+
+# ---- `#pragma unroll` on a loop whose trip count hip-clang cannot compute ----------------------------
+
+_UNROLLED_FOR = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+unroll\b(?![ \t]*\(?[ \t]*1[ \t]*\)?[ \t]*$)[^\n]*\n\s*for\s*\(",
+                           re.MULTILINE)
+_GEOMETRIC_STEP = re.compile(r"^\s*(\w+)\s*(?:>>=|<<=|\*=|/=)|^\s*(\w+)\s*=\s*\2\s*(?:>>|<<|\*|/)")
+_LAUNCH_SHAPE = re.compile(r"\b(?:blockDim|gridDim|threadIdx|blockIdx)\b")
+_MEMBER_CALL = re.compile(r"\b\w+\s*(?:\.|->)\s*\w+\s*\(")
+_INNER_BREAK_SCOPE = re.compile(r"\b(?:for|while|switch)\s*\(")  # a `break` inside one leaves only it
+
+
+def _parameter_names(header: str) -> set[str]:
+    """The names of the parameters in a function signature (`header`: text up to its opening brace)."""
+    searched = _blank_template_heads(header)
+    heads = [head for head in _CALLABLE_HEAD.finditer(searched) if head.group(1) not in _ATTRIBUTES]
+    if not heads:
+        return set()
+    names = (re.findall(r"\w+", parameter.split("=", 1)[0]) for parameter in
+             _split_top_level(_balanced_args(header, heads[0].end() - 1)))
+    return {words[-1] for words in names if len(words) > 1}
+
+
+def _read_at_run_time(expr: str, scope: str, parameters: set[str], loop_variable: str, depth: int = 0) -> bool:
+    """Whether `expr` can differ between launches of one instantiation: it reads the launch shape, a parameter
+    of the function, or a local computed from them (followed through `scope` three assignments deep)."""
+    if _LAUNCH_SHAPE.search(expr):
+        return True
+    # an object whose member is called (`strides.Capacity()`) says nothing: the member may be a constant
+    names = set(_NAME.findall(_MEMBER_CALL.sub("", expr))) - {loop_variable}
+    if names & parameters:
+        return True
+    return depth < 3 and any(_read_at_run_time(source, scope, parameters, loop_variable, depth + 1)
+                             for name in names for source in _definitions(name, scope))
+
+
+def check_unroll_unknown_trip(text: str) -> Iterable[Hit]:
+    """Flag `#pragma unroll` (any count but 1) on a `for` loop LLVM cannot count: a geometric step (`offset >>= 1`)
+    from a start or to a bound known only at run time (`blockDim.x / 2`), or an early exit (`break`, `return`) from a
+    loop whose bound or step is known only at run time. hip-clang then warns 'loop not unrolled' (-Wpass-failed) for each instantiation; nvcc
+    drops the request silently. Bounds from template parameters or constants are known, so those loops unroll."""
+    for pragma in _UNROLLED_FOR.finditer(text):
+        function = enclosing_function(text, pragma.start())
+        if function is None:
+            continue
+        clauses = _split_top_level(_balanced_args(text, pragma.end() - 1).replace(";", ","))
+        if len(clauses) != 3:  # a range-based for, or a declaration of several variables
+            continue
+        init, condition, step = clauses
+        loop_variable = (re.search(r"(\w+)\s*=", init) or re.search(r"(\w+)", step + " _")).group(1)
+        scope = text[function.body_start : function.body_end]  # not the signature: template defaults hold `=`
+        parameters = _parameter_names(function_header(text, function))
+        def run_time(*clauses: str) -> bool:
+            return any(_read_at_run_time(clause, scope, parameters, loop_variable) for clause in clauses)
+
+        body_start = pragma.end() + len(_balanced_args(text, pragma.end() - 1)) + 1
+        body = text[body_start : _statement_end(text, body_start)]
+        if _GEOMETRIC_STEP.search(step) and run_time(init, condition):
+            yield Hit(*_position(text, pragma.start()), "a geometric step from a run-time value")
+        elif run_time(condition, step) and _exits_early(body):  # from a run-time start: still at most n trips
+            yield Hit(*_position(text, pragma.start()), "an early exit from a loop with a run-time bound")
+
+
+def _exits_early(body: str) -> bool:
+    """Whether a loop `body` can leave its loop before the bound: a `return` or `goto`, or a `break` outside the
+    loops and switches nested in it."""
+    if re.search(r"\b(?:return|goto)\b", body):
+        return True
+    own = body
+    for inner in _INNER_BREAK_SCOPE.finditer(body):
+        start = inner.end() + len(_balanced_args(body, inner.end() - 1)) + 1
+        end = _statement_end(body, start)
+        own = own[:start] + " " * (end - start) + own[end:]
+    return re.search(r"\bbreak\b", own) is not None
+
+
+def _statement_end(text: str, start: int) -> int:
+    """Where the statement from `start` ends: past its block's closing brace, or its semicolon."""
+    opening = re.match(r"\s*\{", text[start:])
+    if opening is None:
+        end = text.find(";", start)
+        return len(text) if end < 0 else end + 1
+    depth, index = 0, start + opening.end() - 1
+    for index in range(index, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[index], 0)
+        if depth == 0:
+            return index + 1
+    return len(text)
 
 
 # ---- the table ---------------------------------------------------------------------------------
@@ -2646,12 +2769,10 @@ RULES: list[Rule] = [
         "hipify makes NVRTC hiprtc, which compiles with clang for the GPU the process runs on: a virtual architecture "
         "(`-arch=compute_80`) means nothing to it; it has no `--device-as-default-execution-space` (functions the JIT "
         "source leaves unannotated stay host functions, and the kernel's calls to them stop compiling) and takes clang's "
-        "`-ffast-math` for `--use_fast_math` (Bifrost's hipify branch, libCEED's HIP backend). Where the result is read, "
-        "`hiprtcGetCode` returns an AMD code object, binary with NUL bytes, not `nvrtcGetPTX`'s text: kept in a C "
-        "string or printed, it is cut at its first NUL.",
+        "`-ffast-math` for `--use_fast_math` (Bifrost's hipify branch, libCEED's HIP backend). What it returns is an AMD "
+        "code object, not PTX text (`code-object-text`).",
         "Under HIP pass `--gpu-architecture=` with `hipDeviceProp_t::gcnArchName` (or no architecture), mark the JIT "
-        "headers' functions `__host__ __device__`, use `-ffast-math`, and keep the code object as bytes with its size "
-        "(`hiprtcGetCodeSize`) up to `hipModuleLoadData`.",
+        "headers' functions `__host__ __device__` and use `-ffast-math`.",
         before='options.push_back("-arch=compute_" + std::to_string(major * 10 + minor));\n'
                'options.push_back("--device-as-default-execution-space");\n'
                'nvrtcCompileProgram(program, options.size(), options.data());\nnvrtcGetPTX(program, ptx);',
@@ -2659,6 +2780,18 @@ RULES: list[Rule] = [
               'hiprtcCompileProgram(program, options.size(), options.data());\n'
               'std::vector<char> code(size);  hiprtcGetCode(program, code.data());',
         check=check_nvrtc_options,
+    ),
+    Rule(
+        "code-object-text", "error", "the run-time compiler's output handled as a C string",
+        "hipify makes `nvrtcGetPTX` `hiprtcGetCode`, whose output is an AMD code object: a binary ELF full of NUL bytes, "
+        "not PTX's NUL-terminated text. Kept in a `char*` that is then printed or assigned to a `std::string`, or "
+        "passed on as `ptx.c_str()` to a function that takes a C string, it is cut at its first NUL, and "
+        "`hipModuleLoadData` rejects the stub (Bifrost's map kernels).",
+        "Keep the code object as bytes with its size from `hiprtcGetCodeSize` (`std::vector<char>`, or a `std::string` "
+        "built from the range), and pass that container, not `c_str()`, up to `hipModuleLoadData`.",
+        before='std::vector<char> buf(size);\nchar* ptx = &buf[0];\nnvrtcGetPTX(program, ptx);\n*ptx_string = ptx;',
+        after='std::vector<char> code(size);\nhiprtcGetCode(program, code.data());\n*code_string = {code.begin(), code.end()};',
+        check=check_code_object_text,
     ),
     Rule(
         "cuda-library-dlopen", "error", "an NVIDIA library loaded by name at run time",
@@ -2720,6 +2853,21 @@ RULES: list[Rule] = [
         before="typedef struct : task_base { int offset; } smem_task;",
         after="typedef struct smem_task_struct : task_base { int offset; } smem_task;",
         pattern=re.compile(r"\btypedef\s+(?:struct|class)\s*:\s*(?!:)"),
+    ),
+    Rule(
+        "unroll-unknown-trip", "note", "`#pragma unroll` on a loop hip-clang cannot count",
+        "LLVM unrolls a loop (fully, or by the pragma's count with a remainder) only when it can compute the trip count. "
+        "A geometric step (`offset >>= 1`) from a run-time start, or an early `break` / `return` out of a loop with a "
+        "run-time bound, defeats that, and hip-clang warns 'loop not unrolled: the optimizer was unable to perform the "
+        "requested transformation' (-Wpass-failed) for every instantiation, an error under -Werror; nvcc drops the "
+        "request silently. The code is unchanged, only the compile log fills (GPUMD's force sums, llama.cpp's softmax).",
+        "Drop the pragma where the bound is a run-time value, give the loop a compile-time bound (a template parameter), "
+        "or silence the warning around the kernel under `__clang__` (`#pragma clang diagnostic ignored \"-Wpass-failed\"`).",
+        before="__global__ void sum(float* s) {\n#pragma unroll\n  for (int o = blockDim.x >> 1; o > 0; o >>= 1) {\n"
+               "    if (threadIdx.x < o) s[threadIdx.x] += s[threadIdx.x + o];\n    __syncthreads();\n  }\n}",
+        after="__global__ void sum(float* s) {\n  for (int o = blockDim.x >> 1; o > 0; o >>= 1) {\n"
+              "    if (threadIdx.x < o) s[threadIdx.x] += s[threadIdx.x + o];\n    __syncthreads();\n  }\n}",
+        check=check_unroll_unknown_trip,
     ),
     Rule(
         "capture-info-v2", "error", "`cudaStreamGetCaptureInfo` with CUDA 12's six arguments",
