@@ -184,7 +184,7 @@ CLASSES: dict[str, ChangeClass] = {
     "opaque-library-handle": ChangeClass((), True, "a cuBLAS / cuSPARSE handle named through its struct (`cublasContext`), re-expressed: HIP's handles are `void*`"),
     "cuda-only-library": ChangeClass((), False, "code built on a CUDA-only header library (FlashInfer) replaced under USE_ROCM by a HIP copy"),
     "hip-fallback-path": ChangeClass(WARP_RULES, False, "a 32-lane warp algorithm kept for CUDA only, HIP given a shared-memory algorithm"),
-    "ballot-width": ChangeClass(("ballot-32bit-result", "popc-32bit", "mask-32bit"), False, "a ballot result or lane mask kept in 32 bits on a 64-lane wavefront, widened"),
+    "ballot-width": ChangeClass(("ballot-32bit-result", "ballot-bit-test", "popc-32bit", "mask-32bit"), False, "a ballot result or lane mask kept in 32 bits on a 64-lane wavefront, widened"),
     "lds-budget": ChangeClass(("lds-limit",), False, "a dynamic shared-memory request above the 64 KiB an AMD workgroup gets, made per-architecture"),
     "hip-no-half-operators": ChangeClass((), False, "a `__half` operator torch's HIP build removes (-D__HIP_NO_HALF_OPERATORS__), replaced by a conversion"),
     # round 18's classes, defined by its labellers (before the round was scored)
@@ -298,6 +298,9 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
     text = source.read_text(encoding="utf-8")
     build = port.get("hip_build", {})  # the project's HIP build macros, as its build files set them
     hip_build = Build(frozenset(build.get("defined", ())), frozenset(build.get("undefined", ())))
+    # macros the project defines in its other files (gputt's `cudaCheck`): `tiletune hipify` run on the project
+    # reads them there and does not count them as CUDA names left
+    own_macros = frozenset(port.get("project_macros", ()))
     findings = lint_text(text, port["cuda"]["path"], build=hip_build)
     translated = engine.translate(source)
     original_lines, translated_lines = text.splitlines(), translated.splitlines()
@@ -323,7 +326,7 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
         lines = sorted({*range(first, last + 1), *sites})  # a change made once covers its sites too
         before = "\n".join(original_lines[n - 1] for n in lines)
         after = "\n".join(line for n in lines for line in translated_of[n])
-        rewritten = ((kind.translation_covers and after.strip() != before.strip() and not cuda_names(after))
+        rewritten = ((kind.translation_covers and after.strip() != before.strip() and not cuda_names(after, own_macros))
                      or (kind.kept_covers and after.strip() == before.strip())
                      or (kind.translation_decides_guard and _guard_decided(before, after, hip_build))
                      or _inserted_elsewhere(kind, change, before, text, translated))  # fmt: skip

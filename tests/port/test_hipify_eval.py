@@ -3,6 +3,7 @@
 import functools
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -38,6 +39,7 @@ def test_ground_truth_names_a_pinned_source_and_known_classes(path):
         first, last = change["lines"]
         assert 1 <= first <= last and change["class"] in {*score.CLASSES, *score.EXCLUDED, score.OBSOLETE}
     assert all(label.startswith(("pitfall:", "false:")) for label in port["findings"].values())
+    assert all(re.fullmatch(r"[A-Za-z_]\w*", name) for name in port.get("project_macros", ()))
 
 
 def test_score_runs_offline_on_the_cache(capsys):

@@ -67,6 +67,10 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     (("template <int B, int WARP_SIZE = 32> __global__ void k(float* x);\n"
       "void f(float* x) { k<2, 32><<<1, 64>>>(x); k<4><<<1, 64>>>(x); }"), "warp-size-define"),
     ("#include \"cuda_fp8.h\"", "fp8-type"),
+    (("__device__ void write_stats(Stats s, Stats* out) {\n  for (int i = 16; i >= 1; i /= 2) {\n    // the requests,\n"
+      "    // then the cache lines,\n    // one counter at a time\n    s.lines += __shfl_xor(s.lines, i);\n  }\n"
+      "  if (threadIdx.x % warpSize == 0) atomicAdd(&out->lines, s.lines);\n}"),
+     "warp-lane-loop"),  # the shuffle sits in the loop's body, more than 3 lines below its header
     ("#if FOO\n#elif __CUDA_ARCH__ == 900\nfast_path();\n#endif", "cuda-arch-guard"),
     ("#ifdef __CUDA_ARCH__\n__syncthreads();\n#endif", "cuda-arch-guard"),
     ("#if EIGEN_CUDA_ARCH >= 530\nreturn __hadd2(a, b);\n#endif", "cuda-arch-guard"),  # defined as __CUDA_ARCH__ elsewhere

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import bisect
 import functools
+import itertools
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -265,6 +266,23 @@ _MASK_TYPE_32 = re.compile(r"\busing\s+(\w*(?i:lane_?mask|warp_?mask|ballot)\w*)
                            r"(?:uint32(?:_t)?|unsigned(?:\s+int)?|int)\s*;"
                            r"|\btypedef\s+(?:std::)?(?:uint32(?:_t)?|unsigned(?:\s+int)?|int)\s+"
                            r"(\w*(?i:lane_?mask|warp_?mask|ballot)\w*)\s*;")
+
+
+_BALLOT_HELD = re.compile(r"\b(\w+)\s*=\s*(?:__(?:ballot(?:_sync)?|activemask)|\w+\s*\.\s*ballot|[A-Z_]*BALLOT[A-Z_]*)\s*\(")
+_INT_ONE_SHIFT = r"\(?\s*1[uU]?\s*<<"  # an `int` (or `unsigned`) 1: 32 bits, whatever it is shifted by
+
+
+def check_ballot_bit_tests(text: str) -> Iterable[Hit]:
+    """Flag a lane's bit of a ballot (a name assigned from `__ballot_sync`, `__activemask`, a group's `ballot`)
+    tested with a 32-bit one, `mask & (1 << j)`: for lanes 32-63 of a 64-lane wavefront the shift is undefined
+    and the test never sees their bits."""
+    names = {match.group(1) for match in _BALLOT_HELD.finditer(text)}
+    if not names:
+        return
+    held = "|".join(map(re.escape, sorted(names)))
+    test = re.compile(rf"\b(?:{held})\s*&\s*{_INT_ONE_SHIFT}|{_INT_ONE_SHIFT}[^()&|;]*\)\s*&\s*(?:{held})\b")
+    for match in test.finditer(text):
+        yield Hit(*_position(text, match.start()))
 
 
 # ---- lane arithmetic: 32 applied to a thread index, and where a lane-0 test matters ---------------
@@ -724,18 +742,22 @@ def _explicit_width_shuffles(text: str, constants: dict[str, str]) -> str:
 
 
 def check_lane_loops(text: str) -> Iterable[Hit]:
-    """Flag a loop starting at 16 or running to 32 with a shuffle in it or within 3 lines below, except
+    """Flag a loop starting at 16 or running to 32 with a shuffle in its body or within 3 lines below, except
     shuffles of a cooperative-groups tile of fixed size (`thread_block_tile<32> g`) and shuffles that name
     their width (`__shfl_xor_sync(m, v, o, 32)`): the loop then covers the tile or the width, whose size
     `warp-tile-32` / `warp-size-define` flag where it is written."""
     tiles = {match.group(1) or match.group(2) for match in _FIXED_TILE.finditer(text)}
     tile_shuffle = re.compile(rf"\b(?:{'|'.join(tiles)})\s*(?:\.|->)\s*shfl\w*") if tiles else None
-    lines = _explicit_width_shuffles(text, source_constants(text)).splitlines()
+    searched = _explicit_width_shuffles(text, source_constants(text))
+    lines = searched.splitlines()
+    starts = [0, *itertools.accumulate(len(line) + 1 for line in lines)]
     for index, line in enumerate(lines):
         loop = _LANE_LOOP.search(line)
         if loop is None:
             continue
-        nearby = "\n".join(lines[index : index + 4])
+        header = starts[index] + loop.start() + searched[starts[index] + loop.start() :].find("(")
+        body_start = header + len(_balanced_args(searched, header)) + 2
+        nearby = "\n".join([searched[body_start : _statement_end(searched, body_start)], *lines[index : index + 4]])
         if _SHUFFLE.search(tile_shuffle.sub("", nearby) if tile_shuffle else nearby):
             yield Hit(index + 1, loop.start() + 1)
 
@@ -1250,7 +1272,8 @@ def check_constexpr_device_calls(text: str) -> Iterable[Hit]:
 
 # ---- C10_WARP_SIZE on the host ------------------------------------------------------------------
 
-_HOST_WARP_SIZE = re.compile(rf"\bC10_WARP_SIZE\b|\b{_WARP_SIZE_NAME}\s*=(?!=)[^;]*?\b32[uU]?\b(?!\.)")
+_HOST_WARP_SIZE = re.compile(rf"\bC10_WARP_SIZE\b|\b{_WARP_SIZE_NAME}\s*=(?!=)[^;]*?\b32[uU]?\b(?!\.)"
+                             r"|\b\w*(?i:warp)\w*\s*=(?!=)[^;]*?/\s*\(?\s*32[uU]?\b(?!\.)")  # `warps_per_block = nthreads / 32`
 
 
 # a macro or a constant like one (`WARP_SIZE`, `kWarpSize`), named for the warp size another header gives
@@ -1259,7 +1282,8 @@ _WARP_SIZE_MACRO = re.compile(r"\b[A-Z0-9_]*WARP_?SIZE[A-Z0-9_]*\b|\bkWarp(?:Siz
 
 def check_host_warp_size(text: str) -> Iterable[Hit]:
     """Flag each line of a function not compiled for the device that uses `C10_WARP_SIZE`, sets a warp-size
-    variable from a literal 32 (`warp_size = n < 32 ? n : 32;`), or uses a warp-size macro another file defines
+    variable from a literal 32 (`warp_size = n < 32 ? n : 32;`) or a warp count by dividing by 32
+    (`warps_per_block = nthreads / 32`), or uses a warp-size macro another file defines
     (`WARP_SIZE` or `kWarpSize` from a compat header, or the file's own alias of it outside any function,
     `constexpr int kLanes = kWarpSize;`: whatever it says, the host pass cannot know the device's width). A local
     alias is not followed (its defining line is the place to flag), nor a member of the same name (`block.x`)."""
@@ -2108,6 +2132,15 @@ RULES: list[Rule] = [
         pattern=re.compile(r"\b(?<!long )(?:unsigned\s+int|unsigned|uint32_t|int32_t|int|uint)\s+\w+\s*=\s*"
                            r"(?:(?:__(?:ballot(?:_sync)?|activemask)|\w+\s*\.\s*ballot|[A-Z_]*BALLOT[A-Z_]*)\s*\("
                            r"|\(?\s*1[uU]?\s*<<\s*\(?\s*(?:\w*(?i:lane)\w*|indexInWarp)\b)"),
+    ),
+    Rule(
+        "ballot-bit-test", "error", "a lane's bit of a ballot tested with a 32-bit one",
+        "On a 64-lane wavefront a ballot has 64 bits, but `1 << j` is an `int`: shifted by 32 or more it is "
+        "undefined (in practice the shift wraps or yields 0), so `mask & (1 << j)` misreads lanes 32-63.",
+        "Shift in the mask's own type: `mask & (static_cast<decltype(mask)>(1) << j)`, or `(mask >> j) & 1`.",
+        before="auto mask = __ballot_sync(full, valid);\nif (mask & (1 << j)) out[j] = v;",
+        after="auto mask = __ballot_sync(full, valid);\nif ((mask >> j) & 1) out[j] = v;",
+        check=check_ballot_bit_tests,
     ),
     Rule(
         "popc-32bit", "warning", "32-bit bit count of a lane mask",
