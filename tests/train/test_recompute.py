@@ -319,6 +319,27 @@ def test_on_the_gpu_a_probe_of_four_layers_predicts_the_whole_stack(monkeypatch,
 
 
 @pytest.mark.gpu
+def test_the_probes_memory_pool_is_handed_back_after_planning(monkeypatch):
+    """A probe's high-water mark (here 1 GiB more, allocated and freed inside each probe) is not left reserved for
+    the step: the caching allocator keeps freed blocks until emptied, and the planned step may need far less."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU: run on a CUDA machine (pytest -m gpu)")
+    from tiletune.train import recompute
+
+    probe = recompute._probe
+
+    def with_a_high_water_mark(*args, **kwargs):
+        torch.empty(2**30, dtype=torch.uint8, device="cuda")  # freed at once, kept in the allocator's pool
+        return probe(*args, **kwargs)
+
+    monkeypatch.setattr(recompute, "_probe", with_a_high_water_mark)
+    model = _model(layers=2).to("cuda")
+    torch.cuda.empty_cache()
+    plan_recomputation(model, batch=2, seq=32, dtype=torch.float32, budget_gib=None, use_reentrant=False)
+    assert torch.cuda.memory_reserved() < torch.cuda.memory_allocated() + 2**29
+
+
+@pytest.mark.gpu
 def test_levers_are_pulled_in_order_when_recomputation_is_not_enough():
     """A budget that makes layers recompute moves the lm_head to the host (its copy hides behind the forward); one
     below the all-recomputed step moves the input embeddings there first; one below what both save also chunks
