@@ -372,6 +372,7 @@ def test_rule_variants_fire(code, rule):
     # the project's macro returns (bifrost's `BF_TRY_RETURN(...)` expands to `return ...`)
     ("BFstatus bfInit(BFplan plan) {\n  BF_ASSERT(plan, BF_STATUS_INVALID_HANDLE);\n  BF_TRY_RETURN(plan->init());\n}",
      "missing-return"),
+    ("int* positions = new int[(rows + cols) * warpSize];", "warpsize-constexpr"),  # `new`: a run-time size
     # LLVM counts these: a geometric step between constants, a run-time start with a compile-time bound and step
     # (at most that many trips), a `break` that leaves only an inner loop, a bound a member call returns
     ("__device__ float f(float v) {\n#pragma unroll\n  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor(v, o);\n  return v;\n}",

@@ -1651,8 +1651,8 @@ def check_bf16_arithmetic(text: str) -> Iterable[Hit]:
 # ---- C++ that hipcc's clang rejects or ROCm 7 no longer takes ------------------------------------
 
 _CONSTANT_CONTEXTS = (  # (where a constant expression is required, what it is)
-    (re.compile(r"\b(?!return\b|case\b|else\b|throw\b|delete\b)[\w:]+\s+\w+\s*\[[^\]\n;]*\bwarpSize\b[^\]\n;]*\]"),
-     "an array bound"),
+    (re.compile(r"\b(?!return\b|case\b|else\b|throw\b|delete\b|new\b)[\w:]+\s+\w+\s*\[[^\]\n;]*\bwarpSize\b[^\]\n;]*\]"),
+     "an array bound"),  # not `new int[n * warpSize]`: a size read at run time
     (re.compile(r"\bconstexpr\b[^;{}]*=[^;{}]*\bwarpSize\b"), "a constexpr initialiser"),
     (re.compile(r"\bstatic_assert\s*\([^;]*\bwarpSize\b"), "a static_assert"),
     (re.compile(r"\b\w+<[^<>;(){}=&|]*\bwarpSize\b[^<>;(){}=&|]*>"), "a template argument"),
