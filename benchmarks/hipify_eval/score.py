@@ -230,6 +230,8 @@ CLASSES: dict[str, ChangeClass] = {
     # round 23's classes, defined by its labeller (before the round was scored)
     "rtc-execution-space": ChangeClass((), False, "functions or data a runtime-compiled source left device-only by NVRTC's `--device-as-default-execution-space` (which hiprtc lacks) given `__host__ __device__` or made `constexpr`"),
     "mpi-stream-sync": ChangeClass((), False, "a device synchronise added after a kernel writes a buffer GPU-aware MPI then reads: on AMD the send read it before the kernel finished"),
+    # round 25's, defined after its labelling (the labeller named it; first labelled runtime-api / runtime-header)
+    "project-backend-api": ChangeClass((), False, "a project's own CUDA-backend API switched to its HIP namesake (PETSc's `VecCUDAGetArrayRead`, `VECCUDA`, `WaitForCUDA`, `petscdevice_cuda.h`)"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).

@@ -51,6 +51,9 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("__asm__ __volatile__(\"bar.sync 0;\");", "inline-asm"),
     ("asm(\"wgmma.fence.sync.aligned;\");", "ptx-mma"),
     ("__shared__ float big[128][160];", "lds-limit"),
+    (("__global__ void k(float* x) {}\nvoid launch(float* x, bool big) {\n  int extra = 0;\n  if (big) extra = 4096;\n"
+      "  cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (6112 + extra) * sizeof(double));\n}"),
+     "lds-limit"),  # at most 10,208 doubles: 81,664 bytes
     ("__launch_bounds__(MAX_THREADS, MIN_BLOCKS(2))", "launch-bounds-2nd-arg"),
     ("__launch_bounds__(64, 4) __global__ void k();", "launch-bounds-2nd-arg"),  # 1024 threads per CU, not 256
     ("#if __GNUC__ < 6\n#define BUILD_OP 0\n#endif", "compiler-guard"),  # hipcc's clang says GCC 4
@@ -372,6 +375,11 @@ def test_rule_variants_fire(code, rule):
     # the project's macro returns (bifrost's `BF_TRY_RETURN(...)` expands to `return ...`)
     ("BFstatus bfInit(BFplan plan) {\n  BF_ASSERT(plan, BF_STATUS_INVALID_HANDLE);\n  BF_TRY_RETURN(plan->init());\n}",
      "missing-return"),
+    ("PetscErrorCode MatSetUp_SeqSELLHIP(Mat A) {\n  PetscFunctionBegin;\n  PetscFunctionReturn(PETSC_SUCCESS);\n}",
+     "missing-return"),  # PETSc's macro returns too
+    (("__global__ void k(float* x) {}\nvoid launch(float* x, bool big) {\n  int extra = 0;\n  if (big) extra = 256;\n"
+      "  cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (6112 + extra) * sizeof(double));\n}"),
+     "lds-limit"),  # at most 6368 doubles: 50,944 bytes
     ("int* positions = new int[(rows + cols) * warpSize];", "warpsize-constexpr"),  # `new`: a run-time size
     # LLVM counts these: a geometric step between constants, a run-time start with a compile-time bound and step
     # (at most that many trips), a `break` that leaves only an inner loop, a bound a member call returns

@@ -181,12 +181,29 @@ def _shared_memory_requests(text: str) -> Iterable[tuple[int, str, str]]:
         )
 
 
+def _largest_size(expr: str, offset: int, text: str, constants: dict[str, str]) -> int | None:
+    """`expr` evaluated with each variable of it that the enclosing function only ever sets to constants taken at
+    its largest (`int extra = 0; if (big) extra = 256;` -> 256), or None when some value is unknown."""
+    function = enclosing_function(text, offset)
+    if function is None:
+        return None
+    scope, bounded = text[function.body_start : function.body_end], dict(constants)
+    for name in set(_NAME.findall(expr)) - set(constants):
+        values = [evaluate_int(source, constants) for source in _definitions(name, scope)]
+        if values and None not in values:
+            bounded[name] = str(max(values))
+    return evaluate_int(expr, bounded)
+
+
 def check_shared_memory(text: str) -> Iterable[Hit]:
-    """Flag shared-memory sizes above the 64 KiB of LDS; warn where an attribute's size is unknown."""
+    """Flag shared-memory sizes above the 64 KiB of LDS; warn where an attribute's size is unknown (a variable the
+    function sets to constants counts at its largest)."""
     constants = source_constants(text)
     for offset, what, expr in _shared_memory_requests(text):
         line, column = _position(text, offset)
         size = evaluate_int(expr, constants)
+        if size is None and what.startswith("the dynamic shared memory limit"):
+            size = _largest_size(expr, offset, text, constants)
         if size is not None and size > LDS_LIMIT_BYTES:
             yield Hit(line, column, f"{what} asks for {size} bytes ({size / 1024:g} KiB)")
         elif size is None and what.startswith("the dynamic shared memory limit"):
@@ -367,7 +384,10 @@ def check_lane_arithmetic(text: str) -> Iterable[Hit]:
             operand = _left_operand(line, match.start())
             warp_count = (_THREAD_COUNT_NAMES.search(operand) and match.group(0).lstrip()[0] in "/>"
                           and in_warp_level_launcher(text, line_starts[number - 1]))
-            if not (_LANE_NAMES.search(operand) or warp_count):
+            # or the result is named a lane id, whatever it was taken from (`lane_id = sq_id % 32`)
+            named_lane = (match.group(0).lstrip()[0] in "%&" and (assigned := _ASSIGNED_BEFORE.search(line[: match.start()]))
+                          and _LANE_ID_NAME.fullmatch(assigned.group(1)))
+            if not (_LANE_NAMES.search(operand) or warp_count or named_lane):
                 continue
             if _LANE_ZERO_TEST.match(line, match.end()):
                 guarded = "\n".join([line[match.end():], *lines[number : number + 3]])
@@ -392,6 +412,7 @@ def check_lane_arithmetic(text: str) -> Iterable[Hit]:
 # repeats iterations on a 64-lane wavefront. (From `threadIdx.x % 32` the same loop is a consistent 32-lane group.)
 _HARDWARE_LANE = re.compile(r"\b(\w+)\s*=\s*[^;=]*(?:%\s*warpSize\b|&\s*\(\s*warpSize\s*-\s*1\s*\)"
                             r"|\b\w*(?i:lane_?id)\s*\(\s*\))")  # __lane_id(), cub::LaneId(), get_lane_id()
+_LANE_ID_NAME = re.compile(r"\w*(?i:lane)_?(?i:id|idx|index)?\w*")
 _ASSIGNED_BEFORE = re.compile(r"\b(\w+)\s*=\s*[^;=,]*$")  # the name a declaration or assignment ending here sets
 _LANE_STRIDE_LOOP = re.compile(r"\bfor\s*\([^;]*=\s*([^;]*);[^;]*;\s*\w+\s*\+=\s*32[uU]?\s*\)")
 
@@ -1399,7 +1420,7 @@ _NOT_A_RETURN_TYPE = {"static", "inline", "constexpr", "extern", "virtual", "exp
 def check_missing_return(text: str) -> Iterable[Hit]:
     """Flag a function with a return type other than void (or auto) whose body has no `return` (nor a
     `throw`, `abort`, `__builtin_unreachable` or `__trap`, nor a project macro named for a return such as
-    `BF_TRY_RETURN(...)`), at its closing brace: falling off the end of such a function is undefined behaviour
+    `BF_TRY_RETURN(...)` or PETSc's `PetscFunctionReturn(...)`), at its closing brace: falling off the end of such a function is undefined behaviour
     that clang (hipcc) optimises as unreachable, while nvcc returns whatever the register held."""
     classes = set(re.findall(r"\b(?:class|struct)\s+(\w+)", text))  # a function named after one is its constructor
     macros = set(source_constants(text))  # qualifier macros (`#define HOST_DEVICE __host__ __device__`)
@@ -1417,7 +1438,7 @@ def check_missing_return(text: str) -> Iterable[Hit]:
             continue
         body = text[function.body_start : function.body_end]
         if not re.search(r"\b(?:return|throw|abort|exit|__builtin_unreachable|__trap|assert\s*\(\s*(?:false|0))\b"
-                         r"|\b[A-Z0-9_]*RETURN[A-Z0-9_]*\s*\(", body):
+                         r"|\b\w*(?:RETURN|Return)\w*\s*\(", body):
             yield Hit(*_position(text, function.body_end), f"`{function.name}` returns `{' '.join(words)}` and ends here")
 
 
