@@ -385,8 +385,8 @@ def check_lane_arithmetic(text: str) -> Iterable[Hit]:
             warp_count = (_THREAD_COUNT_NAMES.search(operand) and match.group(0).lstrip()[0] in "/>"
                           and in_warp_level_launcher(text, line_starts[number - 1]))
             # or the result is named a lane id, whatever it was taken from (`lane_id = sq_id % 32`)
-            named_lane = (match.group(0).lstrip()[0] in "%&" and (assigned := _ASSIGNED_BEFORE.search(line[: match.start()]))
-                          and _LANE_ID_NAME.fullmatch(assigned.group(1)))
+            assigned = _ASSIGNED_BEFORE.search(line[: match.start()])
+            named_lane = match.group(0).lstrip()[0] in "%&" and assigned and _LANE_ID_NAME.fullmatch(assigned.group(1))
             if not (_LANE_NAMES.search(operand) or warp_count or named_lane):
                 continue
             if _LANE_ZERO_TEST.match(line, match.end()):
@@ -1420,8 +1420,9 @@ _NOT_A_RETURN_TYPE = {"static", "inline", "constexpr", "extern", "virtual", "exp
 def check_missing_return(text: str) -> Iterable[Hit]:
     """Flag a function with a return type other than void (or auto) whose body has no `return` (nor a
     `throw`, `abort`, `__builtin_unreachable` or `__trap`, nor a project macro named for a return such as
-    `BF_TRY_RETURN(...)` or PETSc's `PetscFunctionReturn(...)`), at its closing brace: falling off the end of such a function is undefined behaviour
-    that clang (hipcc) optimises as unreachable, while nvcc returns whatever the register held."""
+    `BF_TRY_RETURN(...)` or PETSc's `PetscFunctionReturn(...)`), at its closing brace: falling off the end of such a
+    function is undefined behaviour that clang (hipcc) optimises as unreachable, while nvcc returns whatever the
+    register held."""
     classes = set(re.findall(r"\b(?:class|struct)\s+(\w+)", text))  # a function named after one is its constructor
     macros = set(source_constants(text))  # qualifier macros (`#define HOST_DEVICE __host__ __device__`)
     for function in functions(text):
@@ -1473,7 +1474,8 @@ def check_code_object_text(text: str) -> Iterable[Hit]:
     """In a file that calls `nvrtcGetPTX` (hipify: `hiprtcGetCode`, an AMD code object with NUL bytes): a `char*` the
     result is written through and read as a C string (printed, assigned to a `std::string`, `strlen`), and a PTX
     string's `c_str()` passed on without its size (`kernel.set(name, ptx.c_str())`), where a callee taking a C string
-    cuts the code object at its first NUL. A buffer kept with its size (`std::vector<char>`, `write(p, size)`) is fine."""
+    cuts the code object at its first NUL. A buffer kept with its size (`std::vector<char>`, `write(p, size)`) is
+    fine."""
     if not _GET_PTX.search(text):
         return
     aliases = set()
@@ -2003,8 +2005,9 @@ def _read_at_run_time(expr: str, scope: str, parameters: set[str], loop_variable
 def check_unroll_unknown_trip(text: str) -> Iterable[Hit]:
     """Flag `#pragma unroll` (any count but 1) on a `for` loop LLVM cannot count: a geometric step (`offset >>= 1`)
     from a start or to a bound known only at run time (`blockDim.x / 2`), or an early exit (`break`, `return`) from a
-    loop whose bound or step is known only at run time. hip-clang then warns 'loop not unrolled' (-Wpass-failed) for each instantiation; nvcc
-    drops the request silently. Bounds from template parameters or constants are known, so those loops unroll."""
+    loop whose bound or step is known only at run time. hip-clang then warns 'loop not unrolled' (-Wpass-failed) for
+    each instantiation; nvcc drops the request silently. Bounds from template parameters or constants are known, so
+    those loops unroll."""
     for pragma in _UNROLLED_FOR.finditer(text):
         function = enclosing_function(text, pragma.start())
         if function is None:
@@ -2016,6 +2019,7 @@ def check_unroll_unknown_trip(text: str) -> Iterable[Hit]:
         loop_variable = (re.search(r"(\w+)\s*=", init) or re.search(r"(\w+)", step + " _")).group(1)
         scope = text[function.body_start : function.body_end]  # not the signature: template defaults hold `=`
         parameters = _parameter_names(function_header(text, function))
+
         def run_time(*clauses: str) -> bool:
             return any(_read_at_run_time(clause, scope, parameters, loop_variable) for clause in clauses)
 
