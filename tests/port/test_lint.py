@@ -70,6 +70,9 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     (("template <int B, int WARP_SIZE = 32> __global__ void k(float* x);\n"
       "void f(float* x) { k<2, 32><<<1, 64>>>(x); k<4><<<1, 64>>>(x); }"), "warp-size-define"),
     ("#include \"cuda_fp8.h\"", "fp8-type"),
+    (("__host__ __device__ int cell_count(float box, float cutoff) {\n  int n = int(box / cutoff);\n#ifndef __CUDA_ARCH__\n"
+      "  if (n > 1024) throw std::runtime_error(\"too many cells\");\n#endif\n  return n;\n}"),
+     "cuda-arch-guard"),  # hip-clang's device pass compiles the host branch too: a throw there does not compile
     (("__device__ void write_stats(Stats s, Stats* out) {\n  for (int i = 16; i >= 1; i /= 2) {\n    // the requests,\n"
       "    // then the cache lines,\n    // one counter at a time\n    s.lines += __shfl_xor(s.lines, i);\n  }\n"
       "  if (threadIdx.x % warpSize == 0) atomicAdd(&out->lines, s.lines);\n}"),
@@ -375,6 +378,8 @@ def test_rule_variants_fire(code, rule):
     # the project's macro returns (bifrost's `BF_TRY_RETURN(...)` expands to `return ...`)
     ("BFstatus bfInit(BFplan plan) {\n  BF_ASSERT(plan, BF_STATUS_INVALID_HANDLE);\n  BF_TRY_RETURN(plan->init());\n}",
      "missing-return"),
+    ("int cells(int n) {\n#ifndef __CUDA_ARCH__\n  if (n > 1024) throw std::runtime_error(\"too many\");\n#endif\n  return n;\n}",
+     "cuda-arch-guard"),  # a host function: only the host pass compiles it
     ("PetscErrorCode MatSetUp_SeqSELLHIP(Mat A) {\n  PetscFunctionBegin;\n  PetscFunctionReturn(PETSC_SUCCESS);\n}",
      "missing-return"),  # PETSc's macro returns too
     (("__global__ void k(float* x) {}\nvoid launch(float* x, bool big) {\n  int extra = 0;\n  if (big) extra = 256;\n"

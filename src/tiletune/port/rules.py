@@ -973,14 +973,34 @@ def _arch_defines(text: str) -> Iterable[Hit]:
                                     "`__CUDA_ARCH__` undefined")
 
 
+_HOST_ONLY_BRANCH = re.compile(r"!\s*defined\s*\(?\s*" + CUDA_ARCH_NAME + r"\b")
+
+
+def _host_branches_in_device_code(text: str) -> Iterable[Hit]:
+    """`#ifndef __CUDA_ARCH__` (nvcc's host pass only) inside a `__host__ __device__` function, whose branch throws: hip-clang
+    defines no `__CUDA_ARCH__`, so its device pass compiles the branch too, and a `throw` does not compile there."""
+    found = directives(text)
+    lines = text.split("\n")
+    starts = [0, *itertools.accumulate(len(line) + 1 for line in lines)]
+    for directive in found:
+        if directive.kind not in ("if", "ifndef") or not _HOST_ONLY_BRANCH.search(directive.condition):
+            continue
+        closing = [d for d in found if d.group == directive.group and d.first > directive.first]
+        function = enclosing_function(text, starts[directive.first])
+        if (closing and closing[0].kind == "endif" and function is not None and function.device  # an #else: flagged above
+                and re.search(r"\bthrow\b", _branch_body(text, directive, closing[0]))):
+            yield _directive_hit(text, directive, "its host-only branch is compiled by HIP's device pass too, and throws")
+
+
 def check_arch_guards(text: str) -> Iterable[Hit]:
     """Flag an `#if` / `#elif` that tests `__CUDA_ARCH__` (a comparison, or `#ifdef`) where hipcc compiles a
     branch of its group out because of it (`>= 800` and `defined(__CUDA_ARCH__)` are false on AMD, `< 700` true),
     and a macro defined as such a test (`#define HAS_BF16 (__CUDA_ARCH__ >= 800)`), which is a constant on AMD. A
     test for GPUs older than sm_N (`#if __CUDA_ARCH__ < 600`) is true on AMD: its branch (a CAS-loop `atomicAdd`
-    for doubles, a no-op `atomicAdd` macro for sm_1x) is compiled there even with nothing after it."""
-    return sorted([*_guards_compiling_out(text, _ARCH_TEST, true_alone=_OLD_ARCH_TEST), *_arch_defines(text)],
-                  key=lambda hit: hit.line)
+    for doubles, a no-op `atomicAdd` macro for sm_1x) is compiled there even with nothing after it; so is the host
+    branch of a `__host__ __device__` function (`#ifndef __CUDA_ARCH__`), flagged where it throws."""
+    return sorted([*_guards_compiling_out(text, _ARCH_TEST, true_alone=_OLD_ARCH_TEST), *_arch_defines(text),
+                   *_host_branches_in_device_code(text)], key=lambda hit: (hit.line, hit.column))
 
 
 def check_compiler_guards(text: str) -> Iterable[Hit]:
