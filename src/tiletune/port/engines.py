@@ -10,9 +10,10 @@ decides where the text goes, so the input tree stays untouched.
 
 The torch engine applies torch's table the way `torch.utils.hipify` does, plus `TORCH_TABLE_GAPS`:
 what that table misses and hipify-perl / hipify-clang translate (CUB, PyTorch's own CUDA headers,
-the kernel cast `hipFuncSetAttribute` and its two siblings need), and the HIP runtime include a host-only file needs. Before the table
-it writes HIP's own name where the table misspells one (`TORCH_TABLE_CORRECTIONS`), and it leaves a CUDA name whose
-table entry names nothing HIP declares as it is (`torch_table_undeclared.txt`), so the report lists it as left.
+the kernel cast `hipFuncSetAttribute` and its two siblings need), and the HIP runtime include a host-only file
+needs. Before the table it writes HIP's own name where the table misspells one (`TORCH_TABLE_CORRECTIONS`), and it
+leaves a CUDA name whose table entry names nothing HIP declares as it is (`torch_table_undeclared.txt`), so the
+report lists it as left.
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ TORCH_TABLE_GAPS: list[Rewrite] = [
     Rewrite(re.compile(r"\bnv_bfloat16(2?)\b"), r"__hip_bfloat16\1",
             "cuda_bf16.h's typedef names `nv_bfloat16` / `nv_bfloat162`, which HIP does not declare; torch's table "
             "maps only `__nv_bfloat16` / `__nv_bfloat162`"),
-    Rewrite(re.compile(r"\bhip(FuncSetAttribute|FuncSetCacheConfig|FuncSetSharedMemConfig)\s*\(\s*(?!\(\s*const\s+void\s*\*\s*\))"),
+    Rewrite(re.compile(r"\bhip(FuncSetAttribute|FuncSetCacheConfig|FuncSetSharedMemConfig)\s*\("
+                       r"\s*(?!\(\s*const\s+void\s*\*\s*\))"),
             r"hip\1((const void*)",
             "HIP declares `hipFuncSetAttribute`, `hipFuncSetCacheConfig` and `hipFuncSetSharedMemConfig` for a "
             "`const void*` only (no template overload for a kernel as CUDA's runtime has): a kernel name does not "

@@ -151,6 +151,11 @@ def _balanced_args(text: str, open_paren: int) -> str:
     return text[open_paren + 1 :]
 
 
+def _line_starts(lines: list[str]) -> list[int]:
+    """The offset of each of `lines` (a text split at its newlines) in that text, and the text's length plus one."""
+    return [0, *itertools.accumulate(len(line) + 1 for line in lines)]
+
+
 def _position(text: str, index: int) -> tuple[int, int]:
     line_start = text.rfind("\n", 0, index) + 1
     return text.count("\n", 0, index) + 1, index - line_start + 1
@@ -367,9 +372,7 @@ def check_lane_arithmetic(text: str) -> Iterable[Hit]:
     if _logical_32_lane_groups(text):
         return
     lines = text.splitlines()
-    line_starts = [0]
-    for line in lines:
-        line_starts.append(line_starts[-1] + len(line) + 1)
+    line_starts = _line_starts(lines)
     flagged_lanes = set()  # names given a lane id `% 32` that was flagged: loops from them stepping by 32 follow
     for number, line in enumerate(lines, start=1):
         if _barrier_step(lines, number - 1) or in_lane_blind_function(text, line_starts[number - 1]):
@@ -771,7 +774,7 @@ def check_lane_loops(text: str) -> Iterable[Hit]:
     tile_shuffle = re.compile(rf"\b(?:{'|'.join(tiles)})\s*(?:\.|->)\s*shfl\w*") if tiles else None
     searched = _explicit_width_shuffles(text, source_constants(text))
     lines = searched.splitlines()
-    starts = [0, *itertools.accumulate(len(line) + 1 for line in lines)]
+    starts = _line_starts(lines)
     for index, line in enumerate(lines):
         loop = _LANE_LOOP.search(line)
         if loop is None:
@@ -977,11 +980,11 @@ _HOST_ONLY_BRANCH = re.compile(r"!\s*defined\s*\(?\s*" + CUDA_ARCH_NAME + r"\b")
 
 
 def _host_branches_in_device_code(text: str) -> Iterable[Hit]:
-    """`#ifndef __CUDA_ARCH__` (nvcc's host pass only) inside a `__host__ __device__` function, whose branch throws: hip-clang
-    defines no `__CUDA_ARCH__`, so its device pass compiles the branch too, and a `throw` does not compile there."""
+    """`#ifndef __CUDA_ARCH__` (nvcc's host pass only) inside a `__host__ __device__` function, whose branch throws:
+    hip-clang defines no `__CUDA_ARCH__`, so its device pass compiles the branch too, and a `throw` does not compile
+    there."""
     found = directives(text)
-    lines = text.split("\n")
-    starts = [0, *itertools.accumulate(len(line) + 1 for line in lines)]
+    starts = _line_starts(text.split("\n"))
     for directive in found:
         if directive.kind not in ("if", "ifndef") or not _HOST_ONLY_BRANCH.search(directive.condition):
             continue
