@@ -2,7 +2,8 @@
 
 Llama-3-8B shapes: 8192 tokens (batch 4 x 2048), hidden 4096, intermediate 14336, 32 q / 8 kv heads of
 128, bf16; `--only quant`: NF4 dequantization (PyTorch, bitsandbytes, TileLang) and the QLoRA Linear; `--only moe`:
-Qwen3-30B-A3B's experts (grouped GEMM against a dense GEMM over the same rows and torch's grouped_mm). Each
+Qwen3-30B-A3B's experts (grouped GEMM against a dense GEMM over the same rows and torch's grouped_mm); `--only
+lora_rank`: lora_linear's rank-r GEMMs as the op runs them and reformulated. Each
 variant is timed two ways: `gpu` replays the forward + backward captured in a CUDA
 graph (triton.testing.do_bench_cudagraph), i.e. device time, what a training step pays when the CPU
 runs ahead of the GPU; `launch` calls it eagerly between CUDA events (triton.testing.do_bench), so
@@ -350,6 +351,41 @@ def moe_summary(rows: list[dict]) -> dict:
     return {"best": best, "default": default, "configs": ranking}
 
 
+LORA_RANK_SHAPES = {"llama3-8b q_proj": (4096, 4096), "qwen3-30b-a3b q_proj": (4096, 2048),
+                    "qwen3-30b-a3b v_proj": (512, 2048)}  # (out, in)
+
+
+def _split_k(left_t: torch.Tensor, right: torch.Tensor, splits: int = 8) -> torch.Tensor:
+    """left_tᵀ right, its 8,192-token reduction cut into `splits` batched GEMMs summed in float32: a skinny output
+    ([rank, in] or [out, rank]) gets `splits` times the thread blocks."""
+    m = left_t.shape[0]
+    parts = torch.bmm(left_t.view(splits, m // splits, -1).transpose(1, 2), right.view(splits, m // splits, -1),
+                      out_dtype=torch.float32)
+    return parts.sum(0).to(left_t.dtype)
+
+
+def lora_rank_cases():
+    """(case, {variant: callable}) for lora_linear's four rank-r GEMMs at 8,192 tokens, rank 8 padded to 16, as the op
+    runs them (`cublas`: x Aᵀ, dY (s·B), gᵀ x, dYᵀ xa by torch.matmul) and reformulated (the product transposed, the
+    reduction split): the candidates for the skinny GEMMs the MoE step's profile shows at 86 us a call (H100)."""
+    for name, (out_f, in_f) in LORA_RANK_SHAPES.items():
+        x = torch.randn(TOKENS, in_f, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(TOKENS, out_f, device="cuda", dtype=torch.bfloat16)
+        a = torch.randn(16, in_f, device="cuda", dtype=torch.bfloat16)
+        bs = torch.randn(out_f, 16, device="cuda", dtype=torch.bfloat16)
+        g, xa = dy @ bs, x @ a.t()
+        yield f"lora xA {name}", {"cublas": forward_only(lambda x=x, a=a: x @ a.t()),
+                                  "transposed": forward_only(lambda x=x, a=a: (a @ x.t()).t())}
+        yield f"lora dY(sB) {name}", {"cublas": forward_only(lambda dy=dy, bs=bs: dy @ bs),
+                                      "transposed": forward_only(lambda dy=dy, bs=bs: (bs.t() @ dy.t()).t())}
+        yield f"lora dA {name}", {"cublas": forward_only(lambda g=g, x=x: g[:, :8].t() @ x),
+                                  "transposed": forward_only(lambda g=g, x=x: (x.t() @ g[:, :8]).t()),
+                                  "splitk": forward_only(lambda g=g, x=x: _split_k(g[:, :8], x))}
+        yield f"lora dB {name}", {"cublas": forward_only(lambda dy=dy, xa=xa: dy.t() @ xa[:, :8]),
+                                  "transposed": forward_only(lambda dy=dy, xa=xa: (xa[:, :8].t() @ dy).t()),
+                                  "splitk": forward_only(lambda dy=dy, xa=xa: _split_k(dy, xa[:, :8]))}
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
@@ -358,7 +394,7 @@ def git_commit() -> str:
 
 
 GROUPS = {"elementwise": elementwise_cases, "linear": linear_cases, "attention": attention_cases, "quant": quant_cases,
-          "moe": moe_cases}
+          "moe": moe_cases, "lora_rank": lora_rank_cases}
 BASELINES = ("eager", "cublas", "flash")  # the baseline of a case: the first of these among its variants
 
 

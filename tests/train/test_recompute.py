@@ -30,6 +30,15 @@ def test_choose_spares_the_last_layers_and_prefers_the_cheaper_treatment():
     assert choose_treatments(3, 5, 5, -7) == ["recompute"] * 3
 
 
+def _budget_gib(usable: float, static: int) -> float:
+    """The budget (GiB) whose usable part (`recompute.usable_bytes`) is `usable` bytes, for a step of `static` bytes."""
+    return (usable - recompute.MARGIN * static) / (1 - recompute.MARGIN) / 2**30
+
+
+def _static(model) -> int:
+    return recompute._static_bytes(model, next(model.parameters()).device)
+
+
 def _model(layers=4, config_class=LlamaConfig, model_class=LlamaForCausalLM, **shape):
     config = config_class(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **shape)  # fmt: skip
@@ -129,12 +138,21 @@ def test_a_selective_moe_layer_keeps_the_experts_input_and_computes_their_rows_a
         torch.testing.assert_close(grad, results["keep"][1][name], rtol=1e-6, atol=1e-7, msg=name)
 
 
+def test_the_margin_is_taken_from_what_the_step_allocates_beyond_its_weights():
+    """A budget mostly filled by frozen weights (Qwen3-30B-A3B's 12 layers: 15.3 of 16.3 GiB) keeps all but 5% of
+    the room left beside them; a budget with no weights in it keeps 95%."""
+    gib = 2**30
+    assert recompute.usable_bytes(int(16.3 * gib), int(15.3 * gib)) == pytest.approx(16.25 * gib, abs=2)
+    assert recompute.usable_bytes(20 * gib, 0) == 19 * gib
+    assert recompute.usable_bytes(10 * gib, 12 * gib) == 10 * gib  # weights above the budget: the plan refuses it
+
+
 def test_plan_on_cpu_measures_saved_activations_and_fits_the_budget():
     model = _model()
     plan = plan_recomputation(model, batch=2, seq=32, dtype=torch.float32, budget_gib=None, use_reentrant=False)
     assert plan.treatments == ["keep"] * 4 and plan.keep_bytes > 0  # no budget on the CPU: recompute nothing
     layer_bytes, base = plan.keep_bytes, plan.base_bytes
-    budget = (base + 2.5 * layer_bytes) / 0.95 / 2**30  # room for two layers and a half after the margin
+    budget = _budget_gib(base + 2.5 * layer_bytes, static=base)  # room for two layers and a half after the margin
     plan = plan_recomputation(model, batch=2, seq=32, dtype=torch.float32, budget_gib=budget, use_reentrant=False)
     assert plan.treatments == ["recompute", "recompute", "keep", "keep"]
     assert [layer.gradient_checkpointing for layer in decoder_layers(model)[1]] == [True, True, False, False]
@@ -268,10 +286,10 @@ def test_an_eager_lever_is_pulled_only_where_the_recomputation_it_spares_costs_m
                                    on_gpu=True, depth=4)  # fmt: skip
     lever = recompute.Lever("lm_head on host", lambda model: None, lambda model: None, lambda model: "",
                             eager=True, copied_bytes=lambda model: int(copy_gib * gib))  # fmt: skip
-    budget = 14 * gib
-    base = int(budget * (1 - recompute.MARGIN)) - int(0.3 * gib)
-    assert recompute._recomputed(probe, base, 8, budget, offload_inputs=False) == 8
-    assert recompute._pays_off(lever, None, probe, base, 8, budget, False, torch.device("cpu")) is pulled
+    usable = 14 * gib
+    base = usable - int(0.3 * gib)
+    assert recompute._recomputed(probe, base, 8, usable, offload_inputs=False) == 8
+    assert recompute._pays_off(lever, None, probe, base, 8, usable, False, torch.device("cpu")) is pulled
 
 
 def _fresh_gpu_shape(intermediate: int, layers: int):
@@ -311,7 +329,7 @@ def test_on_the_gpu_a_probe_of_four_layers_predicts_the_whole_stack(monkeypatch,
     assert short.base_bytes == pytest.approx(whole.base_bytes, rel=0.02), (short.to_dict(), whole.to_dict())
     assert short.keep_bytes == pytest.approx(whole.keep_bytes, rel=0.02)
     monkeypatch.setattr(recompute, "PROBE_LAYERS", 4)
-    budget = (short.base_bytes + 5 * short.keep_bytes) / (1 - recompute.MARGIN) / 2**30
+    budget = _budget_gib(short.base_bytes + 5 * short.keep_bytes, static=_static(model))
     planned = plan(budget_gib=budget)
     assert "recompute" in planned.treatments and len(set(planned.treatments)) > 1, planned.summary()
     _, peak = measured_step(model, tokens)
@@ -346,8 +364,6 @@ def test_levers_are_pulled_in_order_when_recomputation_is_not_enough():
     the MLPs; each plan's step stays within its budget and computes the same loss."""
     from _gpu_step import measured_step
 
-    from tiletune.train.recompute import MARGIN
-
     # a wide MLP, so a layer's backward (not the loss's chunk of logits) is the peak: 256 MiB per intermediate
     config, cfg = _fresh_gpu_shape(intermediate=16384, layers=4)
     tokens = torch.randint(0, 32000, (1, 8192), device="cuda")
@@ -367,9 +383,10 @@ def test_levers_are_pulled_in_order_when_recomputation_is_not_enough():
     reference, _ = measured_step(model, tokens)
     head = "the lm_head in host memory (copied in during each forward, in slices by the fused loss)"
     embedding = "the input embeddings in host memory"
-    some_recomputed = (unconstrained.base_bytes + 2 * unconstrained.keep_bytes) / (1 - MARGIN) / 2**30
-    embedding_first = (unconstrained.base_bytes - table // 2) / (1 - MARGIN) / 2**30
-    all_three = (unconstrained.base_bytes - 2 * table - 256 * 2**20) / (1 - MARGIN) / 2**30
+    static = _static(model)
+    some_recomputed = _budget_gib(unconstrained.base_bytes + 2 * unconstrained.keep_bytes, static)
+    embedding_first = _budget_gib(unconstrained.base_bytes - table // 2, static)
+    all_three = _budget_gib(unconstrained.base_bytes - 2 * table - 256 * 2**20, static)
     for budget, levers in ((some_recomputed, [head]), (embedding_first, [embedding, head]), (all_three, [embedding, head])):
         del model  # the planner measures the whole device: the previous model (held in cycles) must be gone
         gc.collect()

@@ -20,7 +20,8 @@ each other recomputed layer holds (its input, unless that waits on the host, and
 90k tokens take seconds, not a whole step's minutes each. The plan then gives as many layers as the budget allows a treatment that
 recomputes no matmul (the cheaper of the two in memory), upgrades ``selective`` layers to ``keep`` with
 what is left, and recomputes the rest. The layers spared are the last ones: the backward reaches them
-first, so their memory is free again before any recomputed layer runs its forward a second time.
+first, so their memory is free again before any recomputed layer runs its forward a second time. The plan fills
+the budget less a margin (MARGIN) of what the step allocates beyond its static tensors (`usable_bytes`).
 
 Offloading costs no device memory beyond one layer in flight, but the host link must carry a layer's
 tensors while the layers after it compute: the probe also times one layer's forward and the link, and
@@ -64,7 +65,11 @@ from tiletune.train.tiled_mlp import chunks_of, mlp_chunks, tile_mlp, untile_mlp
 log = logging.getLogger("tiletune")
 
 GIB = 2**30
-MARGIN = 0.05  # of the budget, left for the allocator's fragmentation and what the probe cannot see
+# of what the step allocates beyond its static tensors (the budget less the weights on the device, their gradients and
+# the optimizer state), left for the allocator's fragmentation and what the probe cannot see: the fragmentation comes
+# from the step's churn, not from the weights allocated once (Qwen3-30B-A3B's 12 layers: 15.3 GiB of weights in a
+# 16.3 GiB budget; 5% of the whole budget would have left no room for the 1 GiB of activations)
+MARGIN = 0.05
 TREATMENTS = ("keep", "selective", "offload", "recompute", "recompute_device")
 HOST_SHARE = 0.5  # of the host memory available at planning time, what offloaded tensors may take by default
 
@@ -327,9 +332,10 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
             undo()
             levers = [other for other in levers if other.name != lever.name]  # more of it would not help either
         before = None
-        if budget is None or (base is not None and base <= budget * (1 - MARGIN)):
+        usable = None if budget is None else usable_bytes(budget, _static_bytes(model, device))
+        if budget is None or (base is not None and base <= usable):
             eager = [lever for lever in levers if lever.eager and spare
-                     and _pays_off(lever, model, probe, base, len(layers), budget, offload_inputs, device)]  # fmt: skip
+                     and _pays_off(lever, model, probe, base, len(layers), usable, offload_inputs, device)]  # fmt: skip
             if not eager:
                 break
             lever = eager[0]  # the budget makes some layers recompute: a lever whose copy costs less spares some
@@ -372,11 +378,12 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
             f"needs with every layer recomputed{' and ' + ', '.join(pulled.values()) if pulled else ''}; raise the budget, "
             "or lower per_device_train_batch_size or cutoff_len"
         )
-    free = int(budget * (1 - MARGIN)) - plan.base_bytes
+    free = usable_bytes(budget, _static_bytes(model, device)) - plan.base_bytes
     if free < 0:
         log.warning("the step needs %.1f GiB with every layer recomputed: within gradient_checkpointing_budget=%.1f GiB "
-                    "but not its %d%% margin for fragmentation, so the peak may pass the budget", plan.base_bytes / GIB,
-                    budget / GIB, round(MARGIN * 100))  # fmt: skip
+                    "but not its margin for fragmentation (%d%% of what the step allocates beyond the weights and "
+                    "optimizer state), so the peak may pass the budget", plan.base_bytes / GIB, budget / GIB,
+                    round(MARGIN * 100))  # fmt: skip
     if spare:
         held = plan.held_bytes
         plan.treatments = choose_treatments(len(layers), held["keep"], held["selective"], free, offload_every,
@@ -420,22 +427,22 @@ def _lowered(before: int | None, after: int | None) -> bool:
     return after is not None and (before is None or after < before - 2**20)
 
 
-def _recomputed(probe: _ProbeResult, base: int, layers: int, budget: int, offload_inputs: bool, freed: int = 0) -> int:
-    """How many layers the plan `choose_treatments` makes within `budget`, with `freed` more bytes, recomputes (a
-    spared layer also holds its input when the recomputed ones' wait on the host)."""
+def _recomputed(probe: _ProbeResult, base: int, layers: int, usable: int, offload_inputs: bool, freed: int = 0) -> int:
+    """How many layers the plan `choose_treatments` makes within `usable` bytes (the budget less its margin), with
+    `freed` more bytes, recomputes (a spared layer also holds its input when the recomputed ones' wait on the host)."""
     keep, selective = probe.spared_bytes()
     extra = probe.input_bytes if offload_inputs else 0
-    free = int(budget * (1 - MARGIN)) - base + freed
+    free = usable - base + freed
     return choose_treatments(layers, keep + extra, selective + extra, free).count("recompute")
 
 
-def _pays_off(lever: Lever, model, probe: _ProbeResult, base: int, layers: int, budget: int, offload_inputs: bool,
+def _pays_off(lever: Lever, model, probe: _ProbeResult, base: int, layers: int, usable: int, offload_inputs: bool,
               device: torch.device) -> bool:  # fmt: skip
     """Whether an eager lever spares more recomputation (a layer's forward each, in the probe's time) than its copy
     from the host costs each step (an 8-layer MoE step: the lm_head's 11 ms copy would spare one layer's 5 ms)."""
     copied = lever.copied_bytes(model)
-    spared = _recomputed(probe, base, layers, budget, offload_inputs) - _recomputed(
-        probe, base, layers, budget, offload_inputs, freed=copied)
+    spared = _recomputed(probe, base, layers, usable, offload_inputs) - _recomputed(
+        probe, base, layers, usable, offload_inputs, freed=copied)
     if spared <= 0:
         return False
     copy_ms = copied / _host_link_bytes_per_s(device, min(copied, 256 * 2**20)) * 1e3  # spared > 0: copied > 0
@@ -763,12 +770,28 @@ def _saved_tensor_hooks(layer, index: int, held: dict[int, int]):
     return [layer.register_forward_pre_hook(pre, with_kwargs=True), layer.register_forward_hook(post, with_kwargs=True)]
 
 
+def usable_bytes(budget: int, static_bytes: int) -> int:
+    """What a plan may fill of `budget` bytes: all of it less MARGIN of what the step allocates beyond its
+    `static_bytes` (`_static_bytes`)."""
+    return budget - int(MARGIN * max(budget - static_bytes, 0))
+
+
+def _static_bytes(model, device: torch.device) -> int:
+    """What the step holds on `device` from start to end: the parameters there, the trainable ones' gradients, and
+    the optimizer state (a table a lever moved to the host no longer counts)."""
+    on_device = sum(p.numel() * p.element_size() for p in model.parameters() if p.device == device)
+    return on_device + _trainable_bytes(model) + _optimizer_state_bytes(model)
+
+
+def _trainable_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
 def _parameter_bytes(model) -> int:
-    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return sum(p.numel() * p.element_size() for p in model.parameters()) + trainable  # weights + gradients
+    """The parameters and the trainable ones' gradients."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + _trainable_bytes(model)
 
 
 def _optimizer_state_bytes(model) -> int:
     """AdamW's two moments per trainable parameter (allocated at the first optimizer step, after the probe)."""
-    return sum(2 * p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
+    return 2 * _trainable_bytes(model)
