@@ -211,6 +211,8 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("#include <nvshmem/nvshmem.h>", "nvshmem"),
     ("typedef cub::BlockReduceRaking<float, 128> Raking;", "cub-internal"),
     ("__host__ __device__ constexpr int warp_size() { return 32; }", "warp-size-define"),  # a function for a constant
+    ("constexpr unsigned threads_per_warp() { return 32u; }", "warp-size-define"),  # unsigned
+    ("constexpr const Index_type WARP_SIZE = 32u;", "warp-size-define"),
     ("typedef struct : grid_task {\n  double zetp;\n} smem_task;", "typedef-anonymous-struct"),
 ])
 def test_rule_variants_fire(code, rule):
@@ -342,6 +344,8 @@ def test_rule_variants_fire(code, rule):
     ("__device__ float lerp(float a, float b, float t);\n__device__ float lerp(float a, float b, float t) { return a; }",
      "device-link"),  # declared, then defined here
     ("template __device__ float quantile<float>(const float* v, int n);", "device-link"),  # an explicit instantiation
+    # internal linkage: the file including the header defines it in the same translation unit
+    ("__device__ static void to_grid(const double dx, double* grid);", "device-link"),
     (("template <typename T> struct Smem {\n  __device__ T* get() {\n    extern __device__ void error(void);\n"
       "    error();\n    return nullptr;\n  }\n};"), "device-link"),  # undefined on purpose: no instantiation links
     ("__global__ void k(float* x) { x[cg::this_grid().thread_rank()] = 0; }", "grid-sync"),  # an index, no sync
@@ -526,3 +530,22 @@ def test_findings_carry_severity_fix_and_source_line():
 def test_unknown_dynamic_shared_memory_is_a_warning():
     finding, = lint_file(CORPUS / "large_smem.cu")[-1:]
     assert finding.rule == "lds-limit" and finding.severity == "warning" and "smem_bytes" in finding.message
+
+
+def _build_flag_file(tail_lines: int) -> str:
+    """A header whose warp-size constant sits under `#ifdef WITH_CUDA`, followed by `tail_lines` lines of host code."""
+    return ("#pragma once\n#ifdef WITH_CUDA\nconstexpr int kWarpSize = 32;\n"
+            "__device__ float sum(float v) { return v + __shfl_xor_sync(0xffffffffu, v, 1); }\n#endif\n"
+            + "".join(f"int host_{i}(int x) {{ return x + {i}; }}\n" for i in range(tail_lines)))
+
+
+@pytest.mark.parametrize(("tail_lines", "linted_inside"), [(0, True), (40, False)], ids=["whole-file", "one-block"])
+def test_a_whole_file_under_a_cuda_build_flag_is_linted_as_the_port_will_compile_it(tail_lines, linted_inside):
+    """`cuda-build-flag` asks to widen `#ifdef WITH_CUDA` to the HIP build: when it guards the whole file the code
+    under it is linted too (its 32-lane constant and 32-bit mask); a block in a larger file may stay CUDA's, and is
+    left alone."""
+    from tiletune.port.preprocessor import Build
+
+    rules = {f.rule for f in lint_text(_build_flag_file(tail_lines), "policy.hpp", build=Build(undefined=frozenset({"WITH_CUDA"})))}
+    assert "cuda-build-flag" in rules
+    assert ("warp-size-define" in rules) is linted_inside and ("mask-32bit" in rules) is linted_inside, rules

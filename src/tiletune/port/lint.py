@@ -2,17 +2,20 @@
 
 Comments are blanked before matching (string literals are kept: inline PTX lives in them), so a
 comment that mentions "32 lanes" never fires a rule and line numbers stay those of the file; so are the
-preprocessor branches hipcc never compiles (`#ifndef USE_ROCM`, `#if __CUDA_ARCH__ >= 800`).
+preprocessor branches hipcc never compiles (`#ifndef USE_ROCM`, `#if __CUDA_ARCH__ >= 800`), except those that only a
+CUDA build flag of the project compiles out around the whole file (`#ifdef WITH_CUDA` with `-U WITH_CUDA`):
+`cuda-build-flag` asks to widen that test to the HIP build, so the code under it is linted as the port will compile it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiletune.port.preprocessor import HIPCC, Build, blank_branches_dead_on_amd
-from tiletune.port.rules import RULES, Rule, pattern_hits
+from tiletune.port.preprocessor import HIPCC, Build, blank_branches_dead_on_amd, directives
+from tiletune.port.rules import RULES, Rule, build_flags_compiling_out, pattern_hits
 
 _COMMENT_OR_LITERAL = re.compile(
     r"//[^\n]*|/\*.*?\*/|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'", re.DOTALL
@@ -54,7 +57,7 @@ def lint_text(text: str, path: str, rules: list[Rule] = RULES, build: Build = HI
     """Findings of `rules` on CUDA source `text`, lines the HIP build (hipcc with `build`'s macros) compiles out
     left alone; `path` is only used to label them."""
     whole = strip_comments(text)
-    code = blank_branches_dead_on_amd(whole, build)
+    code = blank_branches_dead_on_amd(whole, _as_ported(whole, build))
     code_lines = code.splitlines()  # split once for every pattern rule
     source_lines = text.splitlines()
     findings = []
@@ -80,6 +83,28 @@ def lint_text(text: str, path: str, rules: list[Rule] = RULES, build: Build = HI
                 )
             )
     return sorted(findings, key=lambda f: (f.path, f.line, f.column, f.rule))
+
+
+# a CUDA build flag's branch holding this share of a file's lines of code (not blank, not a preprocessor line) guards
+# the whole file: the port widens it
+WHOLE_FILE = 0.8
+
+
+def _as_ported(text: str, build: Build) -> Build:
+    """`build` with the CUDA build flags that compile a whole file out (`build_flags_compiling_out`, a branch holding
+    WHOLE_FILE of its lines: a header of RAJA's CUDA policy under `#if defined(RAJA_ENABLE_CUDA)`) taken as defined,
+    as the test `cuda-build-flag` asks to widen will be. A smaller CUDA-only branch may stay CUDA's (SuperLU_DIST keeps
+    its `#ifdef HAVE_CUDA` helpers out of the HIP build): it is left compiled out."""
+    found = directives(text, build)
+    code_lines = [index for index, line in enumerate(text.split("\n")) if line.strip() and not line.lstrip().startswith("#")]
+    flags = set()
+    for directive, names in build_flags_compiling_out(text, build):
+        end = next((d.first for d in found if d.group == directive.group and d.first > directive.first), len(text))
+        if sum(directive.last < index < end for index in code_lines) >= WHOLE_FILE * len(code_lines):
+            flags.update(names)
+    if not flags:
+        return build
+    return dataclasses.replace(build, defined=build.defined | flags, undefined=build.undefined - flags)
 
 
 def lint_file(path: Path, label: str | None = None) -> list[Finding]:

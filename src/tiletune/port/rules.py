@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from tiletune.port.preprocessor import CUDA_ARCH_NAME, DEFINED_ON_AMD, Build, dead_lines, directives, on_amd
+from tiletune.port.preprocessor import CUDA_ARCH_NAME, DEFINED_ON_AMD, Build, Directive, dead_lines, directives, on_amd
 
 LDS_LIMIT_BYTES = 64 * 1024
 
@@ -789,9 +789,10 @@ def check_lane_loops(text: str) -> Iterable[Hit]:
 # ---- warp size 32: written as a warp-size constant, or under another name where a warp width goes --
 
 _WARP_SIZE_NAME = r"\w*(?i:warp_?(?:size|threads|lanes|width)|warpsz|threads_?per_?warp|lanes?_?per_?warp)\w*"
-_WARP_SIZE_DEFINE = re.compile(rf"^\s*#\s*define\s+{_WARP_SIZE_NAME}\s+\(?(32|64)\)?\s*$|\b{_WARP_SIZE_NAME}\s*=\s*(32|64)\b"
-                               rf"|\b{_WARP_SIZE_NAME}\s*\(\s*\)\s*(?:const\s*)?(?:noexcept\s*)?\{{\s*return\s+(32|64)\s*;",
-                               re.MULTILINE)  # `#define WARP_SIZE 32`, `kWarpSize = 32`, `int warp_size() { return 32; }`
+_WARP_SIZE_DEFINE = re.compile(rf"^\s*#\s*define\s+{_WARP_SIZE_NAME}\s+\(?(32|64)[uU]?\)?\s*$"
+                               rf"|\b{_WARP_SIZE_NAME}\s*=\s*(32|64)[uU]?\b"
+                               rf"|\b{_WARP_SIZE_NAME}\s*\(\s*\)\s*(?:const\s*)?(?:noexcept\s*)?\{{\s*return\s+(32|64)[uU]?\s*;",
+                               re.MULTILINE)  # `#define WARP_SIZE 32`, `kWarpSize = 32u`, `int warp_size() { return 32; }`
 
 
 def _warp_width_use(name: str, text: str) -> int | None:
@@ -1043,9 +1044,9 @@ _CUDA_BUILD_FLAG = re.compile(r"\b(?!__CUDA|CUDA_VERSION\b|CUDART_VERSION\b)(\w*
 _OPT_OUT_FLAG = re.compile(r"(?:^|_)(?:NO|DISABLE|DISABLED|SKIP|WITHOUT)(?:_|$)")
 
 
-def check_cuda_build_flags(text: str, build: Build) -> Iterable[Hit]:
-    """Flag an `#if` / `#ifdef` / `#elif` that compiles its branch out on AMD because it tests a project build flag
-    naming CUDA that the HIP build leaves undefined (`-U WITH_CUDA`): the GPU code under it is lost on AMD."""
+def build_flags_compiling_out(text: str, build: Build) -> Iterable[tuple[Directive, list[str]]]:
+    """Each `#if` / `#ifdef` / `#elif` that compiles its branch out on AMD because it tests project build flags
+    naming CUDA that the HIP build leaves undefined (`-U WITH_CUDA`), with those flags."""
     for directive in directives(text, build):
         if (directive.kind in ("else", "endif") or directive.enclosed_dead
                 or on_amd(directive.condition, build) is not False):
@@ -1053,8 +1054,14 @@ def check_cuda_build_flags(text: str, build: Build) -> Iterable[Hit]:
         flags = sorted(flag for flag in set(_CUDA_BUILD_FLAG.findall(directive.condition)) & build.undefined
                        if not _OPT_OUT_FLAG.search(flag))  # `GGML_CUDA_NO_VMM`: its branch is the fallback
         if flags:
-            yield _directive_hit(text, directive,
-                                 f"the HIP build leaves `{flags[0]}` undefined: the branch is compiled out")
+            yield directive, flags
+
+
+def check_cuda_build_flags(text: str, build: Build) -> Iterable[Hit]:
+    """Flag a directive that compiles GPU code out on AMD through a CUDA build flag the HIP build leaves undefined
+    (`build_flags_compiling_out`): the GPU code under it is lost on AMD."""
+    for directive, flags in build_flags_compiling_out(text, build):
+        yield _directive_hit(text, directive, f"the HIP build leaves `{flags[0]}` undefined: the branch is compiled out")
 
 
 _SYNC_WARP_CALL = re.compile(r"\b__(?:shfl(?:_up|_down|_xor)?|ballot|any|all)_sync\s*\(")
@@ -1943,12 +1950,14 @@ def check_device_declarations(text: str) -> Iterable[Hit]:
     translation unit, which nvcc links with relocatable device code (`-rdc`, CUDA_SEPARABLE_COMPILATION) and a HIP
     build only with `-fgpu-rdc`. Not an explicit instantiation (`template __device__ T f<int>(...);`), nor a
     declaration inside a function (`extern __device__ void error(void);`: a symbol left undefined on purpose, so a
-    template that must not be instantiated fails to link)."""
+    template that must not be instantiated fails to link), nor a `static` one: internal linkage puts its body in the
+    same translation unit (a header's forward declaration the including file defines, CP2K's grid kernels)."""
     defined = {function.name for function in functions(text)}
     for match in _DEVICE_PROTOTYPE.finditer(text):
         declaration, name = match.group(1), match.group(2)
         if (name in defined or "__global__" in declaration or _in_a_body(text, match.start(1))
-                or re.match(r"template\s+__device__|template\s*[^<\s]", declaration)):
+                or re.match(r"template\s+__device__|template\s*[^<\s]", declaration)
+                or re.search(r"\bstatic\b", declaration[: declaration.find(name)])):
             continue
         yield Hit(*_position(text, match.start(1)), f"`{name}` is defined elsewhere")
 
