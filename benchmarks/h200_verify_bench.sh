@@ -66,8 +66,8 @@
 # PACK=1 leaves OUT_DIR as one OUT_DIR.tgz when the part ends (on SIGTERM too, once the running step returns): the
 # device tool brings back at most 8 files a call, and one preset of `tiletune bench` writes 5.
 set -u
-PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora-long70b|qlora70b|families|families-bench|moe|library|library-bench|dpo|dpo-fast|packing|pending OUT_DIR [bench args]}
-OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora-long70b|qlora70b|families|families-bench|moe|library|library-bench|dpo|dpo-fast|packing|pending OUT_DIR [bench args]}
+PART=${1:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|peers|speed|offload|engine|qlora|qlora-long|qlora-long70b|qlora70b|families|families-bench|moe|library|library-bench|dpo|dpo-fast|packing|pending OUT_DIR [bench args]}
+OUT=${2:?usage: h200_verify_bench.sh verify|golden|attention|lora|bench|peers|speed|offload|engine|qlora|qlora-long|qlora-long70b|qlora70b|families|families-bench|moe|library|library-bench|dpo|dpo-fast|packing|pending OUT_DIR [bench args]}
 shift 2
 mkdir -p "$OUT"  # parts tee their logs into it before any tool creates it
 if [ "${PACK:-0}" = 1 ]; then
@@ -217,6 +217,16 @@ qlora70b)
         --variants "baseline$PLANNED" --out "$OUT/bench-qlora-70b" 2>&1 | tail -8 ;;
 bench)
     python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --out "$OUT/bench" "$@" 2>&1 | tail -20 ;;
+peers)
+    # Unsloth on the stock step, in a call of its own that carries .peerkit (../shared/device/peers/* and the devkit's
+    # wheels) instead of .devkit: the two kits exceed one call. PRESET (and LAYERS) pick the shape; VARIANTS add
+    # Unsloth's other settings (unsloth:quantization_bit=4: its QLoRA)
+    mkdir -p /tmp/peers && tar xJf .peerkit/unsloth-bnb-py312-site.tar.xz -C /tmp/peers
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peers-wheels .peerkit/wheels/*.whl
+    LAYER_ARGS=(); [ -n "${LAYERS:-}" ] && LAYER_ARGS=(--layers "$LAYERS")
+    PYTHONPATH=/tmp/peers:/tmp/peers-wheels:$PWD/src python3 -m tiletune bench "$CONFIG" --model-preset "${PRESET:-llama3-8b}" \
+        "${LAYER_ARGS[@]}" --steps 5 --warmup 3 --repeats 1 --variants "${VARIANTS:-baseline,unsloth}" \
+        --out "$OUT/peers-${PRESET:-llama3-8b}" 2>&1 | tail -8 ;;
 speed)
     # the whole ablation (each op alone, all, Liger) plus the fastest set with and without
     # `gradient_checkpointing: auto`, in one run; extra args are config overrides (lora_target=all)

@@ -24,6 +24,12 @@ from tiletune.env import run_stamp
 from tiletune.errors import UserError
 
 
+# peer variant -> (the module it imports, the project, the package to install)
+PEER_PACKAGES = {"liger": ("liger_kernel", "Liger-Kernel", "liger-kernel"),
+                 "liger_fused": ("liger_kernel", "Liger-Kernel", "liger-kernel"),
+                 "bnb": ("bitsandbytes", "bitsandbytes", "bitsandbytes"), "unsloth": ("unsloth", "Unsloth", "unsloth")}
+
+
 def ablation_variants() -> list[str]:
     """baseline, each kernel op alone, all of them, and Liger-Kernel when it is installed."""
     from tiletune.kernels.registry import OPS
@@ -32,7 +38,7 @@ def ablation_variants() -> list[str]:
 
 
 def check_variants(variants: list[str], stage: str = "sft") -> None:
-    from tiletune.bench.preference import LIGER_FUSED, STAGES
+    from tiletune.bench.preference import STAGES
     from tiletune.kernels.registry import OPS, impls
 
     if stage not in ("pt", "sft", *STAGES):
@@ -51,14 +57,13 @@ def check_variants(variants: list[str], stage: str = "sft") -> None:
     for op, _, impl in parts:
         if impl and impl not in impls(op):
             raise UserError(f"bench variant: {op} has no implementation {impl!r}; it has {', '.join(impls(op))}")
-    for liger in ("liger", LIGER_FUSED):
-        if liger in names and not find_spec("liger_kernel"):
-            raise UserError(f"bench variant {liger!r} needs Liger-Kernel; pip install liger-kernel (or drop the variant)")
+    for name in names:
+        module, project, package = PEER_PACKAGES.get(name, (None, None, None))
+        if module and not find_spec(module):
+            raise UserError(f"bench variant {name!r} needs {project}; pip install {package} (or drop the variant)")
     if "llamafactory" in names and stage not in STAGES:
         raise UserError(f"bench variant 'llamafactory' computes LLaMA-Factory's preference log-probs: it needs stage "
                         f"{' or '.join(STAGES)} (this config's stage is {stage})")  # fmt: skip
-    if "bnb" in names and not find_spec("bitsandbytes"):
-        raise UserError("bench variant 'bnb' needs bitsandbytes; pip install bitsandbytes (or drop the variant)")
     if "baseline" not in variants:
         raise UserError("bench needs the 'baseline' variant: every ratio is measured against it")
     for index, variant in enumerate(variants):

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from tiletune.bench import preference
+from tiletune.bench import preference, unsloth
 from tiletune.config import TuneConfig, load_config
 from tiletune.errors import UserError
 from tiletune.train.model import autocast, compute_dtype, prepare_for_training
@@ -30,8 +30,8 @@ def split_variant(variant: str) -> tuple[str, list[str]]:
 
 
 # the stock model, patched by Liger-Kernel, on bitsandbytes' 4-bit Linears, with LLaMA-Factory's preference log-probs,
-# patched by Liger-Kernel with its fused linear preference loss (bench/preference.py)
-PEER_VARIANTS = ("baseline", "liger", "bnb", "llamafactory", preference.LIGER_FUSED)
+# patched by Liger-Kernel with its fused linear preference loss (bench/preference.py), Unsloth's (bench/unsloth.py)
+PEER_VARIANTS = ("baseline", "liger", "bnb", "llamafactory", preference.LIGER_FUSED, unsloth.NAME)
 
 
 def variant_kernels(variant: str):
@@ -147,8 +147,11 @@ def run(job: dict) -> dict:
     cfg = load_config(job["config"], [*job.get("overrides", []), *variant_overrides])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(job["seed"])
-    model, report = build_model(cfg, job.get("preset"), name, device, job["seed"], job.get("layers"))
     batch, seq = job["batch"], job["seq"]
+    if name == unsloth.NAME:
+        model, report = unsloth.unsloth_model(cfg, job.get("preset"), job.get("layers"), job["seed"], seq, device), None
+    else:
+        model, report = build_model(cfg, job.get("preset"), name, device, job["seed"], job.get("layers"))
     plan = None
     if cfg.checkpointing == "auto":
         from tiletune.train.preference import recompute_probe
@@ -263,6 +266,8 @@ def measure_matmul_peak(size: int = 8192, repeats: int = 20) -> float:
 
 if __name__ == "__main__":
     job = json.loads(sys.argv[1])
+    if split_variant(job["variant"])[0] == unsloth.NAME:  # nothing above imported transformers or peft yet
+        unsloth.preload()
     if job.get("variant") == "matmul_peak":
         print(RESULT_PREFIX + json.dumps({"matmul_peak_tflops": measure_matmul_peak()}), flush=True)
     else:
