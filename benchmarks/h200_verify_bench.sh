@@ -225,7 +225,7 @@ peers)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peers-wheels .peerkit/wheels/*.whl
     LAYER_ARGS=(); [ -n "${LAYERS:-}" ] && LAYER_ARGS=(--layers "$LAYERS")
     PYTHONPATH=/tmp/peers:/tmp/peers-wheels:$PWD/src python3 -m tiletune bench "$CONFIG" --model-preset "${PRESET:-llama3-8b}" \
-        "${LAYER_ARGS[@]}" --steps 5 --warmup 3 --repeats 1 --variants "${VARIANTS:-baseline,unsloth}" \
+        "${LAYER_ARGS[@]}" --steps 5 --warmup 3 --repeats 1 --variants "${VARIANTS:-baseline,unsloth}" ${PROFILE:+--profile} \
         --out "$OUT/peers-${PRESET:-llama3-8b}" 2>&1 | tail -8 ;;
 speed)
     # the whole ablation (each op alone, all, Liger) plus the fastest set with and without

@@ -360,8 +360,9 @@ def test_the_probes_memory_pool_is_handed_back_after_planning(monkeypatch):
 @pytest.mark.gpu
 def test_levers_are_pulled_in_order_when_recomputation_is_not_enough():
     """A budget that makes layers recompute moves the lm_head to the host (its copy hides behind the forward); one
-    below the all-recomputed step moves the input embeddings there first; one below what both save also chunks
-    the MLPs; each plan's step stays within its budget and computes the same loss."""
+    below the all-recomputed step moves the input embeddings there, and that is enough when it frees what is missing
+    (the margin is taken from the activations, not the weights); one below what both save also chunks the MLPs; each
+    plan's step stays within its budget and computes the same loss."""
     from _gpu_step import measured_step
 
     # a wide MLP, so a layer's backward (not the loss's chunk of logits) is the peak: 256 MiB per intermediate
@@ -387,7 +388,7 @@ def test_levers_are_pulled_in_order_when_recomputation_is_not_enough():
     some_recomputed = _budget_gib(unconstrained.base_bytes + 2 * unconstrained.keep_bytes, static)
     embedding_first = _budget_gib(unconstrained.base_bytes - table // 2, static)
     all_three = _budget_gib(unconstrained.base_bytes - 2 * table - 256 * 2**20, static)
-    for budget, levers in ((some_recomputed, [head]), (embedding_first, [embedding, head]), (all_three, [embedding, head])):
+    for budget, levers in ((some_recomputed, [head]), (embedding_first, [embedding]), (all_three, [embedding, head])):
         del model  # the planner measures the whole device: the previous model (held in cycles) must be gone
         gc.collect()
         torch.cuda.empty_cache()
