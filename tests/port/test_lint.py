@@ -212,6 +212,8 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("typedef cub::BlockReduceRaking<float, 128> Raking;", "cub-internal"),
     ("__host__ __device__ constexpr int warp_size() { return 32; }", "warp-size-define"),  # a function for a constant
     ("constexpr unsigned threads_per_warp() { return 32u; }", "warp-size-define"),  # unsigned
+    ("if (tid < 32) { cub::WARP_SYNC(0xffffffff); s[tid] += s[tid + 16]; }", "syncwarp"),  # CUB's macro for it
+    ("k << <grid, block, 0,\n      stream >> > (a, b);", "spaced-kernel-launch"),  # over two lines
     ("constexpr const Index_type WARP_SIZE = 32u;", "warp-size-define"),
     ("typedef struct : grid_task {\n  double zetp;\n} smem_task;", "typedef-anonymous-struct"),
 ])

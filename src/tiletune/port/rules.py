@@ -1945,6 +1945,16 @@ def _in_a_body(text: str, offset: int) -> bool:
     return False
 
 
+_SPACED_LAUNCH = re.compile(r"[\w>]\s*(?:<<\s+<|<\s+<<)(?!<)[^;{}]*?(?:>>\s+>|>\s+>>)")
+
+
+def check_spaced_launches(text: str) -> Iterable[Hit]:
+    """Flag a launch whose chevrons are split by spaces (`k << <grid, block >> > (args)`), its arguments on one line
+    or over several (darknet's `<< <` ... `>> >` launches wrapped by a formatter)."""
+    for match in _SPACED_LAUNCH.finditer(text):
+        yield Hit(*_position(text, match.start()))
+
+
 def check_device_declarations(text: str) -> Iterable[Hit]:
     """Flag a `__device__` function declared without a body that the file never defines: its body is in another
     translation unit, which nvcc links with relocatable device code (`-rdc`, CUDA_SEPARABLE_COMPILATION) and a HIP
@@ -2427,14 +2437,15 @@ RULES: list[Rule] = [
     ),
     Rule(
         "syncwarp", "error", "`__syncwarp`",
-        "HIP has no `__syncwarp` (ROCm's headers through 6.2 at least): the port does not compile. The lanes of "
+        "HIP has no `__syncwarp` (ROCm's headers through 6.2 at least), nor hipCUB CUB's `WARP_SYNC` macro for it: "
+        "the port does not compile. The lanes of "
         "an AMD wavefront execute in lockstep, so what it guards on NVIDIA's independently scheduled lanes is "
         "already ordered; the compiler may still move shared-memory accesses across the spot.",
         "Under `USE_ROCM`, replace it by `__builtin_amdgcn_wave_barrier()` (a scheduling barrier for the "
         "wavefront), keeping `__syncwarp(mask)` for CUDA behind one macro.",
         before="__syncwarp();",
         after="#ifdef USE_ROCM\n__builtin_amdgcn_wave_barrier();\n#else\n__syncwarp();\n#endif",
-        pattern=re.compile(r"\b__syncwarp\s*\("),
+        pattern=re.compile(r"\b__syncwarp\s*\(|\bcub::WARP_SYNC\s*\("),
     ),
     Rule(
         "hip-builtin-redefinition", "error", "a function HIP already defines",
@@ -2600,7 +2611,7 @@ RULES: list[Rule] = [
         "Write the launch unbroken: `kernel<<<grid, block>>>(args)`.",
         before="renderCUDA<NUM_CHANNELS> << <grid, block >> > (ranges, out);",
         after="renderCUDA<NUM_CHANNELS><<<grid, block>>>(ranges, out);",
-        pattern=re.compile(r"[\w>]\s*(?:<<\s+<|<\s+<<)(?!<)[^;]*?(?:>>\s+>|>\s+>>)"),
+        check=check_spaced_launches,
     ),
     Rule(
         "grid-constant", "error", "`__grid_constant__` on a kernel parameter",
