@@ -60,3 +60,15 @@ def test_memory_peak_names_what_is_live_at_the_peak():
     text = profile_table({"all": {**summarise_kernels({"x": (1.0, 1)}), "memory": summary}})
     assert "### all: live at the step's peak (1.14 GiB allocated)" in text
     assert "| 0.10 | `tiletune/kernels/moe_experts.py:171 f` |" in text
+
+
+def test_the_gpus_idle_time_is_the_span_less_the_union_of_its_busy_intervals():
+    """Overlapping kernels (two streams) count once; the gaps between them are idle time."""
+    from tiletune.bench.profile import host_side
+
+    side = host_side([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.8)], launches=4, waits=1)
+    assert side == {"span_ms": 6.0, "idle_ms": 2.0, "launches": 4, "host_waits": 1}
+    assert host_side([], 0, 0)["idle_ms"] == 0.0
+    summary = {**summarise_kernels({"x": (1.0, 1)}), **side}
+    text = profile_table({"baseline": summary})
+    assert "| GPU idle within the step, ms | 2.0 |" in text and "| kernel launches | 4 |" in text

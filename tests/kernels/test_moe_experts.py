@@ -27,6 +27,16 @@ def routes(tokens, experts, k, seed=0, device="cpu"):
     return index.to(device), torch.softmax(weights, dim=-1).to(device)
 
 
+def test_without_tiles_the_routing_is_the_same_and_its_schedule_keeps_its_shape():
+    """GEMMs that read the offsets alone (torch's grouped GEMM) skip the tile schedule: the same order, tokens and
+    offsets, and a schedule of the shape the custom op's schema gives it."""
+    index, _ = routes(300, 16, 4)
+    full, lean = route(index, 16), route(index, 16, tiles=False)
+    for name in ("token", "order", "offsets"):
+        assert torch.equal(getattr(lean, name), getattr(full, name)), name
+    assert lean.tiles.shape == full.tiles.shape and lean.tiles.dtype == torch.int32
+
+
 @pytest.mark.parametrize("tokens,experts,k,block", [(77, 8, 2, 64), (5, 8, 2, 4), (300, 16, 4, 16), (1, 4, 1, 64)])
 def test_the_tile_schedule_covers_every_sorted_row_once_within_its_expert(tokens, experts, k, block):
     index, _ = routes(tokens, experts, k)

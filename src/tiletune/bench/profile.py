@@ -1,9 +1,11 @@
 """Where a training step's device time goes: one profiled step, its kernels grouped by what they do.
 
 `tiletune bench --profile` runs this in every variant's process after the timed steps (so it never
-touches the timings) and writes profile.md: milliseconds per category and variant, and each variant's
-heaviest kernels. A second extra step records the CUDA allocator's history: what was live at the step's peak,
-by the line of Python that allocated it (`memory_peak`).
+touches the timings) and writes profile.md: milliseconds per category and variant, each variant's
+heaviest kernels, and what the host did: how long the GPU sat idle between the step's first and last kernel
+(waiting on the host to launch work), how many kernels it launched and how often it waited for the GPU. A second
+extra step records the CUDA allocator's history: what was live at the step's peak, by the line of Python that
+allocated it (`memory_peak`).
 """
 
 from __future__ import annotations
@@ -42,20 +44,46 @@ def category(kernel: str) -> str:
     return next((name for name, pattern in _categories() if pattern.search(kernel)), "other")
 
 
+# CUDA runtime / driver calls, as the profiler's CPU events name them: a kernel launch, and a wait of the host for the
+# device (a synchronise, or a copy to pageable host memory that returns only once done: `.item()`, `.tolist()`)
+_LAUNCH = re.compile(r"^(?:cudaLaunchKernel|cudaLaunchKernelExC|cuLaunchKernel|cuLaunchKernelEx|cudaLaunchCooperativeKernel"
+                     r"|hipLaunchKernel|hipExtModuleLaunchKernel|hipModuleLaunchKernel)$")
+_HOST_WAIT = re.compile(r"^(?:cuda|hip)(?:StreamSynchronize|DeviceSynchronize|EventSynchronize|Memcpy)$")
+
+
 def profile_step(step: Callable[[], None], top: int = 12) -> dict:
-    """Run `step` once under the profiler; device milliseconds per category and the `top` heaviest kernels."""
+    """Run `step` once under the profiler; device milliseconds per category, the `top` heaviest kernels, and the
+    host's side (`host_side`)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     kernels: dict[str, list[float]] = {}
+    intervals, launches, waits = [], 0, 0
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
             kernels.setdefault(event.name, []).append(event.device_time_total / 1000)
-    return summarise_kernels({name: (sum(times), len(times)) for name, times in kernels.items()}, top)
+            intervals.append((event.time_range.start / 1000, event.time_range.end / 1000))
+        else:
+            launches += bool(_LAUNCH.match(event.name))
+            waits += bool(_HOST_WAIT.match(event.name))
+    summary = summarise_kernels({name: (sum(times), len(times)) for name, times in kernels.items()}, top)
+    return {**summary, **host_side(intervals, launches, waits)}
+
+
+def host_side(intervals: list[tuple[float, float]], launches: int, waits: int) -> dict:
+    """From the device's busy intervals (ms; kernels and copies, on any stream): the span from the first start to
+    the last end, the time in it no kernel ran (`idle_ms`: the GPU waiting on the host), and the host's kernel
+    launches and waits for the device."""
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = end - min(start for start, _ in intervals) if intervals else 0.0
+    return {"span_ms": span, "idle_ms": span - busy, "launches": launches, "host_waits": waits}
 
 
 def summarise_kernels(kernels: dict[str, tuple[float, int]], top: int = 12) -> dict:
@@ -138,6 +166,11 @@ def profile_table(profiles: dict[str, dict]) -> str:
     for name in names:
         lines.append(f"| {name} | " + " | ".join(f"{profiles[v]['categories'].get(name, 0.0):.1f}" for v in variants) + " |")
     lines.append("| **total** | " + " | ".join(f"**{profiles[v]['device_ms']:.1f}**" for v in variants) + " |")
+    host_rows = (("GPU idle within the step, ms", "idle_ms", ".1f"), ("step span on the GPU, ms", "span_ms", ".1f"),
+                 ("kernel launches", "launches", "d"), ("host waits for the GPU", "host_waits", "d"))
+    for label, key, spec in host_rows:
+        if all(key in profiles[v] for v in variants):
+            lines.append(f"| {label} | " + " | ".join(format(profiles[v][key], spec) for v in variants) + " |")
     for variant in variants:
         lines += ["", f"### {variant}: heaviest kernels", "", "| ms | calls | category | kernel |", "|---|---|---|---|"]
         lines += [f"| {k['ms']:.1f} | {k['calls']} | {k['category']} | `{k['name'][:90]}` |" for k in profiles[variant]["kernels"]]

@@ -77,10 +77,13 @@ class Routing:
     offsets: Tensor
 
 
-def route(top_k_index: Tensor, experts: int, block_m: int = BLOCK_M, slots_block_m: int | None = None) -> Routing:
+def route(top_k_index: Tensor, experts: int, block_m: int = BLOCK_M, slots_block_m: int | None = None,
+          tiles: bool = True) -> Routing:
     """Sort the routes by expert and lay out the grouped GEMMs' tiles of `block_m` rows, all on the device (no host
     sync): the active tiles first, then empty ones (-1) up to the bound for tiles of `slots_block_m` (default
-    block_m) rows, ceil(rows / slots_block_m) + experts."""
+    block_m) rows, ceil(rows / slots_block_m) + experts. Without `tiles` (GEMMs that read the offsets alone: torch's
+    grouped GEMM, the reference loop) the tile schedule keeps its shape, for the custom op's schema, but is left
+    unset: 20 fewer kernel launches per call."""
     k = top_k_index.shape[-1]
     flat = top_k_index.reshape(-1)
     _, order = torch.sort(flat, stable=True)
@@ -88,19 +91,21 @@ def route(top_k_index: Tensor, experts: int, block_m: int = BLOCK_M, slots_block
         0, flat, torch.ones_like(flat, dtype=torch.int32))
     ends = torch.cumsum(counts, 0, dtype=torch.int32)
     starts = ends - counts
-    tiles_per_expert = (counts + block_m - 1) // block_m
-    tile_ends = torch.cumsum(tiles_per_expert, 0, dtype=torch.int32)
     slots = block_m if slots_block_m is None else slots_block_m
     assert slots <= block_m, f"tiles of {block_m} rows need the bound of at least that many, not {slots}"
     max_tiles = (flat.numel() + slots - 1) // slots + experts
+    offsets = torch.cat([starts, ends[-1:]])
+    if not tiles:
+        return Routing(order // k, order, torch.empty(max_tiles, 3, dtype=torch.int32, device=flat.device), offsets)
+    tiles_per_expert = (counts + block_m - 1) // block_m
+    tile_ends = torch.cumsum(tiles_per_expert, 0, dtype=torch.int32)
     index = torch.arange(max_tiles, dtype=torch.int32, device=flat.device)
     expert = torch.searchsorted(tile_ends, index, right=True).to(torch.int32)
     active = expert < experts
     safe = expert.clamp(max=experts - 1).long()
     first = starts[safe] + (index - (tile_ends[safe] - tiles_per_expert[safe])) * block_m
-    tiles = torch.stack([torch.where(active, expert, -1), first, ends[safe]], dim=1).to(torch.int32)
-    offsets = torch.cat([starts, ends[-1:]])
-    return Routing(order // k, order, tiles.contiguous(), offsets)
+    schedule = torch.stack([torch.where(active, expert, -1), first, ends[safe]], dim=1).to(torch.int32)
+    return Routing(order // k, order, schedule.contiguous(), offsets)
 
 
 _silu_gate = functools.partial(swiglu.reference_packed_forward, swiglu.SILU)  # silu(gate)·up of [gate | up] rows
@@ -179,11 +184,12 @@ def _routing_weights_grad(dots: Tensor, order: Tensor, top_k_weights: Tensor) ->
 
 def _experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
                      down: Tensor, block_m: int = BLOCK_M, activation: GatedRows = REFERENCE_ACTIVATION,
-                     keep_rows: bool = True):  # fmt: skip
+                     keep_rows: bool = True, tiles: bool = True):  # fmt: skip
     """(y, the gate_up rows, the routing's order, tiles and offsets): the experts' forward with
-    `gemm(kind, rows, weights, routing)` on tiles of `block_m` rows; the backward reuses the routing. Without
-    `keep_rows` the gate_up rows come back empty (no rows): the backward computes them again from the hidden states."""
-    routing = route(top_k_index, gate_up.shape[0], block_m, BLOCK_M)
+    `gemm(kind, rows, weights, routing)` on tiles of `block_m` rows (without `tiles`, a `gemm` that reads the offsets
+    alone: the schedule is left unset); the backward reuses the routing. Without `keep_rows` the gate_up rows come
+    back empty (no rows): the backward computes them again from the hidden states."""
+    routing = route(top_k_index, gate_up.shape[0], block_m, BLOCK_M, tiles)
     h = gemm("nt", hidden.index_select(0, routing.token), gate_up, routing)
     o = gemm("nt", activation.forward(h), down, routing)
     kept = h if keep_rows else h.new_empty(0, h.shape[1])
@@ -400,12 +406,13 @@ def _rank_gemms(offsets: Tensor, grouped: bool) -> "_LoopRank | _GroupedRank":
 def _lora_experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
                           down: Tensor, gate_up_a: Tensor, gate_up_b: Tensor, down_a: Tensor, down_b: Tensor,
                           gate_up_scaling: float, down_scaling: float, block_m: int = BLOCK_M,
-                          grouped: bool = False, activation: GatedRows = REFERENCE_ACTIVATION):  # fmt: skip
+                          grouped: bool = False, activation: GatedRows = REFERENCE_ACTIVATION,
+                          tiles: bool = True):  # fmt: skip
     """(y, the gate_up rows, x·Aᵀ, a·A'ᵀ, the routing's order, tiles and offsets) with LoRA on both
     projections: A [experts, r, in], B [experts, out, r] (rank 0: no adapter there). The base GEMMs by `gemm`, the
     rank-r ones over the expert groups (`grouped`: torch's grouped GEMM, else per expert) in the rows' dtype (as
-    peft's LoRA Linear under autocast), each rounded, then added."""
-    routing = route(top_k_index, gate_up.shape[0], block_m, BLOCK_M)
+    peft's LoRA Linear under autocast), each rounded, then added; `tiles` as in `_experts_forward`."""
+    routing = route(top_k_index, gate_up.shape[0], block_m, BLOCK_M, tiles)
     rank = _rank_gemms(routing.offsets, grouped)
     rows = hidden.index_select(0, routing.token)
     xa, up = rank.forward(rows, gate_up_a, gate_up_b)
@@ -776,7 +783,7 @@ def vendor_gemm(kind: str, rows: Tensor, weights: Tensor, routing: Routing) -> T
 def grouped_mm_forward(hidden, top_k_index, top_k_weights, gate_up, down, keep_rows=True):
     """(y, kept rows and routing) with torch's grouped GEMMs and the packed activation kernels."""
     return _experts_forward(vendor_gemm, hidden, top_k_index, top_k_weights, gate_up, down, BLOCK_M, TILELANG_ACTIVATION,
-                            keep_rows)
+                            keep_rows, tiles=False)
 
 
 def grouped_mm_backward(dy, h, order, tiles, offsets, top_k_weights, gate_up, down, hidden=None):
@@ -798,7 +805,8 @@ def grouped_mm_lora_forward(hidden, top_k_index, top_k_weights, gate_up, down, g
                             gate_up_scaling, down_scaling):  # fmt: skip
     """The LoRA form's forward, every GEMM (base and rank-r) by torch's grouped GEMM."""
     return _lora_experts_forward(vendor_gemm, hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b,
-                                 down_a, down_b, gate_up_scaling, down_scaling, BLOCK_M, True, TILELANG_ACTIVATION)
+                                 down_a, down_b, gate_up_scaling, down_scaling, BLOCK_M, True, TILELANG_ACTIVATION,
+                                 tiles=False)
 
 
 def grouped_mm_lora_backward(dy, hidden, h, xa, aa, order, tiles, offsets, top_k_weights, gate_up, down, gate_up_a,
