@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from tiletune.bench.preference import LIGER_FUSED
 from tiletune.bench.worker import PEER_VARIANTS, RESULT_PREFIX, split_variant
 from tiletune.env import run_stamp
 from tiletune.errors import UserError
@@ -26,7 +27,7 @@ from tiletune.errors import UserError
 
 # peer variant -> (the module it imports, the project, the package to install)
 PEER_PACKAGES = {"liger": ("liger_kernel", "Liger-Kernel", "liger-kernel"),
-                 "liger_fused": ("liger_kernel", "Liger-Kernel", "liger-kernel"),
+                 LIGER_FUSED: ("liger_kernel", "Liger-Kernel", "liger-kernel"),
                  "bnb": ("bitsandbytes", "bitsandbytes", "bitsandbytes"), "unsloth": ("unsloth", "Unsloth", "unsloth")}
 
 
@@ -76,7 +77,7 @@ def check_variants(variants: list[str], stage: str = "sft") -> None:
 def check_liger_fused(config: str, overrides: list[str], variants: list[str]) -> None:
     """Refuse a `liger_fused` variant whose config (with its own overrides) has a loss Liger-Kernel's fused
     preference losses do not compute (bench/preference.py's liger_fused_refusal): its row would time another loss."""
-    from tiletune.bench.preference import LIGER_FUSED, liger_fused_refusal
+    from tiletune.bench.preference import liger_fused_refusal
     from tiletune.config import load_config
 
     for variant in variants:
