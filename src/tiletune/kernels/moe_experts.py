@@ -81,9 +81,9 @@ def route(top_k_index: Tensor, experts: int, block_m: int = BLOCK_M, slots_block
           tiles: bool = True) -> Routing:
     """Sort the routes by expert and lay out the grouped GEMMs' tiles of `block_m` rows, all on the device (no host
     sync): the active tiles first, then empty ones (-1) up to the bound for tiles of `slots_block_m` (default
-    block_m) rows, ceil(rows / slots_block_m) + experts. Without `tiles` (GEMMs that read the offsets alone: torch's
-    grouped GEMM, the reference loop) the tile schedule keeps its shape, for the custom op's schema, but is left
-    unset: 20 fewer kernel launches per call."""
+    block_m) rows, ceil(rows / slots_block_m) + experts. Without `tiles` (for GEMMs that read the offsets alone:
+    torch's grouped GEMM) the tile schedule keeps its shape, for the custom op's schema, but is left unset: 20 fewer
+    kernel launches per call."""
     k = top_k_index.shape[-1]
     flat = top_k_index.reshape(-1)
     _, order = torch.sort(flat, stable=True)

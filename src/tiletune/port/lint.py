@@ -96,10 +96,11 @@ def _as_ported(text: str, build: Build) -> Build:
     as the test `cuda-build-flag` asks to widen will be. A smaller CUDA-only branch may stay CUDA's (SuperLU_DIST keeps
     its `#ifdef HAVE_CUDA` helpers out of the HIP build): it is left compiled out."""
     found = directives(text, build)
-    code_lines = [index for index, line in enumerate(text.split("\n")) if line.strip() and not line.lstrip().startswith("#")]
+    lines = text.split("\n")
+    code_lines = [index for index, line in enumerate(lines) if line.strip() and not line.lstrip().startswith("#")]
     flags = set()
     for directive, names in build_flags_compiling_out(text, build):
-        end = next((d.first for d in found if d.group == directive.group and d.first > directive.first), len(text))
+        end = next((d.first for d in found if d.group == directive.group and d.first > directive.first), len(lines))
         if sum(directive.last < index < end for index in code_lines) >= WHOLE_FILE * len(code_lines):
             flags.update(names)
     if not flags:
