@@ -32,7 +32,7 @@ from pathlib import Path
 
 from tiletune.port.compile_check import line_map
 from tiletune.port.engines import select_engine
-from tiletune.port.hipify import cuda_names
+from tiletune.port.hipify import cuda_names, defined_names
 from tiletune.port.lint import lint_text
 from tiletune.port.preprocessor import Build, directives, on_amd
 
@@ -300,9 +300,9 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
     text = source.read_text(encoding="utf-8")
     build = port.get("hip_build", {})  # the project's HIP build macros, as its build files set them
     hip_build = Build(frozenset(build.get("defined", ())), frozenset(build.get("undefined", ())))
-    # macros the project defines in its other files (gputt's `cudaCheck`): `tiletune hipify` run on the project
-    # reads them there and does not count them as CUDA names left
-    own_macros = frozenset(port.get("project_macros", ()))
+    # the project's own names: those this file defines and the macros the project defines in its other files (gputt's
+    # `cudaCheck`): `tiletune hipify` run on the project reads them there and does not count them as CUDA names left
+    own_names = frozenset(port.get("project_macros", ())) | defined_names(text)
     findings = lint_text(text, port["cuda"]["path"], build=hip_build)
     translated = engine.translate(source)
     original_lines, translated_lines = text.splitlines(), translated.splitlines()
@@ -328,7 +328,7 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
         lines = sorted({*range(first, last + 1), *sites})  # a change made once covers its sites too
         before = "\n".join(original_lines[n - 1] for n in lines)
         after = "\n".join(line for n in lines for line in translated_of[n])
-        rewritten = ((kind.translation_covers and after.strip() != before.strip() and not cuda_names(after, own_macros))
+        rewritten = ((kind.translation_covers and after.strip() != before.strip() and not cuda_names(after, own_names))
                      or (kind.kept_covers and after.strip() == before.strip())
                      or (kind.translation_decides_guard and _guard_decided(before, after, hip_build))
                      or _inserted_elsewhere(kind, change, before, text, translated))  # fmt: skip

@@ -12,7 +12,7 @@ import torch
 from torch.utils.hipify import hipify_python
 
 from tiletune.port.engines import TORCH_TABLE_CORRECTIONS, select_engine, torch_table_undeclared
-from tiletune.port.hipify import cuda_names
+from tiletune.port.hipify import cuda_names, defined_names
 
 from port_corpus import CLEAN_SAMPLE
 
@@ -159,6 +159,17 @@ def test_cuda_names_are_the_apis_and_headers_not_a_projects_own_snake_case_names
     text = ("cudaError_t cuda_status = cudaMemcpyAsync(d, h, n, cudaMemcpyHostToDevice, s);\n#include <cuda_fp16.h>\n"
             "curand_init(seed, id, 0, &state); int cuda_device_count = 0; bool use_cudnn_v8 = false;")
     assert set(cuda_names(text)) == {"cudaError_t", "cudaMemcpyAsync", "cudaMemcpyHostToDevice", "cuda_fp16.h", "curand_init"}
+
+
+def test_names_the_project_defines_are_its_own_not_cuda_names_left():
+    """A function or macro the sources define under a CUDA-looking name (KataGo's `cublasGetErrorString`, gputt's
+    `cudaCheck`) is the project's: a translation that keeps it leaves nothing of CUDA's."""
+    text = ("#define cudaCheck(x) check((x), __FILE__)\n"
+            "static const char* cublasGetErrorString(const hipblasStatus_t status) { return \"\"; }\n"
+            "void f() { cudaCheck(hipFree(p)); puts(cublasGetErrorString(s)); }")
+    own = frozenset(defined_names(text))
+    assert {"cudaCheck", "cublasGetErrorString", "f"} <= own
+    assert not cuda_names(text, own) and set(cuda_names(text)) == {"cudaCheck", "cublasGetErrorString"}
 
 
 def test_auto_uses_torch_without_hipify_tools(bare_path):

@@ -36,6 +36,15 @@ _CUDA_NAME = re.compile(
 )
 
 _MACRO_DEFINITION = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)", re.MULTILINE)
+# a function the source defines: a name, its parameters and a body (KataGo's own `cublasGetErrorString`)
+_FUNCTION_DEFINITION = re.compile(r"\b(\w+)\s*\([^;{}()]*(?:\([^;{}()]*\)[^;{}()]*)*\)\s*(?:const\s*)?\{")
+
+
+def defined_names(text: str) -> set[str]:
+    """The macros and functions `text` defines: the project's own names, never CUDA's left behind, whatever they
+    look like (`cudaCheck`, `cublasGetErrorString`)."""
+    code = strip_comments(text)
+    return set(_MACRO_DEFINITION.findall(code)) | set(_FUNCTION_DEFINITION.findall(code))
 
 
 def display_path(path: Path) -> str:
@@ -91,10 +100,11 @@ def _check_destination(out: Path, paths: list[str], destinations: dict[Path, Pat
                         "choose another directory or use --inplace")
 
 
-def cuda_names(text: str, own_macros: frozenset[str] = frozenset()) -> Counter:
-    """CUDA-only names (APIs, types, namespaces) referenced in `text`, comments and `own_macros` excluded."""
+def cuda_names(text: str, own_names: frozenset[str] = frozenset()) -> Counter:
+    """CUDA-only names (APIs, types, namespaces) referenced in `text`, comments and the project's `own_names`
+    (`defined_names`) excluded."""
     names = Counter(_CUDA_NAME.findall(strip_comments(text)))
-    return Counter({name: count for name, count in names.items() if name not in own_macros})
+    return Counter({name: count for name, count in names.items() if name not in own_names})
 
 
 def _is_compile_unit(source: Path, text: str) -> bool:
@@ -157,12 +167,12 @@ def run_hipify(paths: list[str], out: str | None = None, *, engine: str = "auto"
     report = HipifyReport(engine=translator.description,
                           destination="in place" if inplace else display_path(out_dir), files=[], findings=findings)
     source_maps, units, headers = {}, [], []
-    own_macros = frozenset(name for text in texts.values() for name in _MACRO_DEFINITION.findall(text))
+    own_names = frozenset(name for text in texts.values() for name in defined_names(text))
     for source, hip_text in translations.items():
         destination = destinations[source]
         if not inplace or hip_text != texts[source]:
             _write(destination, hip_text, inplace, report.notes)
-        names_before, names_after = cuda_names(texts[source], own_macros), cuda_names(hip_text, own_macros)
+        names_before, names_after = cuda_names(texts[source], own_names), cuda_names(hip_text, own_names)
         left = names_after & names_before
         report.files.append(FileResult(
             source=display_path(source), output=display_path(destination),
