@@ -74,8 +74,7 @@ def _save_preset(cfg: TuneConfig, preset: str, layers: int | None, seed: int, de
     from tiletune.bench.preference import bench_tokenizer
     from tiletune.train.presets import preset_model
 
-    torch.manual_seed(seed)
-    model = preset_model(cfg, preset, device, layers, seed)
+    model = preset_model(cfg, preset, device, layers, seed)  # the worker seeded torch with `seed`, as for every variant
     model.save_pretrained(folder, max_shard_size="5GB")
     bench_tokenizer().save_pretrained(folder)
     del model
