@@ -219,14 +219,19 @@ bench)
     python3 -m tiletune bench "$CONFIG" --model-preset llama3-8b --out "$OUT/bench" "$@" 2>&1 | tail -20 ;;
 peers)
     # Unsloth on the stock step, in a call of its own that carries .peerkit (../shared/device/peers/* and the devkit's
-    # wheels) instead of .devkit: the two kits exceed one call. PRESET (and LAYERS) pick the shape; VARIANTS add
-    # Unsloth's other settings (unsloth:quantization_bit=4: its QLoRA)
+    # wheels) instead of .devkit: the two kits exceed one call. A machine that ran a .devkit call before keeps
+    # TileLang's kit in /tmp/site: tiletune's variants then run in the same bench run as Unsloth's (a budget of
+    # `@unsloth` takes its peak). PEERS_BENCH lists preset[:layers]; VARIANTS add Unsloth's other settings
+    # (unsloth:quantization_bit=4: its QLoRA) and tiletune's
     mkdir -p /tmp/peers && tar xJf .peerkit/unsloth-bnb-py312-site.tar.xz -C /tmp/peers
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peers-wheels .peerkit/wheels/*.whl
-    LAYER_ARGS=(); [ -n "${LAYERS:-}" ] && LAYER_ARGS=(--layers "$LAYERS")
-    PYTHONPATH=/tmp/peers:/tmp/peers-wheels:$PWD/src python3 -m tiletune bench "$CONFIG" --model-preset "${PRESET:-llama3-8b}" \
-        "${LAYER_ARGS[@]}" --steps 5 --warmup 3 --repeats 1 --variants "${VARIANTS:-baseline,unsloth}" ${PROFILE:+--profile} \
-        --out "$OUT/peers-${PRESET:-llama3-8b}" 2>&1 | tail -8 ;;
+    SITE=""; [ -f /tmp/site/.kit-ready ] && SITE=:/tmp/site
+    for ENTRY in ${PEERS_BENCH:-llama3-8b}; do
+        PRESET=${ENTRY%%:*}; LAYERS=(); [ "$ENTRY" != "$PRESET" ] && LAYERS=(--layers "${ENTRY##*:}")
+        PYTHONPATH=/tmp/peers:/tmp/peers-wheels$SITE:$PWD/src python3 -m tiletune bench "$CONFIG" $(qv_target "$PRESET") \
+            --model-preset "$PRESET" "${LAYERS[@]}" --steps 5 --warmup 3 --repeats 1 --variants "${VARIANTS:-baseline,unsloth}" \
+            ${PROFILE:+--profile} --out "$OUT/peers-$PRESET" 2>&1 | tail -8
+    done ;;
 speed)
     # the whole ablation (each op alone, all, Liger) plus the fastest set with and without
     # `gradient_checkpointing: auto`, in one run; extra args are config overrides (lora_target=all)

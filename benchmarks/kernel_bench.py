@@ -294,17 +294,17 @@ def moe_cases():
         yield f"moe {case} grouped", variants
     dy = torch.randn(TOKENS, hidden, device="cuda", dtype=torch.bfloat16)
 
-    def whole(gemm, block_m=moe_experts.BLOCK_M, activation=moe_experts.REFERENCE_ACTIVATION):
+    def whole(gemm, block_m=moe_experts.BLOCK_M, glue=moe_experts.REFERENCE_GLUE):
         def run():
-            _, *kept = moe_experts._experts_forward(gemm, x, index, weights, gate_up, down, block_m, activation)
-            moe_experts._experts_backward(gemm, dy, *kept, weights, gate_up, down, activation)
+            _, *kept = moe_experts._experts_forward(gemm, x, index, weights, gate_up, down, block_m, glue)
+            moe_experts._experts_backward(gemm, dy, *kept, weights, gate_up, down, glue)
         return run
 
-    # the TileLang rows as the op runs them (the packed activation kernels); grouped_mm with PyTorch's activation
-    # and with the kernels, which separates the GEMMs' share from the activation's
+    # the TileLang rows as the op runs them (the packed activation and merge kernels); grouped_mm with PyTorch's glue
+    # and with the kernels, which separates the GEMMs' share from the glue's
     impls = {"eager": whole(moe_experts._loop_gemm), "grouped_mm": whole(grouped_mm),
-             "grouped_mm+tl_act": whole(grouped_mm, activation=moe_experts.TILELANG_ACTIVATION)}
-    impls.update({f"tl:{name}": whole(moe_experts.grouped_gemm(c), c.block_m, moe_experts.TILELANG_ACTIVATION)
+             "grouped_mm+tl_glue": whole(grouped_mm, glue=moe_experts.TILELANG_GLUE)}
+    impls.update({f"tl:{name}": whole(moe_experts.grouped_gemm(c), c.block_m, glue=moe_experts.TILELANG_GLUE)
                   for name, c in fits.items()})
     yield "moe experts fwd+bwd", impls
 

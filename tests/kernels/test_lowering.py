@@ -13,7 +13,7 @@ KERNELS = ["rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope_fwd
            "attention_fwd", "attention_bwd_preprocess", "attention_bwd", "attention_fwd_varlen", "attention_bwd_varlen",
            "dequantize_nf4", "geglu_fwd", "geglu_bwd", "swiglu_fwd_packed", "swiglu_bwd_packed", "geglu_fwd_packed",
            "geglu_bwd_packed", "swiglu_bwd_packed_dots", "geglu_bwd_packed_dots",
-           "grouped_gemm_nt", "grouped_gemm_nn", "linear_logprobs_fwd", "linear_logprobs_bwd", "cross_entropy_grad"]
+           "grouped_gemm_nt", "grouped_gemm_nn", "merge_routes_weighted", "merge_routes", "linear_logprobs_fwd", "linear_logprobs_bwd", "cross_entropy_grad"]
 
 
 # The packed (varlen) attention kernels are the plain kernels' source with segment bounds (the same per-arch configs

@@ -5,6 +5,8 @@ expert weights, peft's target_parameters): against the merged weights W + s·B·
 variant's tile schedule, the binding against peft's own path on tiny models (and each adapter state it leaves to
 peft, named per call), and (GPU) its TileLang path against float64."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -220,9 +222,10 @@ def test_without_keep_rows_the_input_waits_for_the_backward_and_the_result_is_th
 def test_a_kernel_with_the_wrong_activation_fails_the_gate():
     """An implementation computing gelu(gate)·up: the gate must catch it (so the GPU check can fail)."""
     def wrong_forward(hidden, top_k_index, top_k_weights, gate_up, down, keep_rows):
-        gelu_gate = moe.GatedRows(lambda h: F.gelu(h.chunk(2, dim=-1)[0]) * h.chunk(2, dim=-1)[1], moe._silu_gate_backward)
+        gelu_gate = dataclasses.replace(moe.REFERENCE_GLUE,
+                                        activation=lambda h: F.gelu(h.chunk(2, dim=-1)[0]) * h.chunk(2, dim=-1)[1])
         return moe._experts_forward(moe._loop_gemm, hidden, top_k_index, top_k_weights, gate_up, down,
-                                    activation=gelu_gate, keep_rows=keep_rows)
+                                    glue=gelu_gate, keep_rows=keep_rows)
 
     registry.add(registry.Impl("moe_experts", "gelu_by_mistake", wrong_forward, moe.reference_backward))
     try:
@@ -335,6 +338,29 @@ def test_routes_merge_chunk_by_chunk_as_whole(monkeypatch, weighted):
     torch.testing.assert_close(merged, expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("width", [2048, 4096, 2880, 24, 8])
+def test_the_merge_blocks_divide_the_row_with_eight_columns_a_thread(width):
+    tokens, columns = moe.merge_block(width)
+    assert width % columns == 0 and columns <= 512
+    assert tokens * columns == moe.MERGE_THREADS * moe.MERGE_VECTOR
+
+
+@pytest.mark.parametrize("target", ["cuda:sm_90", "hip:gfx942"])
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("k,width,dtype", [(8, 2048, "bfloat16"), (2, 24, "float16"), (4, 2880, "bfloat16")])
+def test_the_merge_kernel_lowers_reading_each_route_row_in_place(target, weighted, k, width, dtype):
+    """The merge kernel lowers without a GPU for CUDA and HIP at awkward widths; it reads the rows through the
+    positions (no gathered copy) with 16-byte loads on CUDA, and the weights only when weighted."""
+    pytest.importorskip("tilelang", reason="TileLang is not installed or cannot be imported")
+    from tiletune.kernels import _tilelang
+
+    source = _tilelang.lower_source(moe.merge_kernel(k, width, dtype, weighted), target)
+    assert "POS[" in source and "ROWS" in source and "OUT" in source
+    assert ("W[" in source) == weighted
+    if target.startswith("cuda"):
+        assert "uint4*)(ROWS" in source
+
+
 def test_the_binding_runs_the_grouped_gemms_only_at_shapes_a_sweep_measured(monkeypatch):
     """An implementation that could run (here: the reference's math under the name tilelang) still leaves experts of a
     shape without a TUNED config to the stock path, naming the sweep that would measure one; once TUNED has the shape
@@ -445,7 +471,7 @@ def test_tilelang_lora_path_wires_the_grouped_gemm_for_the_base_weights(monkeypa
     """tilelang_lora_forward / _backward with the TileLang grouped GEMM replaced by its emulation (CPU, float64):
     the reference's outputs and gradients, so only the kernel itself is left to the GPU test."""
     monkeypatch.setattr(moe, "grouped_gemm", _emulated_grouped_gemm)
-    monkeypatch.setattr(moe, "TILELANG_ACTIVATION", moe.REFERENCE_ACTIVATION)  # its kernels need a GPU
+    monkeypatch.setattr(moe, "TILELANG_GLUE", moe.REFERENCE_GLUE)  # its kernels need a GPU
     inputs = lora_inputs(tokens=300)
     want = moe.reference_lora_forward(*inputs)
     got = moe.tilelang_lora_forward(*inputs)
@@ -554,7 +580,7 @@ def test_tilelang_lora_path_takes_the_grouped_rank_products_where_they_run(monke
     """With grouped_mm_runs true (as on an H200 in bf16), the TileLang path's forward and backward run the rank-r parts
     grouped (the base GEMMs emulated, float32 on the CPU) and equal the reference."""
     monkeypatch.setattr(moe, "grouped_gemm", _emulated_grouped_gemm)
-    monkeypatch.setattr(moe, "TILELANG_ACTIVATION", moe.REFERENCE_ACTIVATION)  # its kernels need a GPU
+    monkeypatch.setattr(moe, "TILELANG_GLUE", moe.REFERENCE_GLUE)  # its kernels need a GPU
     monkeypatch.setattr(moe, "grouped_mm_runs", lambda rows, experts: True)
     inputs = [x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in lora_inputs(tokens=300)]
     want = moe.reference_lora_forward(*inputs)
@@ -766,6 +792,33 @@ def test_the_rows_computed_again_in_the_backward_match_float64(impl):
     if impl == "grouped_mm":
         _skip_unless_grouped_mm_runs()
     check_against_float64("qwen3-30b-a3b rows computed again", torch.bfloat16, 8192, 128, 8, 2048, 768, impl, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("tokens,k,width", [(8192, 8, 2048), (77, 8, 2048), (3, 2, 4096), (37, 4, 24), (1, 1, 2880)])
+def test_the_merge_kernel_matches_float64(dtype, weighted, tokens, k, width):
+    """The TileLang merge of each token's k expert rows (the forward's weighted output, the backward's summed input
+    gradient) against float64 on fresh random rows, routes and weights, the PyTorch merge in `dtype` as the bar; the
+    kernel fed positions off by one (a wrong gather) fails the gate."""
+    from tiletune.kernels import _tilelang
+
+    order = torch.randperm(tokens * k, device="cuda")
+    rows = torch.randn(tokens * k, width, device="cuda", dtype=dtype)
+    weights = torch.rand(tokens, k, device="cuda").softmax(-1) if weighted else None
+    like = torch.empty(tokens, width, device="cuda", dtype=dtype)
+    exact = moe._merge_routes(rows.double(), order, like.double(), None if weights is None else weights.double())
+    bar = moe._merge_routes(rows, order, like, weights)
+    merged = moe.tilelang_merge(rows, order, like, weights)
+    assert merged.dtype == dtype and gate(merged, bar, exact).passed
+    kernel = _tilelang.compiled(("moe_experts", "merge", k, width, _tilelang.DTYPES[dtype], weighted),
+                                lambda: moe.merge_kernel(k, width, _tilelang.DTYPES[dtype], weighted))
+    wrong = torch.empty_like(bar)
+    off_by_one = ((moe._positions(order) + 1) % order.numel()).view(tokens, k)
+    kernel(rows, off_by_one, *([weights.contiguous()] if weighted else []), wrong)
+    if tokens * k > 1:
+        assert not gate(wrong, bar, exact).passed
 
 
 def check_against_float64(label: str, dtype, tokens: int, experts: int, k: int, hidden: int, inter: int,

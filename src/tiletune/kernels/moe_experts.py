@@ -24,12 +24,13 @@ row of `VARIANTS`, chosen per architecture and shape (`config_for`: TUNED from a
 benchmarks/kernel_bench.py --only moe sweeps CANDIDATES); one kernel source takes them all. Forward: two grouped
 GEMMs (gate_up, down) with the activation between them; backward: two grouped GEMMs for the input gradient
 (``nn``: the weights untransposed) and the activation's derivative (the routing weight applied there, in float32).
-The activation is a `GatedRows` record: PyTorch in the reference, swiglu's packed TileLang kernels in the TileLang
-impl (the gate and up halves of a row read in place, float32 inside, one rounding). The k outputs of a token are
-merged without atomics: put back in (token, k) order and summed by one batched GEMM with the routing weights (the
-hidden states' gradient likewise, the routing weights' gradient by one batched GEMM with dy), in float32 with one
-rounding, the same bits on every run. The forward keeps only the [rows, 2·intermediate] gate_up rows for the
-backward (Qwen3-30B-A3B at 8,192 tokens: 192 MiB per layer), not the [rows, hidden] expert outputs (256 MiB) the
+The row-wise kernels around the GEMMs are a `Glue` record: PyTorch in the reference; in the TileLang and
+grouped_mm impls swiglu's packed TileLang kernels for the activation (the gate and up halves of a row read in
+place, float32 inside, one rounding) and a TileLang merge kernel. The k outputs of a token are merged without
+atomics: each token's k expert rows read where they lie, weighted by its routing weights and summed (the hidden
+states' gradient likewise, unweighted), in float32 with one rounding, the same bits on every run (the reference:
+gathered in chunks and summed by a batched GEMM). The forward keeps only the [rows, 2·intermediate] gate_up rows for
+the backward (Qwen3-30B-A3B at 8,192 tokens: 192 MiB per layer), not the [rows, hidden] expert outputs (256 MiB) the
 routing weights' gradient reads: that gradient is dy·(a·Dᵀ) = (dy·D)·a, the down projection's input gradient (which
 the backward computes anyway, before the routing weight enters) dotted with the activation a, summed in float32 by
 the activation's backward kernel in the same pass. A selective layer keeps the gate_up rows too, so its backward runs
@@ -123,19 +124,15 @@ def _silu_gate_backward(da: Tensor, h: Tensor, row_scale: Tensor | None = None) 
 
 
 @dataclass(frozen=True)
-class GatedRows:
-    """The experts' activation on [rows, 2·intermediate] gate_up rows ([gate | up]): silu(gate)·up, and its
-    derivative for an upstream gradient with an optional per-row scale (the routing weight), with each row's dot of
-    the unscaled upstream gradient and the activation."""
+class Glue:
+    """The experts' row-wise kernels around the grouped GEMMs: the activation on [rows, 2·intermediate] gate_up
+    rows ([gate | up]), silu(gate)·up, and its derivative for an upstream gradient with an optional per-row scale
+    (the routing weight), with each row's dot of the unscaled upstream gradient and the activation; and the merge of
+    each token's k expert rows into its output row, weighted by its routing weights if given."""
 
-    forward: Callable[[Tensor], Tensor]
-    backward: Callable[..., tuple[Tensor, Tensor]]  # (da, h, row_scale=None) -> (d h, [rows] float32 dots)
-
-
-REFERENCE_ACTIVATION = GatedRows(_silu_gate, _silu_gate_backward)
-# swiglu's packed TileLang kernels: the halves read in place, float32 inside, one rounding (the reference's math)
-TILELANG_ACTIVATION = GatedRows(functools.partial(swiglu.tilelang_packed_forward, swiglu.SILU),
-                                functools.partial(swiglu.tilelang_packed_backward_dots, swiglu.SILU))
+    activation: Callable[[Tensor], Tensor]
+    activation_backward: Callable[..., tuple[Tensor, Tensor]]  # (da, h, row_scale=None) -> (d h, [rows] float32 dots)
+    merge: Callable[..., Tensor]  # (rows, order, like, top_k_weights=None) -> [tokens, hidden] in like's dtype
 
 
 def _positions(order: Tensor) -> Tensor:
@@ -176,6 +173,9 @@ def _merge_routes(rows: Tensor, order: Tensor, like: Tensor, top_k_weights: Tens
     return out
 
 
+REFERENCE_GLUE = Glue(_silu_gate, _silu_gate_backward, _merge_routes)
+
+
 def _routing_weights_grad(dots: Tensor, order: Tensor, top_k_weights: Tensor) -> Tensor:
     """d top_k_weights [tokens, k] from each sorted row's dot of its token's dy with its expert's output (`dots`,
     float32: the activation backward's), put back in (token, k) order."""
@@ -183,7 +183,7 @@ def _routing_weights_grad(dots: Tensor, order: Tensor, top_k_weights: Tensor) ->
 
 
 def _experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
-                     down: Tensor, block_m: int = BLOCK_M, activation: GatedRows = REFERENCE_ACTIVATION,
+                     down: Tensor, block_m: int = BLOCK_M, glue: Glue = REFERENCE_GLUE,
                      keep_rows: bool = True, tiles: bool = True):  # fmt: skip
     """(y, the gate_up rows, the routing's order, tiles and offsets): the experts' forward with
     `gemm(kind, rows, weights, routing)` on tiles of `block_m` rows (without `tiles`, a `gemm` that reads the offsets
@@ -191,14 +191,14 @@ def _experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, top_k_
     back empty (no rows): the backward computes them again from the hidden states."""
     routing = route(top_k_index, gate_up.shape[0], block_m, BLOCK_M, tiles)
     h = gemm("nt", hidden.index_select(0, routing.token), gate_up, routing)
-    o = gemm("nt", activation.forward(h), down, routing)
+    o = gemm("nt", glue.activation(h), down, routing)
     kept = h if keep_rows else h.new_empty(0, h.shape[1])
-    return _merge_routes(o, routing.order, hidden, top_k_weights), kept, routing.order, routing.tiles, routing.offsets
+    return glue.merge(o, routing.order, hidden, top_k_weights), kept, routing.order, routing.tiles, routing.offsets
 
 
 def _experts_backward(gemm: Callable, dy: Tensor, h: Tensor, order: Tensor, tiles: Tensor, offsets: Tensor,
                       top_k_weights: Tensor, gate_up: Tensor, down: Tensor,
-                      activation: GatedRows = REFERENCE_ACTIVATION, hidden: Tensor | None = None):  # fmt: skip
+                      glue: Glue = REFERENCE_GLUE, hidden: Tensor | None = None):  # fmt: skip
     """(d hidden, d top_k_weights) from the forward's kept rows and routing; the gate_up rows computed again from
     `hidden` where the forward kept none (one gather and one grouped GEMM)."""
     routing = Routing(order // top_k_weights.shape[-1], order, tiles, offsets)
@@ -207,11 +207,11 @@ def _experts_backward(gemm: Callable, dy: Tensor, h: Tensor, order: Tensor, tile
     weights = top_k_weights.reshape(-1)[routing.order]
     # the routing weight enters below, in float32; the unscaled da dotted with the activation is its gradient
     da = gemm("nn", dy.index_select(0, routing.token).to(h.dtype), down, routing)
-    dh, dots = activation.backward(da, h, weights)
+    dh, dots = glue.activation_backward(da, h, weights)
     del da  # each [rows, ·] temporary released once read: the backward's peak is the experts' largest
     d_rows = gemm("nn", dh, gate_up, routing)
     del dh
-    return _merge_routes(d_rows, order, dy), _routing_weights_grad(dots, order, top_k_weights)
+    return glue.merge(d_rows, order, dy), _routing_weights_grad(dots, order, top_k_weights)
 
 
 # ---- reference: one PyTorch GEMM per expert --------------------------------------------------------------
@@ -406,7 +406,7 @@ def _rank_gemms(offsets: Tensor, grouped: bool) -> "_LoopRank | _GroupedRank":
 def _lora_experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
                           down: Tensor, gate_up_a: Tensor, gate_up_b: Tensor, down_a: Tensor, down_b: Tensor,
                           gate_up_scaling: float, down_scaling: float, block_m: int = BLOCK_M,
-                          grouped: bool = False, activation: GatedRows = REFERENCE_ACTIVATION,
+                          grouped: bool = False, glue: Glue = REFERENCE_GLUE,
                           tiles: bool = True):  # fmt: skip
     """(y, the gate_up rows, x·Aᵀ, a·A'ᵀ, the routing's order, tiles and offsets) with LoRA on both
     projections: A [experts, r, in], B [experts, out, r] (rank 0: no adapter there). The base GEMMs by `gemm`, the
@@ -417,19 +417,19 @@ def _lora_experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, t
     rows = hidden.index_select(0, routing.token)
     xa, up = rank.forward(rows, gate_up_a, gate_up_b)
     h = gemm("nt", rows, gate_up, routing) + up * gate_up_scaling
-    a = activation.forward(h)
+    a = glue.activation(h)
     aa, lora_o = rank.forward(a, down_a, down_b)
     del rows, up
     o = gemm("nt", a, down, routing) + lora_o * down_scaling
     del a, lora_o
-    return _merge_routes(o, routing.order, hidden, top_k_weights), h, xa, aa, routing.order, routing.tiles, routing.offsets
+    return glue.merge(o, routing.order, hidden, top_k_weights), h, xa, aa, routing.order, routing.tiles, routing.offsets
 
 
 def _lora_experts_backward(gemm: Callable, dy: Tensor, hidden: Tensor, h: Tensor, xa: Tensor, aa: Tensor,
                            order: Tensor, tiles: Tensor, offsets: Tensor, top_k_weights: Tensor, gate_up: Tensor,
                            down: Tensor, gate_up_a: Tensor, gate_up_b: Tensor, down_a: Tensor, down_b: Tensor,
                            gate_up_scaling: float, down_scaling: float, grouped: bool = False,
-                           activation: GatedRows = REFERENCE_ACTIVATION):  # fmt: skip
+                           glue: Glue = REFERENCE_GLUE):  # fmt: skip
     """(d hidden, d top_k_weights, d gate_up A, d gate_up B, d down A, d down B): with g = s·dOut·B,
     dIn = dOut·W + g·A, dA = gᵀ·In, dB = s·dOutᵀ·(In·Aᵀ) per expert; the activation recomputed from h. The down
     projection's rows are the token's dy unscaled, as the plain op's: the routing weight enters the activation's
@@ -438,16 +438,16 @@ def _lora_experts_backward(gemm: Callable, dy: Tensor, hidden: Tensor, h: Tensor
     rank = _rank_gemms(offsets, grouped)
     weights = top_k_weights.reshape(-1)[routing.order]
     d_out = dy.index_select(0, routing.token).to(h.dtype)
-    a = activation.forward(h)
+    a = glue.activation(h)
     lora_da, d_down_a, d_down_b = rank.backward(d_out, a, aa, down_a, down_b, down_scaling, weights)
     da = gemm("nn", d_out, down, routing) + lora_da
-    dh, dots = activation.backward(da, h, weights)
+    dh, dots = glue.activation_backward(da, h, weights)
     del d_out, a, lora_da, da
     rows = hidden.index_select(0, routing.token)
     lora_d_rows, d_gate_up_a, d_gate_up_b = rank.backward(dh, rows, xa, gate_up_a, gate_up_b, gate_up_scaling)
     d_rows = gemm("nn", dh, gate_up, routing) + lora_d_rows
     del dh, rows, lora_d_rows
-    return (_merge_routes(d_rows, order, dy), _routing_weights_grad(dots, order, top_k_weights), d_gate_up_a,
+    return (glue.merge(d_rows, order, dy), _routing_weights_grad(dots, order, top_k_weights), d_gate_up_a,
             d_gate_up_b, d_down_a, d_down_b)
 
 
@@ -642,9 +642,14 @@ def unmeasured(hidden: Tensor, gate_up: Tensor) -> str | None:
 
 
 def lowering_kernels(arch: str) -> dict[str, Callable]:
-    """Kernel name -> PrimFunc builder at Qwen3-30B-A3B's gate_up shape (128 experts, 1536 x 2048)."""
-    return {f"grouped_gemm_{kind}": (lambda kind=kind: grouped_gemm_kernel(kind, 128, 1536, 2048, "bfloat16", config_for(arch)))
-            for kind in ("nt", "nn")}
+    """Kernel name -> PrimFunc builder at Qwen3-30B-A3B's shapes: the grouped GEMMs at its gate_up shape (128 experts,
+    1536 x 2048), the merge of its 8 routes per token at its hidden size (2048)."""
+    config = config_for(arch)
+    gemms = {f"grouped_gemm_{kind}": functools.partial(grouped_gemm_kernel, kind, 128, 1536, 2048, "bfloat16", config)
+             for kind in ("nt", "nn")}
+    merges = {f"merge_routes{'_weighted' if weighted else ''}": functools.partial(merge_kernel, 8, 2048, "bfloat16", weighted)
+              for weighted in (True, False)}
+    return gemms | merges
 
 
 def kernel_build(kind: str, experts: int, n: int, k: int, dtype: str, config: GroupedConfig,
@@ -696,6 +701,78 @@ def grouped_gemm(config: GroupedConfig) -> Callable:
     return gemm
 
 
+MERGE_THREADS = 256
+MERGE_VECTOR = 8  # columns per thread: 16 bytes of a bf16 row
+
+
+def merge_block(width: int) -> tuple[int, int]:
+    """(tokens, columns) per thread block of the merge kernel for rows `width` wide: the widest column block of
+    up to 512 that divides it (width is a multiple of 8, as both impls' GEMMs need), MERGE_VECTOR columns a
+    thread."""
+    columns = next(c for c in (512, 256, 128, 64, 32, 16, 8) if width % c == 0)
+    return MERGE_THREADS * MERGE_VECTOR // columns, columns
+
+
+def merge_kernel(k: int, width: int, dtype: str, weighted: bool):
+    """PrimFunc OUT [tokens, width] = Σ_j W[t, j] · ROWS[POS[t, j]] over each token's k routes (POS: where route
+    (t, j) sits among the expert-sorted rows; W float32; without `weighted` the plain sum), float32 accumulation,
+    one rounding, no atomics; tokens and rows dynamic. One pass over the rows: the gather, the weighting and the sum
+    that `_merge_routes` runs as an index_select and a batched GEMM per chunk."""
+    import tilelang.language as T
+
+    bt, bn = merge_block(width)
+    tokens, rows = T.dynamic("tokens"), T.dynamic("rows")
+
+    @T.macro
+    def compute(ROWS, POS, W, OUT):
+        with T.Kernel(T.ceildiv(width, bn), T.ceildiv(tokens, bt), threads=MERGE_THREADS) as (bx, by):
+            acc = T.alloc_fragment((bt, bn), "float32")
+            out = T.alloc_fragment((bt, bn), dtype)
+            T.clear(acc)
+            for j in T.unroll(k):  # the k loads in flight together
+                for i, c in T.Parallel(bt, bn):
+                    token = T.min(by * bt + i, tokens - 1)  # the tail block's surplus tokens re-read the last one
+                    route = T.cast(ROWS[POS[token, j], bx * bn + c], "float32")
+                    acc[i, c] += route * W[token, j] if weighted else route
+            T.copy(acc, out)
+            T.copy(out, OUT[by * bt, bx * bn])
+
+    if weighted:
+        @T.prim_func
+        def merge_routes(ROWS: T.Tensor((rows, width), dtype), POS: T.Tensor((tokens, k), "int64"),
+                         W: T.Tensor((tokens, k), "float32"), OUT: T.Tensor((tokens, width), dtype)):  # fmt: skip
+            compute(ROWS, POS, W, OUT)
+    else:
+        @T.prim_func
+        def merge_routes(ROWS: T.Tensor((rows, width), dtype), POS: T.Tensor((tokens, k), "int64"),
+                         OUT: T.Tensor((tokens, width), dtype)):  # fmt: skip
+            compute(ROWS, POS, None, OUT)
+
+    return merge_routes.with_attr("global_symbol", f"merge_routes{'_weighted' if weighted else ''}")
+
+
+def tilelang_merge(rows: Tensor, order: Tensor, like: Tensor, top_k_weights: Tensor | None = None) -> Tensor:
+    """`_merge_routes` by the TileLang merge kernel: each token's k rows read once where they lie (no gathered
+    copy), the routing weights in float32."""
+    tokens, width = like.shape[0], rows.shape[-1]
+    k = order.numel() // max(tokens, 1)
+    dtype = _tilelang.DTYPES[rows.dtype]
+    weighted = top_k_weights is not None
+    kernel = _tilelang.compiled(("moe_experts", "merge", k, width, dtype, weighted),
+                                lambda: merge_kernel(k, width, dtype, weighted))
+    out = torch.empty_like(like, dtype=rows.dtype)
+    if tokens:
+        weights = [top_k_weights.reshape(tokens, k).to(torch.float32).contiguous()] if weighted else []
+        kernel(rows.contiguous(), _positions(order).view(tokens, k), *weights, out)
+    return out.to(like.dtype)
+
+
+# swiglu's packed TileLang kernels (the halves read in place, float32 inside, one rounding: the reference's math)
+# and the merge kernel
+TILELANG_GLUE = Glue(functools.partial(swiglu.tilelang_packed_forward, swiglu.SILU),
+                     functools.partial(swiglu.tilelang_packed_backward_dots, swiglu.SILU), tilelang_merge)
+
+
 def op_config(hidden: Tensor, gate_up: Tensor, variant: str | None = None) -> GroupedConfig:
     """The config of the op's four grouped GEMMs on this device and shape."""
     experts, inter2, size = gate_up.shape
@@ -707,7 +784,7 @@ def tilelang_forward(hidden, top_k_index, top_k_weights, gate_up, down, keep_row
     """(y, kept rows and routing) with the grouped GEMMs in TileLang (config `variant`, else op_config's)."""
     config = op_config(hidden, gate_up, variant)
     return _experts_forward(grouped_gemm(config), hidden, top_k_index, top_k_weights, gate_up, down, config.block_m,
-                            TILELANG_ACTIVATION, keep_rows)
+                            TILELANG_GLUE, keep_rows)
 
 
 def tilelang_backward(dy, h, order, tiles, offsets, top_k_weights, gate_up, down, hidden=None,
@@ -715,7 +792,7 @@ def tilelang_backward(dy, h, order, tiles, offsets, top_k_weights, gate_up, down
     """(d hidden, d top_k_weights) with the grouped GEMMs in TileLang (the forward's config)."""
     config = op_config(dy, gate_up, variant)
     return _experts_backward(grouped_gemm(config), dy, h, order, tiles, offsets, top_k_weights, gate_up, down,
-                             TILELANG_ACTIVATION, hidden)
+                             TILELANG_GLUE, hidden)
 
 
 def tilelang_unsupported(hidden, top_k_index, top_k_weights, gate_up, down, keep_rows=True) -> str | None:
@@ -736,7 +813,7 @@ def tilelang_lora_forward(hidden, top_k_index, top_k_weights, gate_up, down, gat
     grouped = grouped_mm_runs(hidden, gate_up.shape[0]) if grouped is None else grouped
     return _lora_experts_forward(grouped_gemm(config), hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a,
                                  gate_up_b, down_a, down_b, gate_up_scaling, down_scaling, config.block_m, grouped,
-                                 TILELANG_ACTIVATION)
+                                 TILELANG_GLUE)
 
 
 def tilelang_lora_backward(dy, hidden, h, xa, aa, order, tiles, offsets, top_k_weights, gate_up, down, gate_up_a,
@@ -747,7 +824,7 @@ def tilelang_lora_backward(dy, hidden, h, xa, aa, order, tiles, offsets, top_k_w
     grouped = grouped_mm_runs(h, gate_up.shape[0]) if grouped is None else grouped
     return _lora_experts_backward(grouped_gemm(config), dy, hidden, h, xa, aa, order, tiles, offsets, top_k_weights,
                                   gate_up, down, gate_up_a, gate_up_b, down_a, down_b, gate_up_scaling, down_scaling,
-                                  grouped, TILELANG_ACTIVATION)
+                                  grouped, TILELANG_GLUE)
 
 
 def _adapters_elsewhere(hidden: Tensor, *factors: Tensor) -> str | None:
@@ -782,13 +859,13 @@ def vendor_gemm(kind: str, rows: Tensor, weights: Tensor, routing: Routing) -> T
 
 def grouped_mm_forward(hidden, top_k_index, top_k_weights, gate_up, down, keep_rows=True):
     """(y, kept rows and routing) with torch's grouped GEMMs and the packed activation kernels."""
-    return _experts_forward(vendor_gemm, hidden, top_k_index, top_k_weights, gate_up, down, BLOCK_M, TILELANG_ACTIVATION,
+    return _experts_forward(vendor_gemm, hidden, top_k_index, top_k_weights, gate_up, down, BLOCK_M, TILELANG_GLUE,
                             keep_rows, tiles=False)
 
 
 def grouped_mm_backward(dy, h, order, tiles, offsets, top_k_weights, gate_up, down, hidden=None):
     """(d hidden, d top_k_weights) with torch's grouped GEMMs and the packed activation kernels."""
-    return _experts_backward(vendor_gemm, dy, h, order, tiles, offsets, top_k_weights, gate_up, down, TILELANG_ACTIVATION,
+    return _experts_backward(vendor_gemm, dy, h, order, tiles, offsets, top_k_weights, gate_up, down, TILELANG_GLUE,
                              hidden)
 
 
@@ -805,7 +882,7 @@ def grouped_mm_lora_forward(hidden, top_k_index, top_k_weights, gate_up, down, g
                             gate_up_scaling, down_scaling):  # fmt: skip
     """The LoRA form's forward, every GEMM (base and rank-r) by torch's grouped GEMM."""
     return _lora_experts_forward(vendor_gemm, hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b,
-                                 down_a, down_b, gate_up_scaling, down_scaling, BLOCK_M, True, TILELANG_ACTIVATION,
+                                 down_a, down_b, gate_up_scaling, down_scaling, BLOCK_M, True, TILELANG_GLUE,
                                  tiles=False)
 
 
@@ -814,7 +891,7 @@ def grouped_mm_lora_backward(dy, hidden, h, xa, aa, order, tiles, offsets, top_k
     """The LoRA form's backward, every GEMM by torch's grouped GEMM."""
     return _lora_experts_backward(vendor_gemm, dy, hidden, h, xa, aa, order, tiles, offsets, top_k_weights, gate_up,
                                   down, gate_up_a, gate_up_b, down_a, down_b, gate_up_scaling, down_scaling, True,
-                                  TILELANG_ACTIVATION)
+                                  TILELANG_GLUE)
 
 
 def grouped_mm_lora_unsupported(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b, down_a, down_b,
