@@ -760,7 +760,7 @@ def tilelang_merge(rows: Tensor, order: Tensor, like: Tensor, top_k_weights: Ten
     weighted = top_k_weights is not None
     kernel = _tilelang.compiled(("moe_experts", "merge", k, width, dtype, weighted),
                                 lambda: merge_kernel(k, width, dtype, weighted))
-    out = torch.empty_like(like, dtype=rows.dtype)
+    out = rows.new_empty(tokens, width)  # row-major whatever like's strides, as the kernel writes it
     if tokens:
         weights = [top_k_weights.reshape(tokens, k).to(torch.float32).contiguous()] if weighted else []
         kernel(rows.contiguous(), _positions(order).view(tokens, k), *weights, out)
@@ -1098,7 +1098,7 @@ def _experts_forward_binding(site: Site, impl: str, strict: bool, current: Calla
 # 8-layer Qwen3-30B-A3B step (H100) the fastest dense set runs 0.81x stock without the op and 0.75x with it
 # (benchmarks/results/h100-2026-12-06/moe-glue; 0.49x with the packed activation and TileLang loss since).
 define(Op("moe_experts", (Binding("moe_experts", "experts", _experts_forward_binding, _fit, unfit_now=unfit_now),),
-          keeps_output=True, forms=(LORA,), profile_pattern=r"grouped_gemm_(nt|nn)", lowering=lowering_kernels,
+          keeps_output=True, forms=(LORA,), profile_pattern=r"grouped_gemm_(nt|nn)|merge_routes", lowering=lowering_kernels,
           default="grouped_mm"))
 add(Impl("moe_experts", "reference", reference_forward, reference_backward,
          description="PyTorch: one GEMM per expert (the eager loop)", accumulation="float32"))
