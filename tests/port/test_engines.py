@@ -149,6 +149,32 @@ def test_the_undeclared_list_is_torchs_table_of_its_version_and_no_correction_is
     assert not set(undeclared) & set(TORCH_TABLE_CORRECTIONS)
 
 
+def test_bf16_conversions_hip_lacks_become_their_exact_hip_equivalents(tmp_path):
+    source = tmp_path / "gate.cu"
+    source.write_text(
+        "#include <cuda_bf16.h>\n"
+        "#define TO_BF16(v) (__float2bfloat16_rn(v))\n"
+        "__device__ void store_gate(__nv_bfloat162* out, float g, float u) {\n"
+        "  *out = __floats2bfloat162_rn(g * (1.f / (1.f + __expf(-g))), fmaxf(u, 0.f));\n"
+        "}\n"
+        "__device__ __nv_bfloat162 splat(float s) { return __float2bfloat162_rn(s * 0.5f); }\n")
+    hip = select_engine("torch").translate(source)
+    assert "(__float2bfloat16(v))" in hip
+    assert "__float22bfloat162_rn(make_float2(g * (1.f / (1.f + __expf(-g))), fmaxf(u, 0.f)))" in hip
+    assert "__bfloat162bfloat162(__float2bfloat16(s * 0.5f))" in hip
+    assert not re.search(r"__float2bfloat16_rn|__floats2bfloat162_rn|__float2bfloat162_rn", hip)
+
+
+def test_a_files_own_bf16_conversion_stays_as_written(tmp_path):
+    source = tmp_path / "compat.cuh"
+    polyfill = ("__device__ inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {\n"
+                "  return __halves2bfloat162(__float2bfloat16(a), __float2bfloat16(b));\n}\n")
+    source.write_text(f"#ifdef USE_ROCM\n{polyfill}#endif\n"
+                      "__device__ __nv_bfloat162 pack(float a, float b) { return __floats2bfloat162_rn(a, b); }\n")
+    hip = select_engine("torch").translate(source)
+    assert "__floats2bfloat162_rn(float a, float b) {" in hip and "return __floats2bfloat162_rn(a, b);" in hip
+
+
 def test_a_projects_own_cu_named_variables_are_not_cuda_names():
     """`cuDevice`, `cuModule`: a project's handles named after the driver API (Blender Cycles'); its calls are."""
     text = "CUdevice cuDevice; result = hipDeviceGet(&cuDevice, cuDevId);\ncuCtxCreate(&cuContext, 0, cuDevice);"

@@ -190,6 +190,16 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("__global__ void k(int* counts) { atomicMax_block(&counts[0], threadIdx.x); }", "missing-intrinsic"),
     ("__device__ __half f(double v) { return __double2half(v); }", "missing-intrinsic"),
     ("__device__ __nv_bfloat16 f(int v) { return __int2bfloat16_rn(v); }", "missing-intrinsic"),
+    # cuda_bf16.h's conversions that name their rounding: HIP has none (`__float2bfloat16` rounds to nearest even)
+    ("#define TO_BF16(v) (__float2bfloat16_rn(v))", "missing-intrinsic"),
+    ("__device__ void store2(__nv_bfloat162* o, float a, float b) { *o = __floats2bfloat162_rn(a, b); }",
+     "missing-intrinsic"),
+    ("__device__ __nv_bfloat162 splat(float s) { return __float2bfloat162_rn(s); }", "missing-intrinsic"),
+    # CUDA 12's vector atomicAdd (sm_90): through a cast, or on a float4 parameter
+    ("__device__ void acc_pair(float* g, float dx, float dy) {\n"
+     "  atomicAdd(reinterpret_cast<float2*>(g), make_float2(dx, dy));\n}", "missing-intrinsic"),
+    ("__global__ void scatter(float4* __restrict__ grad, const float4* src, const int* idx) {\n"
+     "  atomicAdd(grad + idx[threadIdx.x], src[threadIdx.x]);\n}", "missing-intrinsic"),
     (("__global__ void k(float* s, float* o) {\n  int group = threadIdx.x / 32;\n  o[group] = s[threadIdx.x];\n"
       "  blockReduceSum(o[group]);\n}"), "warp-size-literal"),  # another header's helper, by its name
     ("#ifdef __CUDA_BF16_TYPES_EXIST__\ntemplate <> struct IsFloat<__nv_bfloat16> { static constexpr bool value = true; };\n#endif",
@@ -449,6 +459,17 @@ def test_rule_variants_stay_silent(code, rule):
     "#define HD_INLINE __forceinline__ __device__ __host__\nstruct Vec {\n  HD_INLINE Vec() {}\n  HD_INLINE Vec(int n) : n(n) {}\n  int n;\n};",
     "IHD GradInfo::GradInfo() {\n  pos = make_float3(0.f, 0.f, 0.f);\n}",  # defined outside its class, declared in a header
     "__global__ void k(float* m, float v) { atomicMax(m, v); }",  # a call of HIP's own, not a definition
+    # a float2's components added one by one: HIP's float atomicAdd
+    "__device__ void acc(float2* g, float2 d) { atomicAdd(&g->x, d.x); atomicAdd(&g->y, d.y); }",
+    # the file's own float2 overload (for every target) is what the call reaches
+    ("__device__ inline float2 atomicAdd(float2* a, float2 v) {\n"
+     "  return make_float2(atomicAdd(&a->x, v.x), atomicAdd(&a->y, v.y));\n}\n"
+     "__device__ void acc(float2* g, float dx, float dy) { atomicAdd(g, make_float2(dx, dy)); }"),
+    # the file's own bf16 conversion under USE_ROCM, as a function or a macro
+    ("#ifdef USE_ROCM\n#define __float2bfloat16_rn __float2bfloat16\n#endif\n"
+     "__device__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }"),
+    ("#ifdef USE_ROCM\n__device__ inline __hip_bfloat16 __float2bfloat16_rn(float v) { return __float2bfloat16(v); }\n"
+     "#endif\n__device__ float round_trip(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }"),
     # a mask parameter only the CUDA branch uses
     ("template <typename T>\n__device__ T xor_shfl(T v, int m, unsigned int mask = 0xffffffff) {\n#if CUDA_VERSION >= 9000\n"
      "  return __shfl_xor_sync(mask, v, m);\n#else\n  return __shfl_xor(v, m);\n#endif\n}"),
@@ -483,6 +504,20 @@ def test_portable_code_stays_quiet(code):
     (("#define REDUCE(v) (v + __shfl_xor_sync(m, v, 1))\n__device__ float sum(float v) { return REDUCE(v); }\n"
       "__global__ void k(float* t) {\n  const int lane = threadIdx.x % 32;\n  t[lane] = sum(t[lane]);\n}"), True),  # via helpers
     ("__global__ void k(int* t) {\n  Exchange(s).BlockedToWarpStriped(v, v);\n  const int row = threadIdx.x / 32;\n}", True),
+    # 32 and 31 in hex, however written
+    ("const int lane = threadIdx.x & 0x1f;\nv = __shfl_xor_sync(m, v, 1);", True),
+    ("const int lane = threadIdx.x & 0x01F;\nv = __shfl_xor_sync(m, v, 1);", True),
+    ("const int lane = threadIdx.x % 0x20, warp = threadIdx.x / 0x20;\nv = __shfl_xor_sync(m, v, 1);", True),
+    # warps per block on the host, in the grid of a kernel that works across a warp (one row per warp)
+    (("#define BLOCK_SIZE 256\n__global__ void row_max(const float* x, float* y, int rows, int cols) {\n"
+      "  const int row = blockIdx.x * (blockDim.x / warpSize) + threadIdx.x / warpSize;\n"
+      "  float m = -INFINITY;\n"
+      "  for (int c = threadIdx.x % warpSize; c < cols; c += warpSize) m = fmaxf(m, x[row * cols + c]);\n"
+      "  for (int o = warpSize / 2; o > 0; o /= 2) m = fmaxf(m, __shfl_xor(m, o));\n"
+      "  if (row < rows) y[row] = m;\n}\n"
+      "void launch_row_max(const float* x, float* y, int rows, int cols) {\n"
+      "  dim3 grid((rows + BLOCK_SIZE / 32 - 1) / (BLOCK_SIZE / 32));\n"
+      "  row_max<<<grid, BLOCK_SIZE>>>(x, y, rows, cols);\n}"), True),
 ])
 def test_warp_size_literal_follows_the_value(code, fires):
     assert any(f.rule == "warp-size-literal" for f in lint_text(code, "snippet.cu")) == fires
@@ -494,6 +529,56 @@ def test_an_intrinsic_the_file_polyfills_for_hip_is_not_missing():
     for guard, lines in (("#ifdef USE_ROCM", [7]), ("#ifndef USE_ROCM", [6, 7])):  # the latter: CUDA's copy only
         code = f"{guard}\n{polyfill}#endif\n{calls}"
         assert [f.line for f in lint_text(code, "snippet.cu") if f.rule == "missing-intrinsic"] == lines, guard
+
+
+def test_bf16_conversions_and_vector_atomics_name_what_hip_has():
+    code = ("__device__ void store2(__nv_bfloat162* o, float a, float b) { *o = __floats2bfloat162_rn(a, b); }\n"
+            "__device__ void acc(float* g, float a, float b) { atomicAdd((float2*) g, make_float2(a, b)); }\n")
+    details = [f.detail for f in lint_text(code, "snippet.cu") if f.rule == "missing-intrinsic"]
+    assert len(details) == 2
+    assert "__float22bfloat162_rn(make_float2(a, b))" in details[0]
+    assert "float2 / float4" in details[1] and "atomicAdd(&p->x, v.x)" in details[1]
+
+
+def test_one_uninitialised_broadcast_is_one_finding_naming_each_shuffle():
+    code = ("__global__ void claim(int* next, int* out) {\n"
+            "  int slot;\n"
+            "  if (threadIdx.x % warpSize == 0) slot = atomicAdd(next, 1);\n"
+            "  slot = __shfl(slot, 0);\n"
+            "  out[slot] = threadIdx.x;\n"
+            "  if (threadIdx.x % warpSize == 0) slot = atomicAdd(next, 1);\n"
+            "  slot = __shfl(slot, 0);\n"
+            "  out[slot] = -1;\n}\n")
+    found = [f for f in lint_text(code, "snippet.cu") if f.rule == "uninit-shuffle"]
+    assert [(f.line, f.detail) for f in found] == [(2, "`slot` is broadcast from lane 0 at lines 4, 7")]
+
+
+def test_a_place_two_checks_reach_is_one_finding():
+    # two kernels each with their own per-warp array of one name: the second kernel's read is reached from both
+    kernel = ("__global__ void {name}(const float* x, float* y) {{\n"
+              "  __shared__ float partial[32];\n"
+              "  const int lane = threadIdx.x % warpSize;\n"
+              "  float v = x[threadIdx.x];\n"
+              "  for (int o = warpSize / 2; o > 0; o /= 2) v += __shfl_xor(v, o);\n"
+              "  if (lane == 0) partial[threadIdx.x / warpSize] = v;\n"
+              "  __syncthreads();\n"
+              "  if (threadIdx.x < warpSize) y[blockIdx.x] = partial[lane];\n}}\n")
+    code = kernel.format(name="sum_rows") + kernel.format(name="sum_cols")
+    lines = [f.line for f in lint_text(code, "snippet.cu") if f.rule == "lane-indexed-warp-array"]
+    assert lines == [8, 17]
+
+
+def test_each_calls_mask_names_the_declaration_of_its_own_function():
+    code = ("__device__ float warp_max(float v) {\n"
+            "  unsigned mask = 0xffffffffu;\n"
+            "  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_down_sync(mask, v, o));\n"
+            "  return v;\n}\n"
+            "__device__ float warp_sum(float v) {\n"
+            "  unsigned mask = 0xffffffffu;\n"
+            "  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(mask, v, o);\n"
+            "  return v;\n}\n")
+    calls = {f.line: f.detail for f in lint_text(code, "snippet.cu") if f.rule == "mask-32bit" and "(line" in f.detail}
+    assert calls == {3: "`mask` (line 2) is a 32-bit mask", 8: "`mask` (line 7) is a 32-bit mask"}
 
 
 def test_host_warp_size_flags_a_local_alias_where_it_is_set_and_no_member_of_its_name():

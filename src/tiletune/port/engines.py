@@ -86,6 +86,21 @@ def _torch_header(match: re.Match) -> str:
     return match.group(1) + hipify_python.get_hip_file_path(match.group(2), is_pytorch_extension=True)
 
 
+_CALL_ARGUMENTS = r"\(((?:[^()]|\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\))*)\)"  # balanced, three levels deep
+
+
+def _unless_defined(name: str, template: str) -> Callable[[re.Match], str]:
+    """A replacement writing `template` (its `{0}` the call's arguments) for a call of `name`, unless the file
+    defines `name` itself (a function or a macro: a polyfill, whose definition and calls stay as written)."""
+    definition = re.compile(rf"\b{name}\s*\([^;{{}}()]*\)\s*(?:const\s*)?\{{|^[ \t]*#[ \t]*define[ \t]+{name}\b",
+                            re.MULTILINE)
+
+    def replace(match: re.Match) -> str:
+        return match.group(0) if definition.search(match.string) else template.format(match.group(1))
+
+    return replace
+
+
 TORCH_TABLE_GAPS: list[Rewrite] = [
     Rewrite(re.compile(r"(?<!\w)cub::"), "hipcub::",
             "torch's table lists some `cub::` names, and `cub::` alone only before a non-word character, so "
@@ -108,6 +123,17 @@ TORCH_TABLE_GAPS: list[Rewrite] = [
     Rewrite(re.compile(r"\bnv_bfloat16(2?)\b"), r"__hip_bfloat16\1",
             "cuda_bf16.h's typedef names `nv_bfloat16` / `nv_bfloat162`, which HIP does not declare; torch's table "
             "maps only `__nv_bfloat16` / `__nv_bfloat162`"),
+    # cuda_bf16.h's conversions that name their rounding, which HIP's amd_hip_bf16.h lacks (through ROCm 7): HIP's
+    # `__float2bfloat16` rounds to nearest even, so each has an exact equivalent
+    Rewrite(re.compile(rf"\b__float2bfloat16_rn\s*{_CALL_ARGUMENTS}"),
+            _unless_defined("__float2bfloat16_rn", "__float2bfloat16({0})"),
+            "HIP has no `__float2bfloat16_rn`; its `__float2bfloat16` is the same round-to-nearest-even conversion"),
+    Rewrite(re.compile(rf"\b__floats2bfloat162_rn\s*{_CALL_ARGUMENTS}"),
+            _unless_defined("__floats2bfloat162_rn", "__float22bfloat162_rn(make_float2({0}))"),
+            "HIP has no `__floats2bfloat162_rn(a, b)`; it has `__float22bfloat162_rn` of a float2"),
+    Rewrite(re.compile(rf"\b__float2bfloat162_rn\s*{_CALL_ARGUMENTS}"),
+            _unless_defined("__float2bfloat162_rn", "__bfloat162bfloat162(__float2bfloat16({0}))"),
+            "HIP has no `__float2bfloat162_rn(x)` (x in both halves); it has `__bfloat162bfloat162` of a bf16"),
     Rewrite(re.compile(r"\bhip(FuncSetAttribute|FuncSetCacheConfig|FuncSetSharedMemConfig)\s*\("
                        r"\s*(?!\(\s*const\s+void\s*\*\s*\))"),
             r"hip\1((const void*)",

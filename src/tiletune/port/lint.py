@@ -60,7 +60,7 @@ def lint_text(text: str, path: str, rules: list[Rule] = RULES, build: Build = HI
     code = blank_branches_dead_on_amd(whole, _as_ported(whole, build))
     code_lines = code.splitlines()  # split once for every pattern rule
     source_lines = text.splitlines()
-    findings = []
+    findings, seen = [], set()
     for rule in rules:
         source = whole if rule.reads_dead_code else code
         if not rule.check:
@@ -70,6 +70,9 @@ def lint_text(text: str, path: str, rules: list[Rule] = RULES, build: Build = HI
         else:
             hits = rule.check(source)
         for hit in hits:
+            if (rule.id, hit.line, hit.column) in seen:  # one place reached twice (two arrays of one name)
+                continue
+            seen.add((rule.id, hit.line, hit.column))
             findings.append(
                 Finding(
                     path=path,

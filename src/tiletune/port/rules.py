@@ -252,7 +252,9 @@ def check_lane_masks(text: str) -> Iterable[Hit]:
     variable that such a call uses (or whose name says mask) and each call using it, a mask parameter or
     variable declared 32 bits wide, a type for lane masks declared 32 bits wide (`using lane_mask_type = uint32;`),
     and (a warning) a mask constant defined in another file."""
-    bindings = {match.group(1) or match.group(2): match.start() for match in _MASK32_BINDING.finditer(text)}
+    bindings: dict[str, list[int]] = {}  # each place a name is bound (two functions may each declare `mask`)
+    for match in _MASK32_BINDING.finditer(text):
+        bindings.setdefault(match.group(1) or match.group(2), []).append(match.start())
     masks_used = set()
     for match in _WARP_SYNC_MASK.finditer(text):
         mask = match.group(1)
@@ -265,12 +267,16 @@ def check_lane_masks(text: str) -> Iterable[Hit]:
             name = re.escape(mask)
             narrow = _narrow_declaration(name).search(text)
             if mask in bindings or narrow:
-                line = _position(text, bindings[mask] if mask in bindings else narrow.start())[0]
+                # the binding this call sees: the last one before it (its function's), else the first in the file
+                before = [offset for offset in bindings.get(mask, ()) if offset < match.start()]
+                line = _position(text, before[-1] if before else bindings[mask][0] if mask in bindings
+                                 else narrow.start())[0]
                 yield Hit(*_position(text, match.start()), f"`{mask}` (line {line}) is a 32-bit mask")
             elif not re.search(rf"#\s*define\s+{name}\b|\b{name}\s*=(?!=)|\b\w+[\s*&]+{name}\s*[,;)=\[]", text):
                 yield Hit(*_position(text, match.start()), f"`{mask}` is defined in another file: HIP's "
                           "`*_sync` functions need it 64 bits wide", severity="warning")
-    for name, offset in bindings.items():
+    for name, offsets in bindings.items():  # flagged once, at its last binding; each call above names its own
+        offset = offsets[-1]
         if name in masks_used or ("mask" in name.lower() and not _unused_parameter(text, name, offset)):
             yield Hit(*_position(text, offset), f"`{name}` holds a 32-bit mask")
     for name in masks_used:  # a mask parameter or variable declared 32 bits wide (an all-ones one said so above)
@@ -313,8 +319,10 @@ _LANE_NAMES = re.compile(r"threadIdx|blockDim|\btid\b|thread_?id|lane|warp|\bwid
 # Thread counts compared with one warp: `blockSize > 32`. (`kNThreads / 32` is left alone: it is as
 # often a tile decomposition as a warp count.)
 _THREAD_COUNT_NAMES = re.compile(r"block_?size|num_?threads|n_?threads|threads_?per_?block", re.IGNORECASE)
+_HEX_32, _HEX_31 = r"0[xX]0*20", r"0[xX]0*1[fF]"  # 32 and 31 written in hex (`& 0x1f`, `% 0x20`)
 _WARP_LITERAL = re.compile(
-    r"[%/*]\s*32[uU]?\b(?!\.)|&\s*(?:31|0[xX]1[fF])[uU]?\b|>>\s*5\b|<<\s*5\b|(?<![<>])<\s*32[uU]?\b(?!\.)(?!\s*>)"
+    rf"[%/*]\s*(?:32|{_HEX_32})[uU]?\b(?!\.)|&\s*(?:31|{_HEX_31})[uU]?\b|>>\s*5\b|<<\s*5\b"
+    rf"|(?<![<>])<\s*(?:32|{_HEX_32})[uU]?\b(?!\.)(?!\s*>)"
 )
 _THREAD_COUNT_LITERAL = re.compile(r"(?<![<>-])>=?\s*32[uU]?\b(?!\.)")
 _THREADS_OF_WARPS = re.compile(r"(?<![\w.])32[uU]?\s*\*\s*(\w*(?i:warps)\w*)\b")  # `32 * num_warps`
@@ -475,7 +483,7 @@ def _rows_of_32(text: str, lane_blind: set[str]) -> Iterable[Hit]:
 _WARP_COUNT = (r"(?:32|\w*(?i:num_?warps|warps_per_block|n_?warps)\w*"
                r"|[^\]]*/\s*(?:32|\w*(?i:warp_?size|threads_per_warp)\w*))")
 _PER_WARP_ARRAY = re.compile(rf"__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s*)?[\w:]+\s+(\w+)\s*\[\s*{_WARP_COUNT}\s*\]")
-_LANE_INDEX = r"\s*\[\s*(?:\w*(?i:lane)\w*|threadIdx\.x\s*(?:%\s*(?:32|warpSize)|&\s*(?:31|0x1[fF])))\s*\]"
+_LANE_INDEX = rf"\s*\[\s*(?:\w*(?i:lane)\w*|threadIdx\.x\s*(?:%\s*(?:32|{_HEX_32}|warpSize)|&\s*(?:31|{_HEX_31})))\s*\]"
 
 
 def check_per_warp_arrays(text: str) -> Iterable[Hit]:
@@ -1367,6 +1375,25 @@ _MISSING_INTRINSIC = re.compile(r"\b(?:__dp4a|__dp2a_(?:lo|hi)|__nanosleep|__red
                                 r"__ldlu|__ldcv|__st(?:wb|cg|cs|wt)|"
                                 r"__v(?:add|sub|abs|absdiff|avg|hadd|max|min|neg|sad|cmp(?:eq|ne|lt|le|gt|ge)|"
                                 r"set(?:eq|ne|lt|le|gt|ge))(?:s|u|ss|us)?[24])\s*\(")
+# cuda_bf16.h's float -> bf16 conversions that name their rounding, absent from HIP's amd_hip_bf16.h (checked through
+# ROCm 7), and the call HIP has for each, exactly the same (its `__float2bfloat16` rounds to nearest even)
+BF16_ROUNDING_EQUIVALENTS = {
+    "__float2bfloat16_rn": "`__float2bfloat16(x)`",
+    "__floats2bfloat162_rn": "`__float22bfloat162_rn(make_float2(a, b))`",
+    "__float2bfloat162_rn": "`__bfloat162bfloat162(__float2bfloat16(x))`",
+}
+_BF16_ROUNDING_CALL = re.compile(rf"\b({'|'.join(BF16_ROUNDING_EQUIVALENTS)})\s*\(")
+_MACRO_NAME = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)", re.MULTILINE)
+# CUDA 12's vector atomicAdd (sm_90): `float2 atomicAdd(float2*, float2)`, `float4 atomicAdd(float4*, float4)`
+_VECTOR_ATOMIC_TYPE = r"float[24]"
+# an address of the pointer's own type: `p + i`, `p - 1`, `&p[i]` -> `p` (not `&p->x`, `&p[i].y`: a member's)
+_BASE_POINTER = re.compile(r"^\s*(\w+)\s*[-+][^,]*$|^\s*&\s*(\w+)\s*\[[^\]]*\]\s*$")
+
+
+def _base_pointer(address: str) -> str:
+    """The pointer an address is taken from where it has that pointer's type (`p + i`, `&p[i]`), else the address."""
+    match = _BASE_POINTER.match(address)
+    return (match.group(1) or match.group(2)) if match else address
 # cache-hinted loads HIP declares for __half / __half2 only (amd_hip_fp16.h); CUDA has them for every type
 _HALF_ONLY_LOAD = re.compile(r"\b__ld(?:cs|cg|ca)\s*\(")
 _NON_HALF_TYPE = re.compile(r"\b(?:float|double|u?int|u?long|u?short|u?char|longlong|ulonglong|bfloat16|nv_bfloat16)\d?\b")
@@ -1385,18 +1412,31 @@ def _points_to(address: str, type_pattern: str, declared: set[str]) -> bool:
 
 def check_missing_intrinsics(text: str) -> Iterable[Hit]:
     """Flag calls of CUDA intrinsics HIP lacks (the cache-hinted `__ldcs` / `__ldcg` / `__ldca` where a cast
-    names a non-half type: HIP has them for half only), `atomicAdd` on half or half2 (HIP has no such overload):
+    names a non-half type: HIP has them for half only; the bf16 conversions that name their rounding, with HIP's
+    exact equivalent), `atomicAdd` on half or half2 (HIP has no such overload):
     its value a variable declared `half` / `half2` in its function (in the file, outside any function) or a
-    `__halves2half2(...)`, or its address a half pointer, and `atomicCAS` on a 16-bit address (HIP has none). An
-    intrinsic the file defines itself in code hipcc compiles (a polyfill under `#ifdef USE_ROCM`) is flagged neither
-    where it is defined nor where it is called."""
-    polyfilled = {function.name for function in functions(text)}
+    `__halves2half2(...)`, or its address a half pointer, `atomicAdd` on float2 / float4 (CUDA 12's sm_90 overloads:
+    its address such a pointer, its value such a vector), and `atomicCAS` on a 16-bit address (HIP has none). An
+    intrinsic the file defines itself in code hipcc compiles (a polyfill or a macro under `#ifdef USE_ROCM`, an
+    `atomicAdd(float2*, float2)` of its own) is flagged neither where it is defined nor where it is called."""
+    # the file's own functions and macros of those names (`#define __float2bfloat16_rn __float2bfloat16`)
+    polyfilled = {function.name for function in functions(text)} | set(_MACRO_NAME.findall(text))
     for call in _MISSING_INTRINSIC.finditer(text):
         if call.group(0).rstrip("( \t\n") not in polyfilled:
             yield Hit(*_position(text, call.start()))
+    for call in _BF16_ROUNDING_CALL.finditer(text):
+        if call.group(1) not in polyfilled:
+            yield Hit(*_position(text, call.start()), f"HIP's bf16 header has no `{call.group(1)}`: "
+                      f"{BF16_ROUNDING_EQUIVALENTS[call.group(1)]} is the same conversion (the torch engine writes it)")
     for call in _HALF_ONLY_LOAD.finditer(text):
         if _NON_HALF_TYPE.search(_balanced_args(text, call.end() - 1)):
             yield Hit(*_position(text, call.start()), "HIP has this load for __half / __half2 only")
+    # the file's own overload (QUDA's, under USE_ROCM or for every target) is what the call reaches
+    vector_atomic_defined = re.search(rf"\batomicAdd\s*\(\s*(?:const\s+)?{_VECTOR_ATOMIC_TYPE}\s*\*\s*\w*\s*,", text)
+
+    def vectors_pointed_to(scope: str) -> set[str]:
+        return set(re.findall(rf"\b{_VECTOR_ATOMIC_TYPE}\s*\*\s*(?:__restrict__\s+)?(\w+)\s*[=;,)]", scope))
+
     for call in re.finditer(r"\batomicAdd\s*\(", text):
         arguments = _split_top_level(_balanced_args(text, call.end() - 1))
         if len(arguments) != 2:
@@ -1407,6 +1447,13 @@ def check_missing_intrinsics(text: str) -> Iterable[Hit]:
         halves = set(re.findall(rf"\b{_HALF_TYPE}\s+(\w+)\s*[=;,)]", scope))
         if value in halves or value.startswith("__halves2half2") or _points_to(address, _HALF_TYPE, set()):
             yield Hit(*_position(text, call.start()), "HIP has no atomicAdd for __half / __half2")
+        elif not vector_atomic_defined and (
+                _points_to(_base_pointer(address), _VECTOR_ATOMIC_TYPE, vectors_pointed_to(scope))
+                or re.match(rf"make_{_VECTOR_ATOMIC_TYPE}\s*\(", value)
+                or value in set(re.findall(rf"\b{_VECTOR_ATOMIC_TYPE}\s+(\w+)\s*[=;,)]", scope))):
+            yield Hit(*_position(text, call.start()), "HIP has no atomicAdd for float2 / float4 (CUDA 12's, sm_90 "
+                      "only): add the components, `atomicAdd(&p->x, v.x); atomicAdd(&p->y, v.y);` (each one atomic, "
+                      "not the pair)")
     shorts = set(re.findall(rf"\b{_SHORT_TYPE}\s*\*\s*(\w+)\s*[=;,)]", text))
     for call in re.finditer(r"\batomicCAS\s*\(", text):
         arguments = _split_top_level(_balanced_args(text, call.end() - 1))
@@ -1791,12 +1838,16 @@ def check_uninitialised_broadcast(text: str) -> Iterable[Hit]:
     """Flag the declaration without initialiser (`size_t pos;`) of a local that a shuffle then broadcasts from lane
     0 (`tile.shfl(pos, 0)`), the other lanes' value never written."""
     for function in functions(text):
+        broadcasts: dict[tuple[int, str], list[int]] = {}  # a declaration -> the lines broadcasting it (one finding)
         for call in _LANE0_BROADCAST.finditer(text, function.body_start, function.body_end):
             name, before = call.group(1), text[function.body_start : call.start()]
             declared = list(re.finditer(rf"(?:^|[;{{}}])\s*(?:[A-Za-z_][\w:]*\s+)+{name}\s*;", before))
             if declared:
                 at = function.body_start + declared[-1].end() - 1 - len(name)
-                yield Hit(*_position(text, at), f"`{name}` is broadcast from lane 0 at line {_position(text, call.start())[0]}")
+                broadcasts.setdefault((at, name), []).append(_position(text, call.start())[0])
+        for (at, name), lines in broadcasts.items():
+            where = "line" + ("s " if len(lines) > 1 else " ") + ", ".join(map(str, lines))
+            yield Hit(*_position(text, at), f"`{name}` is broadcast from lane 0 at {where}")
 
 
 def check_device_ctad(text: str) -> Iterable[Hit]:
@@ -2713,7 +2764,9 @@ RULES: list[Rule] = [
         "stores `__ldlu`, `__ldcv`, `__stwb`, `__stcg`, `__stcs`, `__stwt` (and `__ldcs` / `__ldcg` / `__ldca` but "
         "for `__half` / `__half2`), the block-scope atomics (`atomicAdd_block`, ...), `__double2half`, "
         "`__cvta_generic_to_shared`, `make_bfloat162` and the integer <-> bf16 conversions (`__int2bfloat16_rn`, "
-        "`__bfloat162int_rn`: none in HIP's headers through ROCm 6.2), `atomicAdd` on "
+        "`__bfloat162int_rn`: none in HIP's headers through ROCm 6.2), the float -> bf16 conversions that name their "
+        "rounding (`__float2bfloat16_rn`, `__floats2bfloat162_rn`, `__float2bfloat162_rn`: none through ROCm 7), "
+        "CUDA 12's `atomicAdd` on `float2` / `float4` (sm_90), `atomicAdd` on "
         "`__half` / `__half2` (only `unsafeAtomicAdd(__half2*, __half2)`, gfx90a and later) and a 16-bit "
         "`atomicCAS` (clr's amd_hip_atomic.h overloads int, unsigned int, the 64-bit integers, float and double "
         "only): the port does not compile.",
@@ -2721,7 +2774,10 @@ RULES: list[Rule] = [
         "`__builtin_amdgcn_sudot4` (gfx11) for `__dp4a`, `__builtin_elementwise_sub_sat` on a char4 for "
         "`__vsubss4`, a shuffle reduction for `__reduce_add_sync`, a plain load or store for a cache hint "
         "(`*ptr`; `__builtin_nontemporal_load` / `_store` for a streaming one), an atomicCAS loop on the 32-bit "
-        "word for a half atomicAdd or a 16-bit compare-and-swap.",
+        "word for a half atomicAdd or a 16-bit compare-and-swap, one float atomicAdd per component for a float2 / "
+        "float4 one; HIP's exact equivalents of the bf16 conversions (its `__float2bfloat16` rounds to nearest "
+        "even): `__float2bfloat16(x)`, `__float22bfloat162_rn(make_float2(a, b))`, "
+        "`__bfloat162bfloat162(__float2bfloat16(x))`, which the torch engine writes.",
         before="acc = __dp4a(a, b, acc);",
         after="acc = __builtin_amdgcn_sdot4(a, b, acc, false);  // gfx9xx; __dp4a on CUDA",
         check=check_missing_intrinsics,
