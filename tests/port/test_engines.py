@@ -175,6 +175,32 @@ def test_a_files_own_bf16_conversion_stays_as_written(tmp_path):
     assert "__floats2bfloat162_rn(float a, float b) {" in hip and "return __floats2bfloat162_rn(a, b);" in hip
 
 
+def test_trap_becomes_the_builtin_hip_aborts_with_unless_the_file_defines_it(tmp_path):
+    source = tmp_path / "act.cu"
+    source.write_text("__device__ float act(float x, int kind) {\n"
+                      "  switch (kind) {\n    case 0: return fmaxf(x, 0.f);\n    default: __trap ();\n  }\n"
+                      "  return x;\n}\n")
+    hip = select_engine("torch").translate(source)
+    assert "default: __builtin_trap();" in hip and "__trap" not in hip
+    own = tmp_path / "own_trap.cuh"
+    own.write_text("#ifdef USE_ROCM\n#define __trap() abort()\n#endif\n__device__ void fail() { __trap(); }\n")
+    assert "__device__ void fail() { __trap(); }" in select_engine("torch").translate(own)
+
+
+def test_cublas_math_modes_get_hipblas_names(tmp_path):
+    source = tmp_path / "gemm_setup.cpp"
+    source.write_text("#include <cublas_v2.h>\n"
+                      "cublasMath_t pick(bool strict, bool tf32) {\n"
+                      "  return strict ? CUBLAS_PEDANTIC_MATH : tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH;\n"
+                      "}\n"
+                      "void setup(cublasHandle_t h) { cublasSetMathMode(h, pick(true, false)); }\n")
+    hip = select_engine("torch").translate(source)
+    assert "hipblasMath_t pick(bool strict, bool tf32)" in hip
+    assert "HIPBLAS_PEDANTIC_MATH : tf32 ? HIPBLAS_TF32_TENSOR_OP_MATH : HIPBLAS_DEFAULT_MATH" in hip
+    assert "hipblasSetMathMode(h, pick(true, false))" in hip
+    assert not cuda_names(hip)
+
+
 def test_a_projects_own_cu_named_variables_are_not_cuda_names():
     """`cuDevice`, `cuModule`: a project's handles named after the driver API (Blender Cycles'); its calls are."""
     text = "CUdevice cuDevice; result = hipDeviceGet(&cuDevice, cuDevId);\ncuCtxCreate(&cuContext, 0, cuDevice);"

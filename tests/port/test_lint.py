@@ -581,6 +581,41 @@ def test_each_calls_mask_names_the_declaration_of_its_own_function():
     assert calls == {3: "`mask` (line 2) is a 32-bit mask", 8: "`mask` (line 7) is a 32-bit mask"}
 
 
+def test_a_warp_size_constant_squared_or_halved_into_rows_is_flagged_where_it_is_used():
+    # `dev::kWarpSize` comes from another header (32 for CUDA, the wavefront's 64 in its HIP twin)
+    code = ("#include \"dev/limits.hpp\"\n"
+            "__global__ void pair_hits(const int* bits, int* out, int n) {\n"
+            "  __shared__ int stage[dev::kWarpSize][dev::kWarpSize][16];\n"  # 64 KiB at 32 lanes, 256 KiB at 64
+            "  __shared__ float tile[dev::kWarpSize][dev::kWarpSize];\n"  # 16 KiB at 64: fits
+            "  for (int r = threadIdx.y; r < dev::kWarpSize; r += dev::kWarpSize / 2)\n"
+            "    stage[threadIdx.y][r][threadIdx.x % 16] = bits[r];\n"
+            "  for (int r = threadIdx.y; r < n; r += blockDim.y) out[r] = stage[0][r % 16][0];\n"
+            "}\n"
+            "void launch_pairs(const int* bits, int* out, int n, cudaStream_t s) {\n"
+            "  dim3 threads(dev::kWarpSize, dev::kWarpSize);\n"
+            "  dim3 rows(dev::kWarpSize, dev::max_warps / 2);\n"
+            "  pair_hits<<<n, rows, 0, s>>>(bits, out, n);\n"
+            "}\n")
+    found = {f.line: f.detail for f in lint_text(code, "snippet.cu") if f.rule == "warp-size-define"}
+    assert sorted(found) == [3, 5, 10], found
+    assert "256 KiB" in found[3] and "2048 threads" in found[5] and "4096" in found[10]
+
+
+@pytest.mark.parametrize("code", [
+    "constexpr int kSubWarpSize = 16;\nvoid f() { dim3 b(kSubWarpSize, kSubWarpSize); }",  # a logical width of 16
+    "void f() { dim3 b(WARP_SIZE, 1024 / WARP_SIZE); }",  # warps per block as rows
+    "__shared__ float tile[WARP_SIZE][WARP_SIZE + 1];",  # a padded tile: 16.25 KiB at 64 lanes
+    # a row loop stepping by a quarter: a block of warp_size x warp_size / 4 fits at 64 lanes (1024 threads)
+    ("__global__ void k(float* x) {\n  for (int r = threadIdx.y; r < 64; r += warp_size / 4) x[r] = 0;\n}\n"
+     "void f(float* x) { dim3 b(warp_size, warp_size / 4); k<<<1, b>>>(x); }"),
+    # the rows are not warp-wide: a block 16 threads across
+    ("__global__ void k(float* x) {\n  for (int r = threadIdx.y; r < 64; r += warp_size / 2) x[r] = 0;\n}\n"
+     "void f(float* x) { dim3 b(16, 16); k<<<1, b>>>(x); }"),
+])
+def test_warp_size_uses_that_fit_a_wavefront_stay_quiet(code):
+    assert [f for f in lint_text(code, "snippet.cu") if f.rule == "warp-size-define"] == []
+
+
 def test_host_warp_size_flags_a_local_alias_where_it_is_set_and_no_member_of_its_name():
     code = ("dim3 block_dim_for(int cols) {\n  const int x = GPU_WARP_SIZE;\n  return dim3(x, cols / x);\n}\n"
             "int blocks(dim3 block_dim, int n) {\n  return n / block_dim.x;\n}\n")

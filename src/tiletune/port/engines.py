@@ -134,6 +134,18 @@ TORCH_TABLE_GAPS: list[Rewrite] = [
     Rewrite(re.compile(rf"\b__float2bfloat162_rn\s*{_CALL_ARGUMENTS}"),
             _unless_defined("__float2bfloat162_rn", "__bfloat162bfloat162(__float2bfloat16({0}))"),
             "HIP has no `__float2bfloat162_rn(x)` (x in both halves); it has `__bfloat162bfloat162` of a bf16"),
+    # nvcc's device trap: no HIP header declares `__trap` (clr's amd_detail headers, hipify's table marks it
+    # unsupported); clang's `__builtin_trap` aborts the kernel on AMD as `__trap` does on NVIDIA
+    Rewrite(re.compile(rf"\b__trap\s*{_CALL_ARGUMENTS}"), _unless_defined("__trap", "__builtin_trap()"),
+            "HIP has no `__trap()`; `__builtin_trap()` (what HIP's own `abort()` calls) aborts the kernel the same way"),
+    # cuBLAS's math modes: torch's table maps cublasSetMathMode / cublasGetMathMode to hipBLAS's but not their
+    # enum, which hipBLAS has under the same names since ROCm 6.1 (hipblasMath_t). On the rocBLAS backend
+    # hipblasSetMathMode takes HIPBLAS_DEFAULT_MATH (rocBLAS's full-precision default) and HIPBLAS_XF32_XDL_MATH
+    # only: the others return HIPBLAS_STATUS_NOT_SUPPORTED
+    Rewrite(re.compile(r"\bcublasMath_t\b"), "hipblasMath_t", "hipBLAS's math-mode enum (ROCm >= 6.1)"),
+    Rewrite(re.compile(r"\bCUBLAS_(DEFAULT_MATH|PEDANTIC_MATH|TENSOR_OP_MATH|TF32_TENSOR_OP_MATH"
+                       r"|MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)\b"), r"HIPBLAS_\1",
+            "hipBLAS names cuBLAS's math modes alike (ROCm >= 6.1); on AMD only HIPBLAS_DEFAULT_MATH is accepted of them"),
     Rewrite(re.compile(r"\bhip(FuncSetAttribute|FuncSetCacheConfig|FuncSetSharedMemConfig)\s*\("
                        r"\s*(?!\(\s*const\s+void\s*\*\s*\))"),
             r"hip\1((const void*)",

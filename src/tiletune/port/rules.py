@@ -904,6 +904,82 @@ def check_warp_size_definitions(text: str) -> Iterable[Hit]:
             line, _ = _position(text, use)
             yield Hit(*_position(text, definition.start() + len(definition.group(0)) - len(definition.group(0).lstrip())),
                       f"`{name}` is used as a warp width on line {line}")
+    if not logical:
+        yield from _warp_size_squared(text, constants)
+
+
+# a warp-size constant, namespace-qualified or not (`cuda::warp_size`, `WARP_SIZE`, `kWarpSize`): often one another
+# header defines, 32 for CUDA and the wavefront's 64 in its HIP twin
+_QUALIFIED_WARP_SIZE = rf"(?:\w+\s*::\s*)*{_WARP_SIZE_NAME}"
+_SQUARE_BLOCK = re.compile(rf"\bdim3\s*(?:\w+\s*)?[({{]\s*({_QUALIFIED_WARP_SIZE})\s*,\s*({_QUALIFIED_WARP_SIZE})\s*[,)}}]")
+_ROW_LOOP = re.compile(rf"\bfor\s*\(\s*(?:[\w:]+\s+)*(\w+)\s*=\s*threadIdx\s*\.\s*[yz]\s*;[^;]*;\s*\1\s*\+=\s*"
+                       rf"\(?\s*({_QUALIFIED_WARP_SIZE})\s*(?:/\s*(\d+)[uU]?\s*)?\)?\s*\)")
+_WIDE = 64  # the wavefront a warp-size constant becomes on CDNA
+_BLOCK_LIMIT = 1024  # threads in a block, NVIDIA's and AMD's limit alike
+
+
+def _warp_size_value(name: str, constants: dict[str, str]) -> int | None:
+    """What a (qualified) warp-size name holds where this file says (`constexpr int kWarpSize = 32;`), or None when
+    another header defines it."""
+    bare = re.sub(r"\s", "", name).split("::")[-1]
+    return evaluate_int(constants[bare], constants) if bare in constants else None
+
+
+def _at_wavefront(expr: str, constants: dict[str, str]) -> int | None:
+    """`expr` evaluated with each warp-size name in it taken as a wavefront of 64."""
+    return evaluate_int(re.sub(_QUALIFIED_WARP_SIZE, str(_WIDE), expr), constants)
+
+
+def _warp_size_squared(text: str, constants: dict[str, str]) -> Iterable[Hit]:
+    """Uses of a warp-size constant that hold only while it is 32: a block shape of it by it (`dim3 threads(warp_size,
+    warp_size)`: 1024 threads at 32, 4096 at 64), a `__shared__` array with two dimensions of it whose bytes at 64
+    pass the LDS (`[warp_size][warp_size][8]` ints: 32 KiB at 32, 128 KiB at 64), and a loop over the block's rows
+    from `threadIdx.y` stepping by it or half of it in a kernel the file launches with rows of it (`dim3(warp_size,
+    rows)`): it needs warp_size x warp_size / 2 threads, 2048 at 64, so a block that fits has fewer rows than the
+    step and rows are skipped. A name the file sets to neither 32 nor 64 (a logical width of 16) is left alone."""
+
+    def wavefront_sized(*names: str) -> bool:
+        return all(_warp_size_value(name, constants) in (None, 32, _WIDE) for name in names)
+
+    for block in _SQUARE_BLOCK.finditer(text):
+        if wavefront_sized(block.group(1), block.group(2)):
+            yield Hit(*_position(text, block.start()),
+                      f"`{block.group(1)}` x `{block.group(2)}` threads: 1024 with 32-lane warps, "
+                      f"{_WIDE * _WIDE} (over the {_BLOCK_LIMIT}-thread limit) with 64-lane wavefronts: give the "
+                      "second dimension the warps per block (`max_threads / warp_size`)")
+    for array in _STATIC_SHARED.finditer(text):
+        dims = [dim.strip() for dim in re.findall(r"\[([^\]]+)\]", array.group(2))]
+        squared = [dim for dim in dims if re.fullmatch(_QUALIFIED_WARP_SIZE, dim)]
+        if len(squared) < 2 or not wavefront_sized(*squared):
+            continue
+        size = _at_wavefront("*".join([f"sizeof({array.group(1)})", *(f"({dim})" for dim in dims)]), constants)
+        if size is not None and size > LDS_LIMIT_BYTES:
+            yield Hit(*_position(text, array.start()),
+                      f"two dimensions of `{squared[0]}`: {size // 4 // 1024:g} KiB with 32-lane warps, "
+                      f"{size // 1024:g} KiB (over the 64 KiB of LDS) with 64-lane wavefronts: size the row "
+                      "dimension by the warps per block")
+    launches: dict[str, list[str]] = {}
+    for launch in _KERNEL_LAUNCH.finditer(text):
+        arguments = _split_top_level(launch.group(2))
+        if len(arguments) < 2:
+            continue
+        block = arguments[1].strip()
+        launcher = getattr(enclosing_function(text, launch.start()), "body_start", 0)
+        named = re.compile(rf"\bdim3\s+{re.escape(block)}\s*[({{]\s*([^,)}}]+)").search(text, launcher, launch.start())
+        inline = re.match(r"dim3\s*[({]\s*([^,)}]+)", block)
+        if (found := named or inline) is not None:
+            launches.setdefault(launch.group(1), []).append(found.group(1).strip())
+    for loop in _ROW_LOOP.finditer(text):
+        step, divisor = loop.group(2), int(loop.group(3) or 1)
+        kernel = enclosing_function(text, loop.start())
+        if (kernel is None or not kernel.device or divisor > 2 or not wavefront_sized(step)
+                or not any(re.fullmatch(_QUALIFIED_WARP_SIZE, x) for x in launches.get(kernel.name, ()))):
+            continue
+        yield Hit(*_position(text, loop.start()),
+                  f"rows of `{step}` threads stepped by `{loop.group(0).split('+=')[1].strip(' )')}`: the loop assumes "
+                  f"blockDim.y = {step}{f' / {divisor}' if divisor > 1 else ''}, a block of {_WIDE * _WIDE // divisor} "
+                  "threads with 64-lane wavefronts; a block that fits has fewer rows and these rows are skipped: "
+                  "step by blockDim.y")
 
 
 # ---- __CUDA_ARCH__ tests that compile code out on AMD ---------------------------------------------
