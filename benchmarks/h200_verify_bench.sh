@@ -62,7 +62,9 @@
 #           within BUDGET_GIB
 #   packing: benchmarks/packing_throughput.py (unpacked / neat_packing stock / neat_packing with kernels)
 #   source .devkit/gpu-env.sh && TILETUNE_COMMIT=<commit> bash benchmarks/h200_verify_bench.sh verify|golden|attention|lora|bench|speed|offload|engine|qlora|qlora-long|qlora-long70b|qlora70b|families|families-bench|moe|library|library-bench|dpo|dpo-fast|packing|pending OUT_DIR [bench args...]
-# (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.)
+# (TILETUNE_COMMIT names the commit in the reports where the tree was copied without .git.) A part that needs
+# neither DeepSpeed nor the LLaMA-Factory data can carry `.gpukit` instead (git-ignored: .devkit's TileLang tarball,
+# wheels and gpu-env.sh, 38 MiB): the whole .devkit (41 MiB) beside the tracked tree (23 MiB) passes one call's 64.
 # PACK=1 leaves OUT_DIR as one OUT_DIR.tgz when the part ends (on SIGTERM too, once the running step returns): the
 # device tool brings back at most 8 files a call, and one preset of `tiletune bench` writes 5.
 set -u
