@@ -300,9 +300,11 @@ def moe_cases():
             moe_experts._experts_backward(gemm, dy, *kept, weights, gate_up, down, glue)
         return run
 
-    # the TileLang rows as the op runs them (the packed activation and merge kernels); grouped_mm with PyTorch's glue
-    # and with the kernels, which separates the GEMMs' share from the glue's
+    # the TileLang rows as the op runs them (the packed activation and merge kernels); grouped_mm with PyTorch's glue,
+    # with the op's default glue (the packed activation kernels, the reference merge) and with both kernels, which
+    # separates the GEMMs' share from the activation's and the merge's
     impls = {"eager": whole(moe_experts._loop_gemm), "grouped_mm": whole(grouped_mm),
+             "grouped_mm+tl_act": whole(grouped_mm, glue=moe_experts.GROUPED_MM_GLUE),
              "grouped_mm+tl_glue": whole(grouped_mm, glue=moe_experts.TILELANG_GLUE)}
     impls.update({f"tl:{name}": whole(moe_experts.grouped_gemm(c), c.block_m, glue=moe_experts.TILELANG_GLUE)
                   for name, c in fits.items()})
