@@ -955,11 +955,12 @@ def _warp_size_squared(text: str, constants: dict[str, str]) -> Iterable[Hit]:
         size = _at_wavefront("*".join([f"sizeof({array.group(1)})", *(f"({dim})" for dim in dims)]), constants)
         if size is not None and size > LDS_LIMIT_BYTES:
             yield Hit(*_position(text, array.start()),
-                      f"two dimensions of `{squared[0]}`: {size // 4 // 1024:g} KiB with 32-lane warps, "
+                      f"{len(squared)} dimensions of `{squared[0]}`: {size // 2 ** len(squared) // 1024:g} KiB with 32-lane warps, "
                       f"{size // 1024:g} KiB (over the 64 KiB of LDS) with 64-lane wavefronts: size the row "
                       "dimension by the warps per block")
-    launches: dict[str, list[str]] = {}
-    for launch in _KERNEL_LAUNCH.finditer(text):
+    row_loops = list(_ROW_LOOP.finditer(text))
+    launches: dict[str, list[str]] = {}  # kernel -> the first block dimension of each launch (read where rows loop)
+    for launch in _KERNEL_LAUNCH.finditer(text) if row_loops else ():
         arguments = _split_top_level(launch.group(2))
         if len(arguments) < 2:
             continue
@@ -969,7 +970,7 @@ def _warp_size_squared(text: str, constants: dict[str, str]) -> Iterable[Hit]:
         inline = re.match(r"dim3\s*[({]\s*([^,)}]+)", block)
         if (found := named or inline) is not None:
             launches.setdefault(launch.group(1), []).append(found.group(1).strip())
-    for loop in _ROW_LOOP.finditer(text):
+    for loop in row_loops:
         step, divisor = loop.group(2), int(loop.group(3) or 1)
         kernel = enclosing_function(text, loop.start())
         if (kernel is None or not kernel.device or divisor > 2 or not wavefront_sized(step)
