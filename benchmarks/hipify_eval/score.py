@@ -108,7 +108,8 @@ CLASSES: dict[str, ChangeClass] = {
     "version-guard": ChangeClass(("cuda-arch-guard", "compiler-guard"), False,
                                  "a compiler / toolkit version test true under hipcc (`__GNUC__ < 6`) that compiles code out"),
     "runtime-api": ChangeClass((), True, "a CUDA runtime name the hipify of its day left untranslated, written as its HIP name"),
-    "api-signature": ChangeClass(("capture-info-v2",), False, "a CUDA runtime call whose HIP namesake takes other arguments"),
+    "api-signature": ChangeClass(("capture-info-v2", "runtime-overload"), False,
+                                 "a CUDA runtime call whose HIP namesake takes other arguments"),
     "device-attribute": ChangeClass(("smem-optin-zero",), False, "a device attribute HIP lacks or reads wrong (shared memory opt-in)"),
     "nvcc-pragma": ChangeClass((), False, "an nvcc-only `#pragma` that hipcc reaches"),
     "amd-tuning": ChangeClass((), False, "a launch or tuning parameter set differently for AMD, for speed only"),
@@ -182,7 +183,9 @@ CLASSES: dict[str, ChangeClass] = {
     "hipblas-v1-types": ChangeClass((), True, "cuBLAS's CUDA types written as hipBLAS's own (hipblasComplex, hipblasDatatype_t) for hipBLAS < 3.0"),
     "bf16-pair-missing": ChangeClass((), False, "the bf16 pair or complex bf16 types (`__nv_bfloat162`, CUDA_C_16BF) dropped: the HIP build had no counterpart"),
     "opaque-library-handle": ChangeClass((), True, "a cuBLAS / cuSPARSE handle named through its struct (`cublasContext`), re-expressed: HIP's handles are `void*`"),
-    "cuda-only-library": ChangeClass((), False, "code built on a CUDA-only header library (FlashInfer) replaced under USE_ROCM by a HIP copy"),
+    "cuda-only-library": ChangeClass(("cutlass-cute",), False,
+                                     "code built on a CUDA-only header library (FlashInfer, CUTLASS) replaced for AMD by a "
+                                     "HIP copy or another library (ck_tile)"),
     "hip-fallback-path": ChangeClass(WARP_RULES, False, "a 32-lane warp algorithm kept for CUDA only, HIP given a shared-memory algorithm"),
     "ballot-width": ChangeClass(("ballot-32bit-result", "ballot-bit-test", "popc-32bit", "mask-32bit"), False, "a ballot result or lane mask kept in 32 bits on a 64-lane wavefront, widened"),
     "lds-budget": ChangeClass(("lds-limit",), False, "a dynamic shared-memory request above the 64 KiB an AMD workgroup gets, made per-architecture"),
@@ -218,6 +221,12 @@ CLASSES: dict[str, ChangeClass] = {
     # round 21's classes, defined by its labellers (before the round was scored)
     "solver-backend": ChangeClass((), True, "cuSOLVER calls rewritten for rocSOLVER's API (hipSOLVER, a translator's target today, keeps cuSOLVER's)"),
     "std-complex-device": ChangeClass((), False, "thrust::complex dropped from the HIP build: complex maths on std::complex with hand-written `__device__` operators"),
+    "shift-width": ChangeClass((), False, "a shift by the operand's full width (64 on a 64-bit word) guarded: undefined in "
+                               "C++; NVIDIA's shl / shr clamp the count (1 << 64 == 0), AMD's take it modulo the width"),
+    "device-oob-read": ChangeClass((), False, "an out-of-bounds device load that NVIDIA tolerated, moved under its bounds "
+                                   "check: it faults on AMD (HSA_STATUS_ERROR_MEMORY_FAULT)"),
+    "uninit-device-memory": ChangeClass((), False, "a device allocation read before it is written, zeroed with a memset: "
+                                        "fresh allocations happened to read as zero on NVIDIA"),
     "loop-carried-uninit": ChangeClass((), False, "a variable declared in a loop body but read as the previous iteration's value, hoisted and initialised: undefined behaviour hip-clang's optimiser breaks"),
     "device-assert": ChangeClass((), False, "a device-code `assert` routed through a project macro that is empty in the HIP build"),
     "complex-scalar-brace-init": ChangeClass(("vector-partial-init",), False, "CUDA complex / vector values braced from scalars (`cuDoubleComplex r[4] = {0}`): HIP's double2 is no aggregate, its scalar constructor explicit"),

@@ -45,6 +45,7 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("unsigned full = 0xFFFFFFFFu;  __any_sync(full, p);", "mask-32bit"),
     ("#define FULL_MASK 0xffffffff", "mask-32bit"),
     ("v = __shfl_down_sync(~0u, v, 1);", "mask-32bit"),
+    ("constexpr unsigned MASK = 0xffffffff;\nT n = tl::shfl_down_sync(MASK, val, off);", "mask-32bit"),  # a wrapper
     ("q |= __shfl_down_sync(0x0f0f0f0f, q, 4) << 8;  // a partial mask: still an int", "mask-32bit"),
     ("uint32_t votes = __ballot_sync(m, p);", "ballot-32bit-result"),
     ("int leader = __ffs(__ballot_sync(m, p)) - 1;", "popc-32bit"),
@@ -57,6 +58,13 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("__launch_bounds__(MAX_THREADS, MIN_BLOCKS(2))", "launch-bounds-2nd-arg"),
     ("__launch_bounds__(64, 4) __global__ void k();", "launch-bounds-2nd-arg"),  # 1024 threads per CU, not 256
     ("#if __GNUC__ < 6\n#define BUILD_OP 0\n#endif", "compiler-guard"),  # hipcc's clang says GCC 4
+    ("#if (__CUDACC_VER_MAJOR__-0) >= 11\n#define HAS_ASYNC_COPY 1\n#endif", "compiler-guard"),
+    ("#if __CUDA_ARCH_LIST__ >= 890\n#include \"cuda_fp8.h\"\n#endif", "cuda-arch-guard"),
+    (("template <class T> struct vec {\n  T* p;\n  __host__ __device__ vec(T* q) : p(q) {}\n#ifndef __CUDA_ARCH__\n"
+      "  vec(const vec& o) : p(o.p) {}\n  ~vec() {}\n#endif\n};"), "cuda-arch-guard"),  # hidden from nvcc's device pass only
+    (("__host__ __device__ Reduce(const Reduce& o) : parent(o.parent) {\n#if !defined(__CUDA_ARCH__)\n"
+      "  if (parent) setup_for_device();\n#endif\n}"), "cuda-arch-guard"),
+    ("__device__ float hmax(float x, float y) { return cutlass::fast_max(x, y); }", "cutlass-cute"),  # via a header
     ("__device__ int f(int s, int t) {\n  int groupMask = 15 << ((t & 31) & ~3);\n  return __shfl_xor_sync(groupMask, s, 1);\n}",
      "mask-32bit"),  # a mask computed into an int
     ("uint warp_done = thread_warp.ballot(done);", "ballot-32bit-result"),  # a cooperative group's ballot
@@ -232,6 +240,9 @@ def test_rule_variants_fire(code, rule):
 
 
 @pytest.mark.parametrize(("code", "rule"), [
+    ("__host__ __device__ int id() {\n#ifndef __CUDA_ARCH__\n#endif\n  return 0;\n}", "cuda-arch-guard"),  # empty
+    ("struct host_only {\n#ifndef __CUDA_ARCH__\n  ~host_only() {}\n#endif\n};", "cuda-arch-guard"),  # no device code
+    ("cudaEventCreate(&e);\ncudaEventCreateWithFlags(&e, flags);\ncudaStreamWaitEvent(s, e, 0);", "runtime-overload"),
     (("cg::thread_block_tile<32> g = cg::tiled_partition<32>(cta);\n"  # the tile is flagged, not the loop
       "for (int i = 1; i < 32; i *= 2) v += g.shfl_down(v, i);"), "warp-lane-loop"),
     ("#define TILE 32\n__shared__ float t[TILE][TILE + 1];\nint col = blockIdx.x * TILE + threadIdx.x;",
@@ -419,6 +430,13 @@ def test_rule_variants_stay_silent(code, rule):
         assert [f.line for f in found] == [3]
     else:
         assert found == []
+
+
+def test_cutlass_is_named_at_its_include_or_else_on_each_line_that_uses_it():
+    included = "#include <cutlass/numeric_types.h>\nusing T = cutlass::half_t;\nT one() { return cutlass::half_t(1); }"
+    reached = "__device__ float f(float x) { return cutlass::fast_max(x, cutlass::fast_min(x, 1.f)); }\nusing T = cute::Int<4>;"
+    assert [f.line for f in lint_text(included, "a.cu") if f.rule == "cutlass-cute"] == [1]
+    assert [f.line for f in lint_text(reached, "a.h") if f.rule == "cutlass-cute"] == [1, 2]
 
 
 @pytest.mark.parametrize("code", [

@@ -22,6 +22,8 @@ from tiletune.port.preprocessor import Build, blank_branches_dead_on_amd, on_amd
     ("__GNUC__ < 6", True),  # hipcc's clang says GCC 4 (checked with hipcc 5.2)
     ("defined(EIGEN_CUDA_ARCH) && EIGEN_CUDA_ARCH >= 530", False),  # a project's name for __CUDA_ARCH__
     ("defined(CUDA_ARCHITECTURES)", None),  # not one: a build setting of the project
+    ("(__CUDACC_VER_MAJOR__-0) >= 11", False),  # `(NAME-0)`: an undefined macro read as 0
+    ("__CUDA_ARCH_LIST__ >= 890", False),  # nvcc 11.5's list of the build's archs
 ])
 def test_conditions_as_hipcc_sees_them(condition, value):
     assert on_amd(condition) is value

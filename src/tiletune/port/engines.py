@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tiletune.errors import UserError
+from tiletune.port.rules import split_arguments
 
 ENGINE_NAMES = ("auto", "torch", "perl", "clang")
 
@@ -101,6 +102,24 @@ def _unless_defined(name: str, template: str) -> Callable[[re.Match], str]:
     return replace
 
 
+def _with_arity(arity: int, template: str) -> Callable[[re.Match], str]:
+    """A replacement writing `template` (its `{0}` the call's arguments) for a call with `arity` arguments; a call
+    with any other number stays as written."""
+    def replace(match: re.Match) -> str:
+        return template.format(match.group(1)) if len(split_arguments(match.group(1))) == arity else match.group(0)
+
+    return replace
+
+
+# the constants of CUDA's math_constants.h, which hip/hip_math_constants.h defines under HIP_ names (`CUDART_VERSION`,
+# `CUDART_CB` and cuda_fp16.h's `CUDART_INF_FP16` are not among them)
+_MATH_CONSTANT = re.compile(
+    r"\bCUDART_((?:INF|NAN|MIN_DENORM|MAX_NORMAL|NEG_ZERO|ZERO|ONE|SQRT_HALF(?:_HI|_LO)?|SQRT_TWO|THIRD|TWOTHIRD"
+    r"|PIO4(?:_HI|_LO)?|PIO2(?:_HI|_LO)?|3PIO4|2_OVER_PI|SQRT_2_OVER_PI|PI(?:_HI|_LO)?|SQRT_PI(?:_HI|_LO)?"
+    r"|SQRT_2PI(?:_HI|_LO)?|SQRT_PIO2(?:_HI|_LO)?|SQRT_2OPI|L2E(?:_HI|_LO)?|L2T|LG2(?:_HI|_LO)?|LGE(?:_HI|_LO)?"
+    r"|LN2(?:_HI|_LO)?|LNT(?:_HI|_LO)?|LNPI|LN2_X_10(?:24|25|75)|LG2_X_10(?:24|75)|TWO_TO_(?:M?\d+)|NORM_HUGE"
+    r"|REMQUO_(?:BITS|MASK)|TRIG_PLOSS|DBL2INT_CVT)(?:_F)?)\b")
+
 TORCH_TABLE_GAPS: list[Rewrite] = [
     Rewrite(re.compile(r"(?<!\w)cub::"), "hipcub::",
             "torch's table lists some `cub::` names, and `cub::` alone only before a non-word character, so "
@@ -152,6 +171,13 @@ TORCH_TABLE_GAPS: list[Rewrite] = [
             "HIP declares `hipFuncSetAttribute`, `hipFuncSetCacheConfig` and `hipFuncSetSharedMemConfig` for a "
             "`const void*` only (no template overload for a kernel as CUDA's runtime has): a kernel name does not "
             "convert implicitly"),
+    # CUDA's runtime header gives these calls a C++ overload or a default argument that HIP's namesakes lack
+    Rewrite(re.compile(rf"\bhipEventCreate\s*{_CALL_ARGUMENTS}"), _with_arity(2, "hipEventCreateWithFlags({0})"),
+            "cuda_runtime.h overloads `cudaEventCreate(&event, flags)` in C++; HIP's `hipEventCreate` takes the event "
+            "alone and its flags go to `hipEventCreateWithFlags`"),
+    Rewrite(re.compile(rf"\bhipStreamWaitEvent\s*{_CALL_ARGUMENTS}"), _with_arity(2, "hipStreamWaitEvent({0}, 0)"),
+            "cuda_runtime_api.h defaults `cudaStreamWaitEvent`'s flags to 0; hip_runtime_api.h gave "
+            "`hipStreamWaitEvent`'s no default before ROCm 6.1"),
     Rewrite(re.compile(r"""(#\s*include\s*[<"])vector_functions\.hp?p?([>"])"""), r"\1hip/hip_vector_types.h\2",
             "CUDA's make_float2 / make_int4 ... header; HIP defines them with its vector types (torch maps "
             "vector_types.h only)"),
@@ -167,8 +193,10 @@ TORCH_TABLE_GAPS: list[Rewrite] = [
             "hip_runtime.h declares them"),
     Rewrite(re.compile(r"""(#\s*include\s*[<"])math_constants\.h([>"])"""), r"\1hip/hip_math_constants.h\2",
             "CUDA's CUDART_* constants; HIP has them as HIP_* in hip/hip_math_constants.h (hipify-clang's header table)"),
-    Rewrite(re.compile(r"\bCUDART_(\w+)"), r"HIP_\1",
-            "hip/hip_math_constants.h names CUDA's constants with a HIP_ prefix (CUDART_PI_F -> HIP_PI_F)"),
+    Rewrite(_MATH_CONSTANT, r"HIP_\1",
+            "hip/hip_math_constants.h names CUDA's constants with a HIP_ prefix (CUDART_PI_F -> HIP_PI_F); "
+            "`CUDART_VERSION` stays: HIP_VERSION counts otherwise (major * 10^7 + ...), so `#if CUDART_VERSION >= 11020` "
+            "would be taken on AMD whatever it guards"),
     Rewrite(re.compile(r"\bCUSPARSE_(SPMM|SPMV)_ALG_DEFAULT\b"), r"HIPSPARSE_\1_ALG_DEFAULT",
             "the generic SpMM / SpMV API's default algorithms (CUDA 11 names); torch maps their older aliases "
             "(CUSPARSE_MM_ALG_DEFAULT) only, hipSPARSE has both"),
@@ -260,11 +288,17 @@ def torch_table_undeclared() -> dict[str, str]:
 _HIP_RUNTIME_INCLUDE = re.compile(r"#\s*include\s*[<\"]hip/hip_runtime(?:_api)?\.h[>\"]")
 
 
+_TORCH_INCLUDE = re.compile(r"^\s*#\s*include\s*[<\"](?:torch|ATen|c10)/", re.MULTILINE)
+_DEVICE_QUALIFIER = re.compile(r"\b__(?:device|host|global|shared|constant)__\b")
+
+
 def _runtime_include(text: str) -> str:
-    """`text` with `#include <hip/hip_runtime.h>` first when it calls the HIP runtime and includes nothing at all:
-    nvcc includes cuda_runtime.h implicitly, hipcc nothing, and torch's hipify adds the include only to files
-    with kernel syntax (a host-only .cu calling `hipGetDevice` stops compiling)."""
-    if re.search(r"\bhip[A-Z]\w*\s*\(", text) and not re.search(r"^\s*#\s*include\b", text, re.MULTILINE):
+    """`text` with `#include <hip/hip_runtime.h>` first when it calls the HIP runtime or declares device code and
+    includes no runtime header (and none of torch's, which bring it): nvcc includes cuda_runtime.h implicitly, hipcc
+    only in `-x hip` mode (a host-only file built by the C++ compiler calling `hipGetDevice` stops compiling), and
+    torch's hipify adds the include only to files with kernel syntax; ports add it to every such file."""
+    if ((re.search(r"\bhip[A-Z]\w*\s*\(", text) or _DEVICE_QUALIFIER.search(text))
+            and not _HIP_RUNTIME_INCLUDE.search(text) and not _TORCH_INCLUDE.search(text)):
         return "#include <hip/hip_runtime.h>\n" + text
     return text
 

@@ -30,10 +30,13 @@ _DIRECTIVE = re.compile(r"^\s*#\s*(if|ifdef|ifndef|elif|else|endif)\b(.*)$")
 # TORCH_HIP_VERSION (major * 100 + minor, ~600), which compares the same against CUDA's versions (>= 9000).
 # __CUDA_ARCH__, or a project's own name for it (Eigen's `#define EIGEN_CUDA_ARCH __CUDA_ARCH__`, in another header):
 # undefined under hipcc as the macro it stands for
-CUDA_ARCH_NAME = r"(?:__CUDA_ARCH__|\w+_CUDA_ARCH)"
+# nvcc's `__CUDA_ARCH_LIST__` (CUDA 11.5: every arch of the build) likewise
+CUDA_ARCH_NAME = r"(?:__CUDA_ARCH__|__CUDA_ARCH_LIST__|\w+_CUDA_ARCH)"
 _VERSION_TEST = re.compile(rf"^({CUDA_ARCH_NAME}|CUDA_VERSION|CUDART_VERSION|__CUDACC_VER_MAJOR__|__GNUC__)\s*(>=|<=|==|!=|>|<)\s*(\d+)[uUlL]*$")
 # hipcc's clang says it is GCC 4.2 (__GNUC__ 4, checked with hipcc 5.2: `#if __GNUC__ < 6` is taken); the others are 0.
 _VERSION_ON_AMD = {"__GNUC__": 4}
+# `(NAME - 0)`: the idiom that reads a macro as 0 when it is undefined (sppark's `(__CUDACC_VER_MAJOR__-0) >= 11`)
+_PLUS_ZERO = re.compile(r"\(\s*(\w+)\s*[-+]\s*0\s*\)")
 _COMPARE = {">=": int.__ge__, "<=": int.__le__, "==": int.__eq__, "!=": int.__ne__, ">": int.__gt__, "<": int.__lt__}
 
 
@@ -52,7 +55,7 @@ HIPCC = Build()  # hipcc alone: no project macro known
 def on_amd(condition: str, build: Build = HIPCC) -> bool | None:
     """The value of a preprocessor condition under hipcc (with `build`'s macros), or None when it depends on
     anything else."""
-    condition = condition.strip()
+    condition = _PLUS_ZERO.sub(r"\1", condition.strip())
     for operator, decisive in (("||", True), ("&&", False)):
         parts = _split_outside_parentheses(condition, operator)
         if len(parts) > 1:

@@ -86,7 +86,7 @@ def source_constants(text: str) -> dict[str, str]:
     """Map names from `#define NAME expr` and `const[expr] T NAME = expr[, NAME2 = expr];` to expressions."""
     constants = {}
     for match in _CONST.finditer(text):
-        first, *others = _split_top_level(match.group(2))
+        first, *others = split_arguments(match.group(2))
         constants[match.group(1)] = first
         constants.update(part.split("=", 1) for part in others if "=" in part)
     constants = {name.strip(): expr.strip() for name, expr in constants.items()}
@@ -126,7 +126,7 @@ def evaluate_int(expr: str, constants: dict[str, str], depth: int = 0) -> int | 
     return value(tree)
 
 
-def _split_top_level(args: str) -> list[str]:
+def split_arguments(args: str) -> list[str]:
     """Split a comma-separated argument list, ignoring commas nested in (), [], {}."""
     parts, depth, start = [], 0, 0
     for i, char in enumerate(args):
@@ -170,11 +170,11 @@ _STATIC_SHARED = re.compile(r"__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s*)?([\w
 def _shared_memory_requests(text: str) -> Iterable[tuple[int, str, str]]:
     """Yield (offset, what, byte-count expression) for each shared-memory size the source sets."""
     for match in _SET_ATTRIBUTE.finditer(text):
-        args = _split_top_level(_balanced_args(text, match.end() - 1))
+        args = split_arguments(_balanced_args(text, match.end() - 1))
         if len(args) == 3 and args[1].endswith("MaxDynamicSharedMemorySize"):
             yield match.start(), "the dynamic shared memory limit set here", args[2]
     for match in _LAUNCH.finditer(text):
-        args = _split_top_level(match.group(1))
+        args = split_arguments(match.group(1))
         if len(args) >= 3:
             yield match.start(), "this launch", args[2]
     for match in _LAUNCH_EX_SMEM.finditer(text):
@@ -222,6 +222,9 @@ _MASK32 = r"(?:0[xX][fF]{8}(?![0-9a-fA-F])[uUlL]*|~0[uU]?\b|\(unsigned\)\s*-1|ui
 _WARP_SYNC_MASK = re.compile(
     rf"\b__(?:shfl(?:_up|_down|_xor)?|ballot|any|all|uni|match_any|match_all|reduce_\w+)_sync\s*\(\s*({_MASK32}|\w+)"
 )
+# a project's shuffle wrapper named after them (TileLang's `tl::shfl_down_sync(MASK, v, o)`), read only where its first
+# argument is an all-ones literal or a name the file binds to one (its other overloads take no mask)
+_WRAPPER_SYNC_MASK = re.compile(rf"(?<!\w)(?:\w+::)*shfl(?:_up|_down|_xor)?_sync\s*\(\s*({_MASK32}|\w+)")
 _MASK32_BINDING = re.compile(rf"^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+\(?{_MASK32}|\b(\w+)\s*=\s*{_MASK32}", re.MULTILINE)
 
 
@@ -256,7 +259,9 @@ def check_lane_masks(text: str) -> Iterable[Hit]:
     for match in _MASK32_BINDING.finditer(text):
         bindings.setdefault(match.group(1) or match.group(2), []).append(match.start())
     masks_used = set()
-    for match in _WARP_SYNC_MASK.finditer(text):
+    wrapped = [call for call in _WRAPPER_SYNC_MASK.finditer(text)
+               if re.fullmatch(_MASK32, call.group(1)) or call.group(1) in bindings]
+    for match in sorted([*_WARP_SYNC_MASK.finditer(text), *wrapped], key=lambda call: call.start()):
         mask = match.group(1)
         if re.fullmatch(_MASK32, mask):
             yield Hit(*_position(text, match.start()))
@@ -462,7 +467,7 @@ def _rows_of_32(text: str, lane_blind: set[str]) -> Iterable[Hit]:
     defined = functions(text)
     warp_level = {f.name for f in defined if f.device} - lane_blind
     for launch in _KERNEL_LAUNCH.finditer(text):
-        arguments = _split_top_level(launch.group(2))
+        arguments = split_arguments(launch.group(2))
         if launch.group(1) not in warp_level or len(arguments) < 2:
             continue
         block = arguments[1].strip()
@@ -533,7 +538,7 @@ def _template_scopes(text: str) -> Iterable[tuple[int, int, set[str]]]:
     template parameter in one function does not make another function's same-named variable dependent."""
     for head in _TEMPLATE_HEAD.finditer(text):
         names = set()
-        for parameter in _split_top_level(head.group(1)):
+        for parameter in split_arguments(head.group(1)):
             words = re.findall(r"\w+", parameter.split("=", 1)[0])
             if len(words) >= 2:
                 names.add(words[-1])
@@ -667,13 +672,13 @@ def _out_parameter(name: str, scope: str, text: str) -> str | None:
     """Body of the function defined in `text` that `scope` calls with `name` as an argument, with the
     parameter renamed to `name` (`dim3 block; configure(n, block);` -> configure's `block` assignments)."""
     for call in re.finditer(r"\b(\w+)\s*\(", scope):
-        arguments = _split_top_level(_balanced_args(scope, call.end() - 1))
+        arguments = split_arguments(_balanced_args(scope, call.end() - 1))
         if name not in arguments:
             continue
         definition = re.search(rf"\b{call.group(1)}\s*\(([^;{{}}]*)\)\s*\{{", text)
         if definition is None:
             continue
-        parameters = _split_top_level(definition.group(1))
+        parameters = split_arguments(definition.group(1))
         if len(parameters) <= arguments.index(name):
             continue
         parameter = re.findall(r"\w+", parameters[arguments.index(name)].split("=", 1)[0])[-1]
@@ -707,7 +712,7 @@ def _most_threads(name: str, text: str, constants: dict[str, str]) -> int:
     each block expression is followed in the function that launches it."""
     bounds = []
     for launch in re.finditer(rf"\b{name}\s*(?:<(?:[^<>;]|<[^<>;]*>)*>)?\s*<<<(.*?)>>>", text, re.DOTALL):
-        arguments = _split_top_level(launch.group(1))
+        arguments = split_arguments(launch.group(1))
         opening = [close.end() for close in _TOP_LEVEL_CLOSE.finditer(text, 0, launch.start())]
         scope = text[opening[-1] if opening else 0 : launch.start()]
         if len(arguments) >= 2:
@@ -741,7 +746,7 @@ def check_launch_bounds_min_blocks(text: str) -> Iterable[Hit]:
     registers (and may spill) for an occupancy the author never asked for; otherwise the hint is only looser."""
     constants = source_constants(text)
     for call in _LAUNCH_BOUNDS_CALL.finditer(text):
-        arguments = _split_top_level(_balanced_args(text, call.end() - 1))
+        arguments = split_arguments(_balanced_args(text, call.end() - 1))
         if len(arguments) < 2:
             continue
         threads, min_blocks = (evaluate_int(argument, constants) for argument in arguments[:2])
@@ -765,7 +770,7 @@ def _explicit_width_shuffles(text: str, constants: dict[str, str]) -> str:
     (`__shfl_xor_sync(m, v, o, 32)`, `__shfl_down(v, o, 16)`) blanked out, offsets kept: each such call works
     on its own group of that many lanes, on a 64-lane wavefront too."""
     for call in reversed(list(re.finditer(r"\b__shfl(_up|_down|_xor)?(_sync)?\s*\(", text))):
-        arguments = _split_top_level(_balanced_args(text, call.end() - 1))
+        arguments = split_arguments(_balanced_args(text, call.end() - 1))
         width_at = 2 + bool(call.group(2))  # (mask,) var, lane or offset, width
         width = evaluate_int(arguments[width_at], constants) if len(arguments) > width_at else None
         if width is not None and width <= 32:
@@ -828,7 +833,7 @@ def _closing_angle(text: str, open_angle: int) -> int | None:
 def _template_arguments(text: str, open_angle: int) -> list[str] | None:
     """The top-level arguments of the template argument list opening at `open_angle`, or None if unclosed."""
     close = _closing_angle(text, open_angle)
-    return _split_top_level(text[open_angle + 1 : close]) if close is not None else None
+    return split_arguments(text[open_angle + 1 : close]) if close is not None else None
 
 
 _DECLARED_NAME = re.compile(r"\b(?:struct|class)\s+(\w+)|(\w+)\s*\(")
@@ -841,7 +846,7 @@ def _default_never_used(text: str, offset: int) -> bool:
     if head is None:
         return False
     position = offset - head.start(1)
-    index = len(_split_top_level(head.group(1)[:position])) - 1
+    index = len(split_arguments(head.group(1)[:position])) - 1
     after = text[head.end() : head.end() + 400]
     declared = next((name for match in _DECLARED_NAME.finditer(after) if (name := match.group(1) or match.group(2)) not in _ATTRIBUTES), None)
     if declared is None:
@@ -961,7 +966,7 @@ def _warp_size_squared(text: str, constants: dict[str, str]) -> Iterable[Hit]:
     row_loops = list(_ROW_LOOP.finditer(text))
     launches: dict[str, list[str]] = {}  # kernel -> the first block dimension of each launch (read where rows loop)
     for launch in _KERNEL_LAUNCH.finditer(text) if row_loops else ():
-        arguments = _split_top_level(launch.group(2))
+        arguments = split_arguments(launch.group(2))
         if len(arguments) < 2:
             continue
         block = arguments[1].strip()
@@ -1065,20 +1070,32 @@ def _arch_defines(text: str) -> Iterable[Hit]:
 _HOST_ONLY_BRANCH = re.compile(r"!\s*defined\s*\(?\s*" + CUDA_ARCH_NAME + r"\b")
 
 
+# special members a class declares: a destructor, a copy (or move) constructor, an assignment operator
+_SPECIAL_MEMBER = re.compile(r"~\s*\w+\s*\(|\boperator\s*=\s*\(|\b(\w+)\s*\(\s*(?:const\s+)?\1\s*&")
+
+
 def _host_branches_in_device_code(text: str) -> Iterable[Hit]:
-    """`#ifndef __CUDA_ARCH__` (nvcc's host pass only) inside a `__host__ __device__` function, whose branch throws:
-    hip-clang defines no `__CUDA_ARCH__`, so its device pass compiles the branch too, and a `throw` does not compile
-    there."""
+    """`#ifndef __CUDA_ARCH__` (nvcc's host pass only) with no `#else`, where hip-clang's device pass, which defines
+    no `__CUDA_ARCH__`, compiles it too: in a `__host__ __device__` function (a `throw`, host-only calls in device
+    code), or at class scope declaring special members that nvcc's device pass never sees (sppark's host-only copy
+    constructor and destructor: the device pass of a file with device code sees them on AMD)."""
     found = directives(text)
     starts = _line_starts(text.split("\n"))
+    device_code = re.search(r"\b__(?:device|global)__\b", text)
     for directive in found:
         if directive.kind not in ("if", "ifndef") or not _HOST_ONLY_BRANCH.search(directive.condition):
             continue
         closing = [d for d in found if d.group == directive.group and d.first > directive.first]
+        if not closing or closing[0].kind != "endif":  # an #else: flagged above
+            continue
+        body = _branch_body(text, directive, closing[0])
         function = enclosing_function(text, starts[directive.first])
-        if (closing and closing[0].kind == "endif" and function is not None and function.device  # an #else: flagged above
-                and re.search(r"\bthrow\b", _branch_body(text, directive, closing[0]))):
-            yield _directive_hit(text, directive, "its host-only branch is compiled by HIP's device pass too, and throws")
+        if function is not None and function.device and body.strip():
+            yield _directive_hit(text, directive, "its host-only branch is compiled by HIP's device pass too"
+                                 + (", and throws" if re.search(r"\bthrow\b", body) else ""))
+        elif function is None and device_code and _SPECIAL_MEMBER.search(body):
+            yield _directive_hit(text, directive, "HIP's device pass sees the host-only special members it hides "
+                                 "from nvcc's: the class is no longer trivially copyable in device code")
 
 
 def check_arch_guards(text: str) -> Iterable[Hit]:
@@ -1169,7 +1186,8 @@ _OLD_NVCC = re.compile(r"\b__CUDACC_VER_\w+__\s*<")
 _NEWER_NVCC = re.compile(r"\b__CUDACC_VER_\w+__\s*>")
 _CUDA_FEATURE_TEST = re.compile(r"\b__CUDA_(?:BF16|FP8)_TYPES_EXIST__\b")
 _GCC_VERSION_TEST = re.compile(r"\b__GNUC__\s*(?:[<>]=?|==|!=)")
-_CUDA_VERSION_TEST = re.compile(r"\b(?:CUDA_VERSION|CUDART_VERSION|__CUDACC_VER_MAJOR__)\s*(?:[<>]=?|==|!=)")
+_CUDA_VERSION_TEST = re.compile(r"\b(?:CUDA_VERSION|CUDART_VERSION|__CUDACC_VER_MAJOR__)\s*(?:[-+]\s*0\s*\)\s*)?"
+                                r"(?:[<>]=?|==|!=)")
 
 
 # ---- host-side C++ that clang rejects, and runtime APIs HIP answers differently --------------------
@@ -1197,9 +1215,43 @@ def check_void_pointer_arithmetic(text: str) -> Iterable[Hit]:
 def check_capture_info_arity(text: str) -> Iterable[Hit]:
     """Flag `cudaStreamGetCaptureInfo(...)` with more than three arguments (CUDA 12's form)."""
     for call in re.finditer(r"\bcudaStreamGetCaptureInfo\s*\(", text):
-        if len(_split_top_level(_balanced_args(text, call.end() - 1))) > 3:
+        if len(split_arguments(_balanced_args(text, call.end() - 1))) > 3:
             yield Hit(*_position(text, call.start()))
 
+
+
+# CUDA runtime calls whose C++ overload or default argument (cuda_runtime.h, cuda_runtime_api.h) HIP's namesake lacks:
+# the name, the number of arguments that does not compile on HIP, what HIP takes instead
+_RUNTIME_OVERLOADS = {
+    "cudaEventCreate": (2, "`hipEventCreate` takes the event alone: flags go to `hipEventCreateWithFlags`"),
+    "cudaStreamWaitEvent": (2, "ROCm 6.0's `hipStreamWaitEvent` declares its flags without a default (6.1 gives "
+                               "them 0): pass 0"),
+}
+_RUNTIME_OVERLOAD_CALL = re.compile(rf"\b({'|'.join(_RUNTIME_OVERLOADS)})\s*\(")
+
+
+def check_runtime_overloads(text: str) -> Iterable[Hit]:
+    """Flag a call of `_RUNTIME_OVERLOADS` with the number of arguments HIP's namesake does not take."""
+    for call in _RUNTIME_OVERLOAD_CALL.finditer(text):
+        arity, hip = _RUNTIME_OVERLOADS[call.group(1)]
+        if len(split_arguments(_balanced_args(text, call.end() - 1))) == arity:
+            yield Hit(*_position(text, call.start()), hip)
+
+
+_CUTLASS_INCLUDE = re.compile(r"#\s*include\s*[<\"](?:cutlass|cute)/")
+_CUTLASS_NAME = re.compile(r"(?<![\w:])(?:cutlass|cute)::")
+
+
+def check_cutlass(text: str) -> Iterable[Hit]:
+    """Flag each CUTLASS / CuTe include; in a file that includes neither, each line naming `cutlass::` or `cute::`
+    (reached through another header), once per line."""
+    includes = list(_CUTLASS_INCLUDE.finditer(text))
+    lines = set()
+    for match in includes or _CUTLASS_NAME.finditer(text):
+        line, column = _position(text, match.start())
+        if line not in lines:
+            lines.add(line)
+            yield Hit(line, column)
 
 # ---- functions: where each is defined, what it returns, whether it runs on the device ---------------
 
@@ -1515,7 +1567,7 @@ def check_missing_intrinsics(text: str) -> Iterable[Hit]:
         return set(re.findall(rf"\b{_VECTOR_ATOMIC_TYPE}\s*\*\s*(?:__restrict__\s+)?(\w+)\s*[=;,)]", scope))
 
     for call in re.finditer(r"\batomicAdd\s*\(", text):
-        arguments = _split_top_level(_balanced_args(text, call.end() - 1))
+        arguments = split_arguments(_balanced_args(text, call.end() - 1))
         if len(arguments) != 2:
             continue
         address, value = arguments
@@ -1533,7 +1585,7 @@ def check_missing_intrinsics(text: str) -> Iterable[Hit]:
                       "not the pair)")
     shorts = set(re.findall(rf"\b{_SHORT_TYPE}\s*\*\s*(\w+)\s*[=;,)]", text))
     for call in re.finditer(r"\batomicCAS\s*\(", text):
-        arguments = _split_top_level(_balanced_args(text, call.end() - 1))
+        arguments = split_arguments(_balanced_args(text, call.end() - 1))
         if len(arguments) == 3 and _points_to(arguments[0], _SHORT_TYPE, shorts):
             yield Hit(*_position(text, call.start()), "HIP has no 16-bit atomicCAS")
 
@@ -1634,7 +1686,7 @@ def check_code_object_text(text: str) -> Iterable[Hit]:
         return
     aliases = set()
     for call in _GET_PTX.finditer(text):
-        arguments = _split_top_level(_balanced_args(text, call.end() - 1))
+        arguments = split_arguments(_balanced_args(text, call.end() - 1))
         buffer = re.match(r"\s*&?\s*(\w+)\s*(?:\[\s*0\s*\])?\s*$", arguments[-1]) if len(arguments) == 2 else None
         if buffer and re.search(rf"\bchar\s*\*\s*{buffer.group(1)}\s*=", text):
             aliases.add(buffer.group(1))
@@ -1768,7 +1820,7 @@ def check_scoped_atomics(text: str) -> Iterable[Hit]:
     `__HIP_MEMORY_SCOPE_*` that every ROCm >= 6.0 has."""
     for call in _SCOPED_ATOMIC.finditer(text):
         operation = call.group(1)
-        arguments = _split_top_level(_balanced_args(text, call.end() - 1))
+        arguments = split_arguments(_balanced_args(text, call.end() - 1))
         scope = re.fullmatch(r"\s*__MEMORY_SCOPE_(\w+)\s*", arguments[-1]) if arguments else None
         hip_scope = f"__HIP_MEMORY_SCOPE_{_HIP_SCOPE.get(scope.group(1), scope.group(1))}" if scope else "__HIP_MEMORY_SCOPE_*"
         builtin = _HIP_ATOMIC.get(operation, f"__hip_atomic_{operation}")
@@ -1901,7 +1953,7 @@ def check_vector_partial_init(text: str) -> Iterable[Hit]:
     """Flag `float3 v = {a, b}` (fewer values than members, CUDA's aggregate fills the rest with zeros) and
     `float4 v = {a}` (HIP's one-value constructor is explicit: no copy-list-initialisation)."""
     for match in _VECTOR_INIT.finditer(text):
-        values = len(_split_top_level(match.group(3))) if match.group(3).strip() else 0
+        values = len(split_arguments(match.group(3))) if match.group(3).strip() else 0
         members = int(match.group(1))
         if 1 < values < members or (values == 1 and match.group(2)):
             yield Hit(*_position(text, match.start()), f"{values} of {members} values")
@@ -2155,7 +2207,7 @@ def _parameter_names(header: str) -> set[str]:
     if not heads:
         return set()
     names = (re.findall(r"\w+", parameter.split("=", 1)[0]) for parameter in
-             _split_top_level(_balanced_args(header, heads[0].end() - 1)))
+             split_arguments(_balanced_args(header, heads[0].end() - 1)))
     return {words[-1] for words in names if len(words) > 1}
 
 
@@ -2182,7 +2234,7 @@ def check_unroll_unknown_trip(text: str) -> Iterable[Hit]:
         function = enclosing_function(text, pragma.start())
         if function is None:
             continue
-        clauses = _split_top_level(_balanced_args(text, pragma.end() - 1).replace(";", ","))
+        clauses = split_arguments(_balanced_args(text, pragma.end() - 1).replace(";", ","))
         if len(clauses) != 3:  # a range-based for, or a declaration of several variables
             continue
         init, condition, step = clauses
@@ -2461,14 +2513,15 @@ RULES: list[Rule] = [
         pattern=re.compile(r"\btexture\s*<[^>]*>\s*\w+\s*;|\bcuda(?:Bind|Unbind)Texture\w*|\bcudaGetTextureReference\b"),
     ),
     Rule(
-        "cutlass-cute", "error", "CUTLASS / CuTe include",
+        "cutlass-cute", "error", "CUTLASS / CuTe include or name",
         "CUTLASS and CuTe are NVIDIA-only template libraries (PTX, tensor-core layouts); no hipify "
-        "engine translates them.",
-        "Use Composable Kernel or hipBLASLt for GEMMs on AMD, or write the kernel in TileLang, which "
-        "lowers to both CUDA and HIP (`tiletune kernels lower`).",
-        before="#include <cutlass/gemm/device/gemm.h>",
-        after="#include <ck/tensor_operation/gpu/device/device_gemm.hpp>  // or hipBLASLt",
-        pattern=re.compile(r"#\s*include\s*[<\"](?:cutlass|cute)/"),
+        "engine translates them. A file that reaches them through another header (`cutlass::fast_max` from a "
+        "common header) fails the same way.",
+        "Use Composable Kernel (ck, ck_tile: `ck_tile::max`) or hipBLASLt on AMD, or write the kernel in TileLang, "
+        "which lowers to both CUDA and HIP (`tiletune kernels lower`).",
+        before="#include <cutlass/gemm/device/gemm.h>\nreturn cutlass::fast_max(x, y);",
+        after="#include <ck/tensor_operation/gpu/device/device_gemm.hpp>  // or hipBLASLt\nreturn ck_tile::max(x, y);",
+        check=check_cutlass,
     ),
     Rule(
         "thrust-cuda-par", "warning", "`thrust::cuda::par` execution policy",
@@ -3111,6 +3164,17 @@ RULES: list[Rule] = [
         before="cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph, nullptr, nullptr);",
         after="cudaStreamGetCaptureInfo_v2(stream, &status, nullptr, &graph, nullptr, nullptr);",
         check=check_capture_info_arity,
+    ),
+    Rule(
+        "runtime-overload", "error", "CUDA runtime call through an overload or default argument HIP lacks",
+        "CUDA's runtime headers give some calls a C++ overload or a default argument: `cudaEventCreate(&event, "
+        "flags)`, `cudaStreamWaitEvent(stream, event)` with flags 0. hipify renames them to `hipEventCreate`, which "
+        "takes the event alone, and `hipStreamWaitEvent`, whose flags had no default before ROCm 6.1 "
+        "(hip_runtime_api.h), so the call does not compile (`tiletune hipify`'s torch engine rewrites both).",
+        "Call `hipEventCreateWithFlags(&event, flags)`; pass `hipStreamWaitEvent` its flags (0).",
+        before="cudaEventCreate(&done, cudaEventDisableTiming);\ncudaStreamWaitEvent(stream, done);",
+        after="cudaEventCreateWithFlags(&done, cudaEventDisableTiming);\ncudaStreamWaitEvent(stream, done, 0);",
+        check=check_runtime_overloads,
     ),
 ]
 
