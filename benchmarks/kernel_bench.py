@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import datetime
 import json
 import math
@@ -301,10 +302,11 @@ def moe_cases():
         return run
 
     # the TileLang rows as the op runs them (the packed activation and merge kernels); grouped_mm with PyTorch's glue,
-    # with the op's default glue (the packed activation kernels, the reference merge) and with both kernels, which
+    # with the packed activation kernels alone (the reference merge) and with both kernels (the op's default), which
     # separates the GEMMs' share from the activation's and the merge's
+    activation_only = dataclasses.replace(moe_experts.TILELANG_GLUE, merge=moe_experts.REFERENCE_GLUE.merge)
     impls = {"eager": whole(moe_experts._loop_gemm), "grouped_mm": whole(grouped_mm),
-             "grouped_mm+tl_act": whole(grouped_mm, glue=moe_experts.GROUPED_MM_GLUE),
+             "grouped_mm+tl_act": whole(grouped_mm, glue=activation_only),
              "grouped_mm+tl_glue": whole(grouped_mm, glue=moe_experts.TILELANG_GLUE)}
     impls.update({f"tl:{name}": whole(moe_experts.grouped_gemm(c), c.block_m, glue=moe_experts.TILELANG_GLUE)
                   for name, c in fits.items()})

@@ -26,11 +26,10 @@ GEMMs (gate_up, down) with the activation between them; backward: two grouped GE
 (``nn``: the weights untransposed) and the activation's derivative (the routing weight applied there, in float32).
 The row-wise kernels around the GEMMs are a `Glue` record: PyTorch in the reference; in the TileLang and
 grouped_mm impls swiglu's packed TileLang kernels for the activation (the gate and up halves of a row read in
-place, float32 inside, one rounding), and in the TileLang impl a TileLang merge kernel. The k outputs of a token
-are merged without atomics, weighted by its routing weights and summed (the hidden states' gradient likewise,
-unweighted), in float32 with one rounding, the same bits on every run: the merge kernel reads each token's k expert
-rows where they lie; the reference (the grouped_mm impl's until the kernel has run on a GPU) gathers them in chunks
-and sums them by a batched GEMM. The forward keeps only the [rows, 2·intermediate] gate_up rows for
+place, float32 inside, one rounding) and a TileLang merge kernel. The k outputs of a token are merged without
+atomics, weighted by its routing weights and summed (the hidden states' gradient likewise, unweighted), in float32
+with one rounding, the same bits on every run: the merge kernel reads each token's k expert rows where they lie; the
+reference gathers them in chunks and sums them by a batched GEMM. The forward keeps only the [rows, 2·intermediate] gate_up rows for
 the backward (Qwen3-30B-A3B at 8,192 tokens: 192 MiB per layer), not the [rows, hidden] expert outputs (256 MiB) the
 routing weights' gradient reads: that gradient is dy·(a·Dᵀ) = (dy·D)·a, the down projection's input gradient (which
 the backward computes anyway, before the routing weight enters) dotted with the activation a, summed in float32 by
@@ -43,7 +42,6 @@ with float32 accumulation; the TileLang version's GEMMs accumulate in float32 an
 
 # No `from __future__ import annotations` here: TileLang reads the kernel signature's shapes from the closure.
 
-import dataclasses
 import functools
 import inspect
 import itertools
@@ -770,12 +768,11 @@ def tilelang_merge(rows: Tensor, order: Tensor, like: Tensor, top_k_weights: Ten
 
 
 # swiglu's packed TileLang kernels (the halves read in place, float32 inside, one rounding: the reference's math)
-# and the merge kernel: the TileLang impl's glue
+# and the merge kernel: the glue of both GPU impls. Against the reference merge on the 12-layer Qwen3-30B-A3B step
+# (H100): 0.136 s for 0.155 with every layer recomputed, 0.147 s for 0.176 within 0.55x of stock's peak
+# (benchmarks/results/h100-2026-12-07/moe12-tlmerge, moe12-refmerge)
 TILELANG_GLUE = Glue(functools.partial(swiglu.tilelang_packed_forward, swiglu.SILU),
                      functools.partial(swiglu.tilelang_packed_backward_dots, swiglu.SILU), tilelang_merge)
-# the grouped_mm impl's (the op's default): the packed activation kernels with the reference merge, until the merge
-# kernel has passed its GPU test (test_the_merge_kernel_matches_float64; written 2026-12-07, no GPU came that day)
-GROUPED_MM_GLUE = dataclasses.replace(TILELANG_GLUE, merge=_merge_routes)
 
 
 def op_config(hidden: Tensor, gate_up: Tensor, variant: str | None = None) -> GroupedConfig:
@@ -864,13 +861,13 @@ def vendor_gemm(kind: str, rows: Tensor, weights: Tensor, routing: Routing) -> T
 
 def grouped_mm_forward(hidden, top_k_index, top_k_weights, gate_up, down, keep_rows=True):
     """(y, kept rows and routing) with torch's grouped GEMMs and the packed activation kernels."""
-    return _experts_forward(vendor_gemm, hidden, top_k_index, top_k_weights, gate_up, down, BLOCK_M, GROUPED_MM_GLUE,
+    return _experts_forward(vendor_gemm, hidden, top_k_index, top_k_weights, gate_up, down, BLOCK_M, TILELANG_GLUE,
                             keep_rows, tiles=False)
 
 
 def grouped_mm_backward(dy, h, order, tiles, offsets, top_k_weights, gate_up, down, hidden=None):
     """(d hidden, d top_k_weights) with torch's grouped GEMMs and the packed activation kernels."""
-    return _experts_backward(vendor_gemm, dy, h, order, tiles, offsets, top_k_weights, gate_up, down, GROUPED_MM_GLUE,
+    return _experts_backward(vendor_gemm, dy, h, order, tiles, offsets, top_k_weights, gate_up, down, TILELANG_GLUE,
                              hidden)
 
 
@@ -887,7 +884,7 @@ def grouped_mm_lora_forward(hidden, top_k_index, top_k_weights, gate_up, down, g
                             gate_up_scaling, down_scaling):  # fmt: skip
     """The LoRA form's forward, every GEMM (base and rank-r) by torch's grouped GEMM."""
     return _lora_experts_forward(vendor_gemm, hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b,
-                                 down_a, down_b, gate_up_scaling, down_scaling, BLOCK_M, True, GROUPED_MM_GLUE,
+                                 down_a, down_b, gate_up_scaling, down_scaling, BLOCK_M, True, TILELANG_GLUE,
                                  tiles=False)
 
 
@@ -896,7 +893,7 @@ def grouped_mm_lora_backward(dy, hidden, h, xa, aa, order, tiles, offsets, top_k
     """The LoRA form's backward, every GEMM by torch's grouped GEMM."""
     return _lora_experts_backward(vendor_gemm, dy, hidden, h, xa, aa, order, tiles, offsets, top_k_weights, gate_up,
                                   down, gate_up_a, gate_up_b, down_a, down_b, gate_up_scaling, down_scaling, True,
-                                  GROUPED_MM_GLUE)
+                                  TILELANG_GLUE)
 
 
 def grouped_mm_lora_unsupported(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_a, gate_up_b, down_a, down_b,
