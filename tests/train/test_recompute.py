@@ -292,6 +292,32 @@ def test_an_eager_lever_is_pulled_only_where_the_recomputation_it_spares_costs_m
     assert recompute._pays_off(lever, None, probe, base, 8, usable, False, torch.device("cpu")) is pulled
 
 
+
+@pytest.mark.parametrize("loss_ms_after, kept", [
+    (40.0, False),  # the head read in slices from the host: 38 ms more in the loss for 3 layers' 12 ms
+    (6.0, True),  # a copy that hides behind the loss's GEMMs: 4 ms more for 12 ms spared
+])
+def test_an_eager_lever_stays_only_where_its_measured_cost_is_less_than_what_it_spares(loss_ms_after, kept):
+    """8 layers of 0.72 GiB kept; the lever frees 2.2 GiB, so 3 more layers are spared (4 ms forwards each); its
+    cost is the loss's time after it less before it, probe to probe."""
+    gib = 2**30
+    keep = int(0.72 * gib)
+
+    def probe(loss_ms):
+        return recompute._ProbeResult(held={3: keep, 2: keep}, peak=0, peak_below=0, input_bytes=0, forward_ms=4.0,
+                                      on_gpu=True, depth=4, loss_ms=loss_ms)  # fmt: skip
+
+    usable = 14 * gib
+    lever = recompute.Lever("lm_head on host", lambda model: None, lambda model: None, lambda model: "", eager=True)
+    before = recompute._Before(probe(2.0), usable - int(0.3 * gib), usable, {}, lever, lambda: None)
+    after_base = before.base - int(2.2 * gib)
+    assert (recompute._recomputed(before.probe, before.base, 8, usable, False)
+            - recompute._recomputed(before.probe, after_base, 8, usable, False)) == 3
+    assert recompute._paid_off(before, probe(loss_ms_after), after_base, usable, 8, False) is kept
+    assert recompute._paid_off(before, None, None, usable, 8, False) is False  # out of memory with it: undone
+    needed = before._replace(base=usable + gib)  # the step did not fit without it: kept whatever it costs
+    assert recompute._paid_off(needed, probe(loss_ms_after), after_base, usable, 8, False) is True
+
 def _fresh_gpu_shape(intermediate: int, layers: int):
     """(LlamaConfig, LoRA q,v config with `auto`) of a 1024-wide model for the planner's GPU tests, with the memory an
     earlier test left freed first: the planner measures the whole device."""

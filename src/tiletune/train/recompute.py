@@ -53,6 +53,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -321,18 +322,21 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
     levers = [lever for lever in levers_for(model) if on_gpu and budget is not None and lever.why_not(model) is None]
     pulled: dict[str, str] = {}  # lever name -> what it did (a lever pulled again replaces its entry)
     spare = min(2, len(layers))
-    before = None  # (probe, base, pulled, lever, its undo) from before the lever just pulled
+    before = None  # a _Before: the state from before the lever just pulled
     while True:
         with _first_layers(model, path, depth) as probed:
             probe = _probe_spared(model, probed, spare, batch, seq, dtype, device, use_reentrant, activation_offload,
                                   offload_inputs, probe_loss)  # fmt: skip
         base = probe.base(model, spare * offload_inputs, layers[depth:], offload_inputs) if probe else None
-        if before is not None and not _lowered(before[1], base):  # the peak is elsewhere: the lever only costs time
-            probe, base, pulled, lever, undo = before
-            undo()
-            levers = [other for other in levers if other.name != lever.name]  # more of it would not help either
-        before = None
         usable = None if budget is None else usable_bytes(budget, _static_bytes(model, device))
+        # the peak is elsewhere (the lever only costs time), or an eager lever's measured cost is more than the
+        # recomputation it spares: undone
+        if before is not None and (not _lowered(before.base, base) or (
+                before.lever.eager and not _paid_off(before, probe, base, usable, len(layers), offload_inputs))):
+            probe, base, usable, pulled = before.probe, before.base, before.usable, before.pulled
+            before.undo()
+            levers = [other for other in levers if other.name != before.lever.name]  # more would not help either
+        before = None
         if budget is None or (base is not None and base <= usable):
             eager = [lever for lever in levers if lever.eager and spare
                      and _pays_off(lever, model, probe, base, len(layers), usable, offload_inputs, device)]  # fmt: skip
@@ -347,7 +351,7 @@ def plan_recomputation(model, batch: int, seq: int, dtype: torch.dtype, budget_g
             continue
         else:
             break
-        before = (probe, base, dict(pulled), lever, lever.pull(model))
+        before = _Before(probe, base, usable, dict(pulled), lever, lever.pull(model))
         pulled[lever.name] = lever.summary(model)
     if probe is None:
         raise UserError(f"the step at batch {batch} x {seq} tokens runs out of GPU memory even with every layer "
@@ -420,6 +424,35 @@ class Lever:
     summary: Callable  # model -> what was done, for the plan's summary
     eager: bool = False
     copied_bytes: Callable = lambda model: 0  # model -> what it copies from the host each step, once pulled
+
+
+class _Before(NamedTuple):
+    """The planner's state before it pulled `lever` (`undo` puts the model back)."""
+
+    probe: "_ProbeResult | None"
+    base: int | None
+    usable: int | None
+    pulled: dict[str, str]
+    lever: Lever
+    undo: Callable
+
+
+def _paid_off(before: _Before, probe: "_ProbeResult | None", base: int | None, usable: int | None, layers: int,
+              offload_inputs: bool) -> bool:  # fmt: skip
+    """Whether the eager lever pulled since `before` (where the step fitted) spares more recomputation (a layer's
+    forward each) than it measurably added to the head and loss (`loss_ms`, probe to probe): the lm_head read in slices from the host cost
+    30-38 ms a step where its copy alone predicted 11 (Qwen3-30B-A3B, 12 layers, H100,
+    benchmarks/results/h100-2026-12-06/moe12-90f0313)."""
+    if before.probe is None or before.base is None or before.usable is None or before.base > before.usable:
+        return True  # pulled to fit the budget, not to spare recomputation
+    if probe is None or base is None or usable is None:
+        return False
+    spared = (_recomputed(before.probe, before.base, layers, before.usable, offload_inputs)
+              - _recomputed(probe, base, layers, usable, offload_inputs))
+    cost_ms = probe.loss_ms - before.probe.loss_ms
+    log.info("gradient_checkpointing auto: %s spares %d recomputed layers (%.1f ms) for %.1f ms more in the loss",
+             before.lever.name, spared, spared * probe.forward_ms, cost_ms)
+    return spared * probe.forward_ms > cost_ms
 
 
 def _lowered(before: int | None, after: int | None) -> bool:
@@ -585,6 +618,7 @@ class _ProbeResult:
     forward_ms: float  # the last layer's forward
     on_gpu: bool
     depth: int  # the decoder layers the probe ran
+    loss_ms: float = 0.0  # from the last layer's forward to the loss: the head, the loss and its fused gradients
 
     def spared_bytes(self) -> tuple[int, int]:
         """What the kept and the selective layer held (0, 0 when none was spared)."""
@@ -607,13 +641,34 @@ class _ProbeResult:
 def _probe(model, layers, spare: int, batch: int, seq: int, dtype: torch.dtype, device: torch.device,
            probe_loss: Callable | None = None) -> _ProbeResult:  # fmt: skip
     """One forward + backward on random tokens (the LM loss, or `probe_loss(model, tokens)`): what each of the last
-    `spare` layers holds, the peak, the last layer's forward."""
+    `spare` layers holds, the peak, the last layer's forward and the loss after it. On a GPU an unmeasured step runs
+    first, so that no first call's cost (a kernel compiled or loaded, a GEMM's heuristics) is timed: a layer's forward
+    timed cold (14 ms where it takes 4) made every layer's activations go to the host (0.27 s steps where the
+    recomputed plan takes 0.15; Qwen3-30B-A3B, 12 layers, H100, benchmarks/results/h100-2026-12-07/moe12-2cbdec4)."""
     from tiletune.train.model import autocast
 
     on_gpu = device.type == "cuda"
     held: dict[int, int] = {}
-    timing: dict = {}  # the last layer's input bytes and its forward's start and end
+    timing: dict = {}  # the last layer's input bytes, its forward's start and end, the loss's end
     peaks: dict[str, int] = {}
+    vocab = model.get_input_embeddings().num_embeddings
+    tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    was_training = model.training
+    model.train()
+
+    def step() -> None:
+        with torch.random.fork_rng(devices=[device] if on_gpu else []):
+            with autocast(device, dtype):
+                loss = probe_loss(model, tokens) if probe_loss else model(input_ids=tokens, labels=tokens).loss
+            timing["loss"] = _now(device)
+            loss.backward()
+
+    if on_gpu:
+        step()  # unmeasured, before any hook: the first calls' costs stay out of the timings
+        for param in model.parameters():
+            param.grad = None
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     hooks = _timing_hooks(layers[-1], timing, device)
     spared = range(len(layers) - spare, len(layers))
     for index in spared:
@@ -623,18 +678,8 @@ def _probe(model, layers, spare: int, batch: int, seq: int, dtype: torch.dtype, 
             hooks += _saved_tensor_hooks(layers[index], index, held)
     if on_gpu and spare:
         hooks.append(layers[spared[0]].register_forward_pre_hook(_split_peak_hook(peaks, device), with_kwargs=True))
-    vocab = model.get_input_embeddings().num_embeddings
-    tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
-    was_training = model.training
-    model.train()
-    if on_gpu:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
     try:
-        with torch.random.fork_rng(devices=[device] if on_gpu else []):
-            with autocast(device, dtype):
-                loss = probe_loss(model, tokens) if probe_loss else model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
+        step()
     finally:
         for hook in hooks:
             hook.remove()
@@ -645,11 +690,11 @@ def _probe(model, layers, spare: int, batch: int, seq: int, dtype: torch.dtype, 
     for param in model.parameters():
         param.grad = None
     model.train(was_training)
-    start, end = timing["start"], timing["end"]
+    start, end, loss = timing["start"], timing["end"], timing["loss"]
     if on_gpu:
-        end.synchronize()  # recorded in the forward; elapsed_time needs it complete
-    forward_ms = start.elapsed_time(end) if on_gpu else (end - start) * 1e3
-    return _ProbeResult(held, peak, peak_below, int(timing["input_bytes"]), forward_ms, on_gpu, len(layers))
+        loss.synchronize()  # recorded in the forward; elapsed_time needs it complete
+    forward_ms, loss_ms = (start.elapsed_time(end), end.elapsed_time(loss)) if on_gpu else ((end - start) * 1e3, (loss - end) * 1e3)
+    return _ProbeResult(held, peak, peak_below, int(timing["input_bytes"]), forward_ms, on_gpu, len(layers), loss_ms)
 
 
 def _split_peak_hook(peaks: dict, device):
@@ -674,24 +719,25 @@ def _layer_input(args, kwargs):
     return args[0] if args else kwargs["hidden_states"]
 
 
+def _now(device: torch.device):
+    """A point in time on `device`: a recorded CUDA event on a GPU, else the host's clock."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 def _timing_hooks(layer, timing: dict, device):
     """Hooks that note a layer's input size and the start and end of its forward (CUDA events on a GPU)."""
-    on_gpu = device.type == "cuda"
-
-    def now():
-        if not on_gpu:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
 
     def pre(module, args, kwargs):
         hidden = _layer_input(args, kwargs)
         timing["input_bytes"] = hidden.numel() * hidden.element_size()
-        timing["start"] = now()
+        timing["start"] = _now(device)
 
     def post(module, args, kwargs, output):
-        timing["end"] = now()
+        timing["end"] = _now(device)
 
     return [layer.register_forward_pre_hook(pre, with_kwargs=True), layer.register_forward_hook(post, with_kwargs=True)]
 
