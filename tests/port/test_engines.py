@@ -276,26 +276,23 @@ def test_torch_engine_gives_a_host_only_file_the_runtime_include(tmp_path):
     assert "hip_runtime.h" not in engine.translate(included)  # torch's headers bring the runtime
 
 
-def test_runtime_calls_through_cudas_overload_or_default_argument_get_hips_form(tmp_path):
-    source = tmp_path / "events.cu"
-    source.write_text("void order(cudaStream_t a, cudaStream_t b, cudaEvent_t e) {\n"
-                      "  cudaEventCreate(&e, cudaEventDisableTiming);\n  cudaEventCreate(&e);\n"
-                      "  cudaStreamWaitEvent(b, e);\n  cudaStreamWaitEvent(a, e, flags);\n}\n")
+@pytest.mark.parametrize(("name", "cuda", "expected"), [
+    # CUDA's C++ overload (event and flags) and default argument (flags 0), which HIP's namesakes lack
+    ("events.cu", "void order(cudaStream_t a, cudaStream_t b, cudaEvent_t e) {\n"
+                  "  cudaEventCreate(&e, cudaEventDisableTiming);\n  cudaEventCreate(&e);\n"
+                  "  cudaStreamWaitEvent(b, e);\n  cudaStreamWaitEvent(a, e, flags);\n}\n",
+     ["hipEventCreateWithFlags(&e, hipEventDisableTiming);\n  hipEventCreate(&e);",
+      "hipStreamWaitEvent(b, e, 0);\n  hipStreamWaitEvent(a, e, flags);"]),
+    # HIP_VERSION counts major * 10^7: `CUDART_VERSION >= 11020` renamed to it would be true on every ROCm
+    ("consts.cu", "#include <math_constants.h>\n#if CUDART_VERSION >= 11020\n#define ASYNC_ALLOC 1\n#endif\n"
+                  "__device__ float f(float x) { return x > 0 ? CUDART_PI_F * x : -CUDART_INF_F; }\n",
+     ["#if CUDART_VERSION >= 11020", "HIP_PI_F * x : -HIP_INF_F"]),
+    # a header of device functions: hipcc includes the runtime only in -x hip mode
+    ("debug.h", "#pragma once\n#include <cstdio>\n__device__ void print(float v) { printf(\"%f\\n\", v); }\n",
+     ["#include <hip/hip_runtime.h>\n#pragma once"]),
+])
+def test_torch_engine_fills_what_cuda_gives_implicitly(tmp_path, name, cuda, expected):
+    source = tmp_path / name
+    source.write_text(cuda)
     hip = select_engine("torch").translate(source)
-    assert "hipEventCreateWithFlags(&e, hipEventDisableTiming);\n  hipEventCreate(&e);" in hip
-    assert "hipStreamWaitEvent(b, e, 0);\n  hipStreamWaitEvent(a, e, flags);" in hip
-
-
-def test_math_constants_get_hip_names_and_the_runtime_version_keeps_its_own(tmp_path):
-    """HIP_VERSION counts major * 10^7: `CUDART_VERSION >= 11020` renamed to it would be true on every ROCm."""
-    source = tmp_path / "consts.cu"
-    source.write_text("#include <math_constants.h>\n#if CUDART_VERSION >= 11020\n#define ASYNC_ALLOC 1\n#endif\n"
-                      "__device__ float f(float x) { return x > 0 ? CUDART_PI_F * x : -CUDART_INF_F; }\n")
-    hip = select_engine("torch").translate(source)
-    assert "#if CUDART_VERSION >= 11020" in hip and "HIP_PI_F * x : -HIP_INF_F" in hip
-
-
-def test_a_header_of_device_functions_gets_the_runtime_include(tmp_path):
-    header = tmp_path / "debug.h"
-    header.write_text("#pragma once\n#include <cstdio>\n__device__ void print(float v) { printf(\"%f\\n\", v); }\n")
-    assert select_engine("torch").translate(header).startswith("#include <hip/hip_runtime.h>\n#pragma once")
+    assert all(text in hip for text in expected), hip
