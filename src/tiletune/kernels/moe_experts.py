@@ -29,12 +29,12 @@ grouped_mm impls swiglu's packed TileLang kernels for the activation (the gate a
 place, float32 inside, one rounding) and a TileLang merge kernel. The k outputs of a token are merged without
 atomics, weighted by its routing weights and summed (the hidden states' gradient likewise, unweighted), in float32
 with one rounding, the same bits on every run: the merge kernel reads each token's k expert rows where they lie; the
-reference gathers them in chunks and sums them by a batched GEMM. The forward keeps only the [rows, 2·intermediate] gate_up rows for
-the backward (Qwen3-30B-A3B at 8,192 tokens: 192 MiB per layer), not the [rows, hidden] expert outputs (256 MiB) the
-routing weights' gradient reads: that gradient is dy·(a·Dᵀ) = (dy·D)·a, the down projection's input gradient (which
-the backward computes anyway, before the routing weight enters) dotted with the activation a, summed in float32 by
-the activation's backward kernel in the same pass. A selective layer keeps the gate_up rows too, so its backward runs
-no grouped GEMM of the forward again.
+reference gathers them in chunks and sums them by a batched GEMM. The forward keeps only the [rows, 2·intermediate]
+gate_up rows for the backward (Qwen3-30B-A3B at 8,192 tokens: 192 MiB per layer), not the [rows, hidden] expert
+outputs (256 MiB) the routing weights' gradient reads: that gradient is dy·(a·Dᵀ) = (dy·D)·a, the down projection's
+input gradient (which the backward computes anyway, before the routing weight enters) dotted with the activation a,
+summed in float32 by the activation's backward kernel in the same pass. A selective layer keeps the gate_up rows
+too, so its backward runs no grouped GEMM of the forward again.
 
 The reference runs the same steps with one PyTorch GEMM per expert (the "eager" loop), in the input dtype
 with float32 accumulation; the TileLang version's GEMMs accumulate in float32 and round once.

@@ -195,8 +195,8 @@ TORCH_TABLE_GAPS: list[Rewrite] = [
             "CUDA's CUDART_* constants; HIP has them as HIP_* in hip/hip_math_constants.h (hipify-clang's header table)"),
     Rewrite(_MATH_CONSTANT, r"HIP_\1",
             "hip/hip_math_constants.h names CUDA's constants with a HIP_ prefix (CUDART_PI_F -> HIP_PI_F); "
-            "`CUDART_VERSION` stays: HIP_VERSION counts otherwise (major * 10^7 + ...), so `#if CUDART_VERSION >= 11020` "
-            "would be taken on AMD whatever it guards"),
+            "`CUDART_VERSION` stays: HIP_VERSION counts otherwise (major * 10^7 + ...), so "
+            "`#if CUDART_VERSION >= 11020` would be taken on AMD whatever it guards"),
     Rewrite(re.compile(r"\bCUSPARSE_(SPMM|SPMV)_ALG_DEFAULT\b"), r"HIPSPARSE_\1_ALG_DEFAULT",
             "the generic SpMM / SpMV API's default algorithms (CUDA 11 names); torch maps their older aliases "
             "(CUSPARSE_MM_ALG_DEFAULT) only, hipSPARSE has both"),

@@ -440,8 +440,8 @@ class _Before(NamedTuple):
 def _paid_off(before: _Before, probe: "_ProbeResult | None", base: int | None, usable: int | None, layers: int,
               offload_inputs: bool) -> bool:  # fmt: skip
     """Whether the eager lever pulled since `before` (where the step fitted) spares more recomputation (a layer's
-    forward each) than it measurably added to the head and loss (`loss_ms`, probe to probe): the lm_head read in slices from the host cost
-    30-38 ms a step where its copy alone predicted 11 (Qwen3-30B-A3B, 12 layers, H100,
+    forward each) than it measurably added to the head and loss (`loss_ms`, probe to probe): the lm_head read in
+    slices from the host cost 30-38 ms a step where its copy alone predicted 11 (Qwen3-30B-A3B, 12 layers, H100,
     benchmarks/results/h100-2026-12-06/moe12-90f0313)."""
     if before.probe is None or before.base is None or before.usable is None or before.base > before.usable:
         return True  # pulled to fit the budget, not to spare recomputation
@@ -693,7 +693,8 @@ def _probe(model, layers, spare: int, batch: int, seq: int, dtype: torch.dtype, 
     start, end, loss = timing["start"], timing["end"], timing["loss"]
     if on_gpu:
         loss.synchronize()  # recorded in the forward; elapsed_time needs it complete
-    forward_ms, loss_ms = (start.elapsed_time(end), end.elapsed_time(loss)) if on_gpu else ((end - start) * 1e3, (loss - end) * 1e3)
+    elapsed_ms = (lambda a, b: a.elapsed_time(b)) if on_gpu else (lambda a, b: (b - a) * 1e3)
+    forward_ms, loss_ms = elapsed_ms(start, end), elapsed_ms(end, loss)
     return _ProbeResult(held, peak, peak_below, int(timing["input_bytes"]), forward_ms, on_gpu, len(layers), loss_ms)
 
 
