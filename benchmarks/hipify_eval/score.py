@@ -105,7 +105,7 @@ CLASSES: dict[str, ChangeClass] = {
     "compiler-guard": ChangeClass(("compiler-guard",), False, "an `#ifdef __NVCC__` that takes the host-only branch under hipcc",
                                   translation_decides_guard=True),
     # round 6's classes, defined by its labeller (before the round was scored)
-    "version-guard": ChangeClass(("cuda-arch-guard", "compiler-guard"), False,
+    "version-guard": ChangeClass(("cuda-arch-guard", "compiler-guard", "cuda-version-expression"), False,
                                  "a compiler / toolkit version test true under hipcc (`__GNUC__ < 6`) that compiles code out"),
     "runtime-api": ChangeClass((), True, "a CUDA runtime name the hipify of its day left untranslated, written as its HIP name"),
     "api-signature": ChangeClass(("capture-info-v2", "runtime-overload"), False,

@@ -6,6 +6,7 @@ import pytest
 from port_corpus import CLEAN_SAMPLE, CORPUS, SAMPLES, build_of, expected_findings
 
 from tiletune.port.lint import lint_file, lint_text, strip_comments
+from tiletune.port.preprocessor import Build
 from tiletune.port.rules import RULES, RULES_BY_ID, evaluate_int, source_constants
 
 
@@ -45,6 +46,7 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("unsigned full = 0xFFFFFFFFu;  __any_sync(full, p);", "mask-32bit"),
     ("#define FULL_MASK 0xffffffff", "mask-32bit"),
     ("v = __shfl_down_sync(~0u, v, 1);", "mask-32bit"),
+    ("v += __shfl_down_sync(-1u, v, 1);", "mask-32bit"),  # an unsigned -1: 32 bits
     ("constexpr unsigned MASK = 0xffffffff;\nT n = tl::shfl_down_sync(MASK, val, off);", "mask-32bit"),  # a wrapper
     ("q |= __shfl_down_sync(0x0f0f0f0f, q, 4) << 8;  // a partial mask: still an int", "mask-32bit"),
     ("uint32_t votes = __ballot_sync(m, p);", "ballot-32bit-result"),
@@ -430,6 +432,13 @@ def test_rule_variants_stay_silent(code, rule):
         assert [f.line for f in found] == [3]
     else:
         assert found == []
+
+
+def test_code_under_cudacc_is_linted_as_the_translation_compiles_it():
+    """Every translator renames `__CUDACC__` to `__HIPCC__`: its branch is AMD's, whatever the build says of nvcc's name."""
+    code = "#ifdef __CUDACC__\n__device__ void add(__half2* p, __half2 v) { atomicAdd(p, v); }\n#endif\n"
+    build = Build(undefined=frozenset({"__CUDACC__"}))
+    assert [f.rule for f in lint_text(code, "vec.h", build=build)] == ["missing-intrinsic"]
 
 
 def test_cutlass_is_named_at_its_include_or_else_on_each_line_that_uses_it():

@@ -5,6 +5,7 @@ comment that mentions "32 lanes" never fires a rule and line numbers stay those 
 preprocessor branches hipcc never compiles (`#ifndef USE_ROCM`, `#if __CUDA_ARCH__ >= 800`), except those that only a
 CUDA build flag of the project compiles out around the whole file (`#ifdef WITH_CUDA` with `-U WITH_CUDA`):
 `cuda-build-flag` asks to widen that test to the HIP build, so the code under it is linted as the port will compile it.
+Code under `#ifdef __CUDACC__` is linted too: every translator renames the test to `__HIPCC__`, true on AMD.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def lint_text(text: str, path: str, rules: list[Rule] = RULES, build: Build = HI
     """Findings of `rules` on CUDA source `text`, lines the HIP build (hipcc with `build`'s macros) compiles out
     left alone; `path` is only used to label them."""
     whole = strip_comments(text)
-    code = blank_branches_dead_on_amd(whole, _as_ported(whole, build))
+    code = blank_branches_dead_on_amd(whole, _as_ported(whole, _translated(build)))
     code_lines = code.splitlines()  # split once for every pattern rule
     source_lines = text.splitlines()
     findings, seen = [], set()
@@ -91,6 +92,17 @@ def lint_text(text: str, path: str, rules: list[Rule] = RULES, build: Build = HI
 # a CUDA build flag's branch holding this share of a file's lines of code (not blank, not a preprocessor line) guards
 # the whole file: the port widens it
 WHOLE_FILE = 0.8
+
+
+# nvcc's macros every translator renames to one hipcc defines (torch's table and hipify-perl: `__CUDACC__` ->
+# `__HIPCC__`): whatever the HIP build leaves undefined of the CUDA name, the translated test is true on AMD
+RENAMED_TO_DEFINED = frozenset({"__CUDACC__"})
+
+
+def _translated(build: Build) -> Build:
+    """`build` as the translated source meets it: `RENAMED_TO_DEFINED` defined."""
+    return dataclasses.replace(build, defined=build.defined | RENAMED_TO_DEFINED,
+                               undefined=build.undefined - RENAMED_TO_DEFINED)
 
 
 def _as_ported(text: str, build: Build) -> Build:

@@ -219,8 +219,12 @@ def check_shared_memory(text: str) -> Iterable[Hit]:
 # ---- lane masks: 32-bit masks that reach a warp function ------------------------------------------
 
 _MASK32 = r"(?:0[xX][fF]{8}(?![0-9a-fA-F])[uUlL]*|~0[uU]?\b|\(unsigned\)\s*-1|uint32_t\(-1\))"
+# an all-ones mask written as a negative int or unsigned (`-1u`) in the call itself: 32 bits wide too (HIP's `*_sync`
+# functions take the mask's type as a template parameter and assert it is 8 bytes)
+_MASK32_ARGUMENT = rf"(?:{_MASK32}|-1[uU]?(?!\w))"
 _WARP_SYNC_MASK = re.compile(
-    rf"\b__(?:shfl(?:_up|_down|_xor)?|ballot|any|all|uni|match_any|match_all|reduce_\w+)_sync\s*\(\s*({_MASK32}|\w+)"
+    rf"\b__(?:shfl(?:_up|_down|_xor)?|ballot|any|all|uni|match_any|match_all|reduce_\w+)_sync\s*\("
+    rf"\s*({_MASK32_ARGUMENT}|\w+)"
 )
 # a project's shuffle wrapper named after them (TileLang's `tl::shfl_down_sync(MASK, v, o)`), read only where its first
 # argument is an all-ones literal or a name the file binds to one (its other overloads take no mask)
@@ -263,7 +267,7 @@ def check_lane_masks(text: str) -> Iterable[Hit]:
                if re.fullmatch(_MASK32, call.group(1)) or call.group(1) in bindings]
     for match in sorted([*_WARP_SYNC_MASK.finditer(text), *wrapped], key=lambda call: call.start()):
         mask = match.group(1)
-        if re.fullmatch(_MASK32, mask):
+        if re.fullmatch(_MASK32_ARGUMENT, mask):
             yield Hit(*_position(text, match.start()))
         elif _INT_LITERAL_32.fullmatch(mask):
             yield Hit(*_position(text, match.start()), f"`{mask}` is a 32-bit integer")
@@ -1140,6 +1144,21 @@ def check_compiler_guards(text: str) -> Iterable[Hit]:
     feature = list(_guards_compiling_out(text, _CUDA_FEATURE_TEST))
     return sorted({hit.line: hit for hit in cuda + gcc + nvcc + hcc + feature}.values(), key=lambda hit: hit.line)
 
+
+
+_CUDA_VERSION_NAME = re.compile(r"\b(?:__CUDACC_VER_(?:MAJOR|MINOR|BUILD)__|CUDART_VERSION)\b")
+
+
+def check_cuda_version_expressions(text: str) -> Iterable[Hit]:
+    """Flag C++ code, not a preprocessor directive, that reads nvcc's version macros or `CUDART_VERSION`
+    (`static_assert(__CUDACC_VER_MAJOR__ > 10, ...)`, `return CUDART_VERSION;`): in a directive an undefined name is 0,
+    in code hipcc finds no such identifier."""
+    in_directive = False
+    for number, line in enumerate(text.split("\n"), start=1):
+        directive = in_directive or line.lstrip().startswith("#")
+        in_directive = directive and line.rstrip().endswith("\\")
+        if not directive and (match := _CUDA_VERSION_NAME.search(line)):
+            yield Hit(number, match.start() + 1, f"`{match.group(0)}` is undefined under hipcc")
 
 # A project's build flag naming CUDA (`WITH_CUDA`, `BUILD_CUDA`, `GOOGLE_CUDA`), not CUDA's own macros
 _CUDA_BUILD_FLAG = re.compile(r"\b(?!__CUDA|CUDA_VERSION\b|CUDART_VERSION\b)(\w*CUDA\w*)\b")
@@ -3005,6 +3024,20 @@ RULES: list[Rule] = [
         after="#if defined(__NVCC__) || defined(__HIPCC__)\n#define HD __host__ __device__\n#else\n#define HD\n#endif",
         check=check_compiler_guards,
         reads_dead_code=True,
+    ),
+    Rule(
+        "cuda-version-expression", "error", "CUDA toolkit version read in C++ code",
+        "nvcc defines `__CUDACC_VER_MAJOR__` / `_MINOR__` / `_BUILD__` and cuda_runtime_api.h `CUDART_VERSION`; "
+        "hipcc defines neither (hipify-perl renames `CUDART_VERSION` to `HIPRT_VERSION`, which HIP does not define "
+        "either; torch's hipify and `tiletune hipify` leave both). In "
+        "an `#if` an undefined name reads 0 (`compiler-guard` says where that compiles code out); in C++ code it is an "
+        "undeclared identifier: `static_assert(__CUDACC_VER_MAJOR__ > 10, \"needs CUDA 10.2\")` or `return "
+        "CUDART_VERSION;` stops the build.",
+        "Keep the check for CUDA builds (`#if defined(__CUDACC__) && !defined(__HIPCC__)` around it), or report "
+        "`HIP_VERSION` (hip_version.h) on AMD.",
+        before="static_assert(__CUDACC_VER_MAJOR__ > 10, \"requires CUDA 10.2\");",
+        after="#if !defined(__HIPCC__)\nstatic_assert(__CUDACC_VER_MAJOR__ > 10, \"requires CUDA 10.2\");\n#endif",
+        check=check_cuda_version_expressions,
     ),
     Rule(
         "void-pointer-arith", "error", "arithmetic on a `void*`",
