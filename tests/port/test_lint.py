@@ -245,6 +245,7 @@ def test_rule_variants_fire(code, rule):
     ("__host__ __device__ int id() {\n#ifndef __CUDA_ARCH__\n#endif\n  return 0;\n}", "cuda-arch-guard"),  # empty
     ("struct host_only {\n#ifndef __CUDA_ARCH__\n  ~host_only() {}\n#endif\n};", "cuda-arch-guard"),  # no device code
     ("cudaEventCreate(&e);\ncudaEventCreateWithFlags(&e, flags);\ncudaStreamWaitEvent(s, e, 0);", "runtime-overload"),
+    ('printf("built with CUDART_VERSION %d\\n", version);', "cuda-version-expression"),  # a string's words
     (("cg::thread_block_tile<32> g = cg::tiled_partition<32>(cta);\n"  # the tile is flagged, not the loop
       "for (int i = 1; i < 32; i *= 2) v += g.shfl_down(v, i);"), "warp-lane-loop"),
     ("#define TILE 32\n__shared__ float t[TILE][TILE + 1];\nint col = blockIdx.x * TILE + threadIdx.x;",

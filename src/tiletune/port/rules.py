@@ -1157,7 +1157,8 @@ def check_cuda_version_expressions(text: str) -> Iterable[Hit]:
     for number, line in enumerate(text.split("\n"), start=1):
         directive = in_directive or line.lstrip().startswith("#")
         in_directive = directive and line.rstrip().endswith("\\")
-        if not directive and (match := _CUDA_VERSION_NAME.search(line)):
+        match = None if directive else _CUDA_VERSION_NAME.search(line)
+        if match and line.count('"', 0, match.start()) % 2 == 0:  # not inside a string literal
             yield Hit(number, match.start() + 1, f"`{match.group(0)}` is undefined under hipcc")
 
 # A project's build flag naming CUDA (`WITH_CUDA`, `BUILD_CUDA`, `GOOGLE_CUDA`), not CUDA's own macros
