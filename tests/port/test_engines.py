@@ -79,12 +79,38 @@ def test_torch_engine_maps_pytorch_headers_rccl_graph_params_the_kernel_cast_and
     assert "hipsparseSpMM(h, op, op, &a, A, B, &b, C, HIP_R_32F, HIPSPARSE_SPMM_ALG_DEFAULT, buf)" in hip
 
 
-def test_torch_engine_maps_the_fp8_device_runtime_and_launch_parameter_headers(tmp_path):
-    source = tmp_path / "rasterize.cu"
-    source.write_text('#include "device_launch_parameters.h"\n#include <cuda_device_runtime_api.h>\n#include <cuda_fp8.h>\n'
-                      "__global__ void k(float* x) { x[threadIdx.x] = 0.f; }\n")
+@pytest.mark.parametrize(("name", "cuda", "expected"), [
+    # the fp8, device-runtime and launch-parameter headers
+    ("rasterize.cu", '#include "device_launch_parameters.h"\n#include <cuda_device_runtime_api.h>\n#include <cuda_fp8.h>\n'
+                     "__global__ void k(float* x) { x[threadIdx.x] = 0.f; }\n",
+     ['"hip/hip_runtime.h"', "<hip/hip_runtime_api.h>", "<hip/hip_fp8.h>"]),
+    # torch's table writes `hipPointerAttributeMemoryType`, `hipStreamCreate__`, `hipDeviceP2PAttribute...`; HIP declares
+    # `HIP_POINTER_ATTRIBUTE_MEMORY_TYPE`, `hipStreamCreateWithFlags`, `hipDevP2PAttr...`
+    ("driver.cpp", "void f(CUdeviceptr p, CUdevice d, CUdevice peer) {\n"
+                   "  CUstream s; cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);\n"
+                   "  CUmemorytype type; cuPointerGetAttribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, p);\n"
+                   "  int rank; cuDeviceGetP2PAttribute(&rank, CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, d, peer);\n"
+                   "  size_t total; cuDeviceTotalMem(&total, d); cuCtxPopCurrent(nullptr); }\n"
+                   "size_t bytes = sizeof(__nv_fp8x2_storage_t);\n",
+     ["hipStreamCreateWithFlags(&s, hipStreamNonBlocking)",
+      "hipPointerGetAttribute(&type, HIP_POINTER_ATTRIBUTE_MEMORY_TYPE, p)",
+      "hipDeviceGetP2PAttribute(&rank, hipDevP2PAttrPerformanceRank, d, peer)",
+      "hipDeviceTotalMem(&total, d); hipCtxPopCurrent(nullptr);", "sizeof(__hip_fp8x2_storage_t)"]),
+    # cuBLAS's math modes, whose enum torch's table leaves
+    ("gemm_setup.cpp", "#include <cublas_v2.h>\n"
+                       "cublasMath_t pick(bool strict, bool tf32) {\n"
+                       "  return strict ? CUBLAS_PEDANTIC_MATH : tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH;\n"
+                       "}\n"
+                       "void setup(cublasHandle_t h) { cublasSetMathMode(h, pick(true, false)); }\n",
+     ["hipblasMath_t pick(bool strict, bool tf32)",
+      "HIPBLAS_PEDANTIC_MATH : tf32 ? HIPBLAS_TF32_TENSOR_OP_MATH : HIPBLAS_DEFAULT_MATH",
+      "hipblasSetMathMode(h, pick(true, false))"]),
+])
+def test_torch_engine_writes_names_hip_declares_and_leaves_no_cuda_name(tmp_path, name, cuda, expected):
+    source = tmp_path / name
+    source.write_text(cuda)
     hip = select_engine("torch").translate(source)
-    assert '"hip/hip_runtime.h"' in hip and "<hip/hip_runtime_api.h>" in hip and "<hip/hip_fp8.h>" in hip
+    assert all(text in hip for text in expected), hip
     assert not cuda_names(hip)
 
 
@@ -106,24 +132,6 @@ def test_nvrtcs_macro_becomes_hiprtcs(tmp_path):
                       "#if !defined(__CUDACC_RTC__) && defined(__CUDACC__)\n#include <cmath>\n#endif\n")
     hip = select_engine("torch").translate(source)
     assert hip.count("__HIPCC_RTC__") == 2 and "__CUDACC_RTC__" not in hip
-
-
-def test_torch_engine_writes_the_names_hip_declares_where_torchs_table_misspells_them(tmp_path):
-    """torch's table writes `hipPointerAttributeMemoryType`, `hipStreamCreate__`, `hipDeviceP2PAttribute...`;
-    HIP declares `HIP_POINTER_ATTRIBUTE_MEMORY_TYPE`, `hipStreamCreateWithFlags`, `hipDevP2PAttr...`."""
-    source = tmp_path / "driver.cpp"
-    source.write_text(
-        "void f(CUdeviceptr p, CUdevice d, CUdevice peer) { CUstream s; cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);\n"
-        "  CUmemorytype type; cuPointerGetAttribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, p);\n"
-        "  int rank; cuDeviceGetP2PAttribute(&rank, CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, d, peer);\n"
-        "  size_t total; cuDeviceTotalMem(&total, d); cuCtxPopCurrent(nullptr); }\n"
-        "size_t bytes = sizeof(__nv_fp8x2_storage_t);\n")
-    hip = select_engine("torch").translate(source)
-    assert "hipStreamCreateWithFlags(&s, hipStreamNonBlocking)" in hip
-    assert "hipPointerGetAttribute(&type, HIP_POINTER_ATTRIBUTE_MEMORY_TYPE, p)" in hip
-    assert "hipDeviceGetP2PAttribute(&rank, hipDevP2PAttrPerformanceRank, d, peer)" in hip
-    assert "hipDeviceTotalMem(&total, d); hipCtxPopCurrent(nullptr);" in hip and "sizeof(__hip_fp8x2_storage_t)" in hip
-    assert not cuda_names(hip)
 
 
 def test_a_name_torchs_table_maps_to_nothing_hip_declares_is_left_and_counted(tmp_path):
@@ -185,20 +193,6 @@ def test_trap_becomes_the_builtin_hip_aborts_with_unless_the_file_defines_it(tmp
     own = tmp_path / "own_trap.cuh"
     own.write_text("#ifdef USE_ROCM\n#define __trap() abort()\n#endif\n__device__ void fail() { __trap(); }\n")
     assert "__device__ void fail() { __trap(); }" in select_engine("torch").translate(own)
-
-
-def test_cublas_math_modes_get_hipblas_names(tmp_path):
-    source = tmp_path / "gemm_setup.cpp"
-    source.write_text("#include <cublas_v2.h>\n"
-                      "cublasMath_t pick(bool strict, bool tf32) {\n"
-                      "  return strict ? CUBLAS_PEDANTIC_MATH : tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH;\n"
-                      "}\n"
-                      "void setup(cublasHandle_t h) { cublasSetMathMode(h, pick(true, false)); }\n")
-    hip = select_engine("torch").translate(source)
-    assert "hipblasMath_t pick(bool strict, bool tf32)" in hip
-    assert "HIPBLAS_PEDANTIC_MATH : tf32 ? HIPBLAS_TF32_TENSOR_OP_MATH : HIPBLAS_DEFAULT_MATH" in hip
-    assert "hipblasSetMathMode(h, pick(true, false))" in hip
-    assert not cuda_names(hip)
 
 
 def test_a_projects_own_cu_named_variables_are_not_cuda_names():
