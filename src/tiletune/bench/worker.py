@@ -186,7 +186,7 @@ def run(job: dict) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    times, losses = [], []
+    times, host_times, losses = [], [], []
     for step in range(job["warmup"] + job["steps"]):
         if step == job["warmup"] and device.type == "cuda":
             torch.cuda.synchronize()
@@ -194,11 +194,13 @@ def run(job: dict) -> dict:
         _sync(device)
         start = time.perf_counter()
         loss = train_step()
+        queued = time.perf_counter() - start
         _sync(device)
         elapsed = time.perf_counter() - start
         losses.append(loss.item())
         if step >= job["warmup"]:
             times.append(elapsed)
+            host_times.append(queued)
     peak_allocated, peak_reserved = _peak_memory(device)
 
     trainable_linear = sum(
@@ -208,6 +210,9 @@ def run(job: dict) -> dict:
     result = {
         "variant": job["variant"],
         "step_times": times,
+        # seconds until each timed step's Python returned, before the closing synchronise: near step_times when the
+        # host sets the pace (or waits for the GPU inside the step), well below it when the GPU does
+        "step_host_times": host_times,
         "losses": losses,
         "tokens_per_step": trained * batch * seq,
         "flops_per_step": step_flops(base_config, trainable_linear, trained * batch * seq, seq, _recomputed_share(cfg, plan),
