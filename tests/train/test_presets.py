@@ -22,3 +22,13 @@ def test_every_preset_builds_into_its_family(name):
     if name in PUBLISHED:
         billions = sum(p.numel() for p in model.parameters()) / 1e9
         assert billions == pytest.approx(PUBLISHED[name], rel=0.01)
+
+
+@pytest.mark.parametrize("name", [name for name in PRESETS if getattr(preset_config(name), "layer_types", None)])
+def test_a_preset_cut_to_its_first_layers_reloads(name):
+    """Its per-layer attention kinds are cut with it: a config saved and read back (as from_pretrained reads it, and
+    Unsloth's bench variant loads a preset) passes transformers' check that there is one kind per layer."""
+    config = preset_config(name, layers=3)
+    reloaded = type(config).from_dict(config.to_dict())
+    assert reloaded.num_hidden_layers == 3
+    assert reloaded.layer_types == preset_config(name).layer_types[:3]

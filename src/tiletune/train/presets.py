@@ -99,14 +99,19 @@ PRESETS: dict[str, dict] = {
 }  # fmt: skip
 
 
-def preset_config(name: str):
-    """The transformers config of preset `name`."""
+def preset_config(name: str, layers: int | None = None):
+    """The transformers config of preset `name`, with only its first `layers` decoder layers if given."""
     from transformers import AutoConfig
 
     if name not in PRESETS:
         raise UserError(f"model preset {name!r} is unknown; available: {', '.join(PRESETS)}")
     shape = dict(PRESETS[name])
-    return AutoConfig.for_model(shape.pop("model_type"), **shape)
+    config = AutoConfig.for_model(shape.pop("model_type"), **shape)
+    if layers:
+        config.num_hidden_layers = layers
+        if getattr(config, "layer_types", None):  # each layer's attention (Gemma 3's sliding windows): the first ones
+            config.layer_types = config.layer_types[:layers]
+    return config
 
 
 def preset_model(cfg, name: str, device, layers: int | None = None, seed: int = 0):
@@ -118,9 +123,7 @@ def preset_model(cfg, name: str, device, layers: int | None = None, seed: int = 
 
     from tiletune.train.model import compute_dtype
 
-    shape = preset_config(name)
-    if layers:
-        shape.num_hidden_layers = layers
+    shape = preset_config(name, layers)
     dtype = compute_dtype(cfg)
     if cfg.quantization_bit:
         from tiletune.train.quantized import quantized_kind, random_quantized
