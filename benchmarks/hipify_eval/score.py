@@ -183,9 +183,9 @@ CLASSES: dict[str, ChangeClass] = {
     "hipblas-v1-types": ChangeClass((), True, "cuBLAS's CUDA types written as hipBLAS's own (hipblasComplex, hipblasDatatype_t) for hipBLAS < 3.0"),
     "bf16-pair-missing": ChangeClass((), False, "the bf16 pair or complex bf16 types (`__nv_bfloat162`, CUDA_C_16BF) dropped: the HIP build had no counterpart"),
     "opaque-library-handle": ChangeClass((), True, "a cuBLAS / cuSPARSE handle named through its struct (`cublasContext`), re-expressed: HIP's handles are `void*`"),
-    "cuda-only-library": ChangeClass(("cutlass-cute",), False,
-                                     "code built on a CUDA-only header library (FlashInfer, CUTLASS) replaced for AMD by a "
-                                     "HIP copy or another library (ck_tile)"),
+    "cuda-only-library": ChangeClass(("cutlass-cute", "cudnn-api"), False,
+                                     "code built on a CUDA-only library (FlashInfer, CUTLASS, cuDNN) replaced for AMD by a "
+                                     "HIP copy or another library (ck_tile, MIOpen)"),
     "hip-fallback-path": ChangeClass(WARP_RULES, False, "a 32-lane warp algorithm kept for CUDA only, HIP given a shared-memory algorithm"),
     "ballot-width": ChangeClass(("ballot-32bit-result", "ballot-bit-test", "popc-32bit", "mask-32bit"), False, "a ballot result or lane mask kept in 32 bits on a 64-lane wavefront, widened"),
     "lds-budget": ChangeClass(("lds-limit",), False, "a dynamic shared-memory request above the 64 KiB an AMD workgroup gets, made per-architecture"),

@@ -281,9 +281,15 @@ def test_torch_engine_gives_a_host_only_file_the_runtime_include(tmp_path):
     ("consts.cu", "#include <math_constants.h>\n#if CUDART_VERSION >= 11020\n#define ASYNC_ALLOC 1\n#endif\n"
                   "__device__ float f(float x) { return x > 0 ? CUDART_PI_F * x : -CUDART_INF_F; }\n",
      ["#if CUDART_VERSION >= 11020", "HIP_PI_F * x : -HIP_INF_F"]),
-    # a header of device functions: hipcc includes the runtime only in -x hip mode
+    # a header of device functions: hipcc includes the runtime only in -x hip mode; the include goes where a port puts
+    # it, beside the file's first include every build compiles (inside the include guard, below the licence)
     ("debug.h", "#pragma once\n#include <cstdio>\n__device__ void print(float v) { printf(\"%f\\n\", v); }\n",
-     ["#include <hip/hip_runtime.h>\n#pragma once"]),
+     ["#pragma once\n#include <hip/hip_runtime.h>\n#include <cstdio>"]),
+    ("guarded.cuh", "// Copyright (c) someone\n#ifndef GUARDED_CUH\n#define GUARDED_CUH\n#ifdef USE_FAST\n#include <fast.h>\n"
+                    "#endif\n#include \"common.h\"\n__device__ int one() { return 1; }\n#endif\n",
+     ["#ifdef USE_FAST\n#include <fast.h>\n#endif\n#include <hip/hip_runtime.h>\n#include \"common.h\""]),
+    ("bare.cu", "// no include at all\n__global__ void k(int* x) { *x = 1; }\n",
+     ['#include "hip/hip_runtime.h"\n// no include at all']),
 ])
 def test_torch_engine_fills_what_cuda_gives_implicitly(tmp_path, name, cuda, expected):
     source = tmp_path / name

@@ -55,15 +55,15 @@ def test_score_runs_offline_on_the_cache(capsys):
 @pytest.mark.parametrize("runtime_include, lines, note, covered", [
     ("", [3, 3], "", 1),
     ("", [2, 3], "anchor: inserted after the project's include", 1),  # the labelled lines hold the anchor's include
-    ("", [2, 3], "", 0),  # an include among the lines, no anchor: a changed include, not an insertion
+    ("", [2, 3], "", 1),  # an include among the lines, no anchor: the translation puts its include there too
     ("#include <cuda_runtime.h>\n", [4, 4], "", 0),
 ])  # fmt: skip
 def test_an_inserted_runtime_include_counts_where_the_translation_inserts_it_in_a_file_without_one(
         tmp_path, monkeypatch, runtime_include, lines, note, covered):  # fmt: skip
     """The humans added `#include <hip/hip_runtime.h>` after the project's include (line 3, or labelled with its
-    anchor, the include at line 2); torch's hipify adds it at the top of a file with kernel syntax. Where the file
-    includes the CUDA runtime itself, the translation renames that include in place and the insertion is not
-    counted."""
+    anchor, the include at line 2); the torch engine adds it before the first include of a file with kernel syntax.
+    Where the file includes the CUDA runtime itself, the translation renames that include in place and the insertion
+    is not counted."""
     score = _score_module()
     source = tmp_path / "kernel.cu"
     source.write_text(f'{runtime_include}// a kernel\n#include "project.h"\n\n__global__ void k(float* x) {{ x[threadIdx.x] = 0; }}\n')

@@ -67,6 +67,8 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     (("__host__ __device__ Reduce(const Reduce& o) : parent(o.parent) {\n#if !defined(__CUDA_ARCH__)\n"
       "  if (parent) setup_for_device();\n#endif\n}"), "cuda-arch-guard"),
     ("__device__ float hmax(float x, float y) { return cutlass::fast_max(x, y); }", "cutlass-cute"),  # via a header
+    ("void pool(Layer* l) {\n  CUDNN_CHECK(cudnnPoolingForward(l->handle, l->desc, &one, l->x_desc, l->x, &zero,\n"
+     "                                  l->y_desc, l->y));\n}", "cudnn-api"),
     ("__device__ int f(int s, int t) {\n  int groupMask = 15 << ((t & 31) & ~3);\n  return __shfl_xor_sync(groupMask, s, 1);\n}",
      "mask-32bit"),  # a mask computed into an int
     ("uint warp_done = thread_warp.ballot(done);", "ballot-32bit-result"),  # a cooperative group's ballot
@@ -426,6 +428,9 @@ def test_rule_variants_fire(code, rule):
      "    for (int j = 0; j < n; ++j) { if (x[j] < 0) break; }\n  }\n}", "unroll-unknown-trip"),
     ("__global__ void k(const Strides s, float* x) {\n#pragma unroll\n  for (int d = 0; d < s.Capacity(); d++) {\n"
      "    if (d >= s.rank) break;\n  }\n}", "unroll-unknown-trip"),
+    # a checking macro's body: flagged where a cuDNN call uses it, not where it is defined
+    ("#define CUDNN_CHECK(ans) {                             \\\n  cudnnStatus_t status = (ans);               \\\n"
+     "  if (status) fail(cudnnGetErrorString(status));  \\\n}", "cudnn-api"),
 ])
 def test_rule_variants_stay_silent(code, rule):
     found = [f for f in lint_text(code, "snippet.cu") if f.rule in ({rule} if rule else {"libcudacxx"})]

@@ -292,14 +292,40 @@ _TORCH_INCLUDE = re.compile(r"^\s*#\s*include\s*[<\"](?:torch|ATen|c10)/", re.MU
 _DEVICE_QUALIFIER = re.compile(r"\b__(?:device|host|global|shared|constant)__\b")
 
 
+_CONDITIONAL = re.compile(r"^\s*#\s*(if|ifdef|ifndef|endif)\b\s*(\w*)")
+_INCLUDE = re.compile(r"^\s*#\s*include\b")
+
+
+def _with_include(text: str, include: str) -> str:
+    """`text` with the line `include` before its first `#include` that every build compiles (in no `#if` but the
+    file's include guard), where a port puts it: below the licence comment and beside the file's other includes; on
+    top when there is no such `#include`."""
+    lines = text.splitlines(keepends=True)
+    depth, guard = 0, None
+    for index, line in enumerate(lines):
+        if match := _CONDITIONAL.match(line):
+            kind, name = match.groups()
+            if kind == "ifndef" and depth == 0 and guard is None and index + 1 < len(lines) and re.match(
+                    rf"\s*#\s*define\s+{re.escape(name)}\b", lines[index + 1]):  # fmt: skip
+                guard = name  # the include guard: its inside is the whole file
+            elif kind == "endif":
+                depth -= 1
+            else:
+                depth += 1
+        elif depth <= 0 and _INCLUDE.match(line):
+            return "".join(lines[:index]) + include + "\n" + "".join(lines[index:])
+    return include + "\n" + text
+
+
 def _runtime_include(text: str) -> str:
-    """`text` with `#include <hip/hip_runtime.h>` first when it calls the HIP runtime or declares device code and
-    includes no runtime header (and none of torch's, which bring it): nvcc includes cuda_runtime.h implicitly, hipcc
-    only in `-x hip` mode (a host-only file built by the C++ compiler calling `hipGetDevice` stops compiling), and
-    torch's hipify adds the include only to files with kernel syntax; ports add it to every such file."""
+    """`text` with `#include <hip/hip_runtime.h>` (`_with_include`) when it calls the HIP runtime or declares device
+    code and includes no runtime header (and none of torch's, which bring it): nvcc includes cuda_runtime.h
+    implicitly, hipcc only in `-x hip` mode (a host-only file built by the C++ compiler calling `hipGetDevice` stops
+    compiling), and torch's hipify adds the include only to files with kernel syntax; ports add it to every such
+    file."""
     if ((re.search(r"\bhip[A-Z]\w*\s*\(", text) or _DEVICE_QUALIFIER.search(text))
             and not _HIP_RUNTIME_INCLUDE.search(text) and not _TORCH_INCLUDE.search(text)):
-        return "#include <hip/hip_runtime.h>\n" + text
+        return _with_include(text, "#include <hip/hip_runtime.h>")
     return text
 
 
@@ -320,9 +346,9 @@ def _torch_engine() -> Engine:
         for rewrite in TORCH_TABLE_GAPS:
             text = rewrite.pattern.sub(rewrite.replacement, text)
         # torch's hip_header_magic looks for the runtime include spelt with one space: `#include<hip/hip_runtime.h>`
-        # would get a second one above it
-        if not _HIP_RUNTIME_INCLUDE.search(text):
-            text = hipify_python.hip_header_magic(text)
+        # would get a second one above it; where it adds one (on top), it goes where a port puts it instead
+        if not _HIP_RUNTIME_INCLUDE.search(text) and hipify_python.hip_header_magic(text) != text:
+            text = _with_include(text, '#include "hip/hip_runtime.h"')
         return _runtime_include(text)
 
     return Engine("torch", f"torch.utils.hipify's mapping table from torch {torch.__version__}", translate)

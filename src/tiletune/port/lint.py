@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiletune.port.preprocessor import HIPCC, Build, blank_branches_dead_on_amd, directives
+from tiletune.port.preprocessor import HIPCC, Build, blank_branches_dead_on_amd
 from tiletune.port.rules import RULES, Rule, build_flags_compiling_out, pattern_hits
 
 _COMMENT_OR_LITERAL = re.compile(
@@ -89,11 +89,6 @@ def lint_text(text: str, path: str, rules: list[Rule] = RULES, build: Build = HI
     return sorted(findings, key=lambda f: (f.path, f.line, f.column, f.rule))
 
 
-# a CUDA build flag's branch holding this share of a file's lines of code (not blank, not a preprocessor line) guards
-# the whole file: the port widens it
-WHOLE_FILE = 0.8
-
-
 # nvcc's macros every translator renames to one hipcc defines (torch's table and hipify-perl: `__CUDACC__` ->
 # `__HIPCC__`): whatever the HIP build leaves undefined of the CUDA name, the translated test is true on AMD
 RENAMED_TO_DEFINED = frozenset({"__CUDACC__"})
@@ -110,14 +105,7 @@ def _as_ported(text: str, build: Build) -> Build:
     WHOLE_FILE of its lines: a header of RAJA's CUDA policy under `#if defined(RAJA_ENABLE_CUDA)`) taken as defined,
     as the test `cuda-build-flag` asks to widen will be. A smaller CUDA-only branch may stay CUDA's (SuperLU_DIST keeps
     its `#ifdef HAVE_CUDA` helpers out of the HIP build): it is left compiled out."""
-    found = directives(text, build)
-    lines = text.split("\n")
-    code_lines = [index for index, line in enumerate(lines) if line.strip() and not line.lstrip().startswith("#")]
-    flags = set()
-    for directive, names in build_flags_compiling_out(text, build):
-        end = next((d.first for d in found if d.group == directive.group and d.first > directive.first), len(lines))
-        if sum(directive.last < index < end for index in code_lines) >= WHOLE_FILE * len(code_lines):
-            flags.update(names)
+    flags = {flag for branch in build_flags_compiling_out(text, build) if branch.whole_file for flag in branch.flags}
     if not flags:
         return build
     return dataclasses.replace(build, defined=build.defined | flags, undefined=build.undefined - flags)

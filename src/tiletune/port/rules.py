@@ -1161,29 +1161,51 @@ def check_cuda_version_expressions(text: str) -> Iterable[Hit]:
         if match and line.count('"', 0, match.start()) % 2 == 0:  # not inside a string literal
             yield Hit(number, match.start() + 1, f"`{match.group(0)}` is undefined under hipcc")
 
-# A project's build flag naming CUDA (`WITH_CUDA`, `BUILD_CUDA`, `GOOGLE_CUDA`), not CUDA's own macros
-_CUDA_BUILD_FLAG = re.compile(r"\b(?!__CUDA|CUDA_VERSION\b|CUDART_VERSION\b)(\w*CUDA\w*)\b")
+# A project's build flag naming CUDA (`WITH_CUDA`, `BUILD_CUDA`, `GOOGLE_CUDA`) or cuDNN (Caffe's `USE_CUDNN`), not
+# the toolkits' own version macros
+_CUDA_BUILD_FLAG = re.compile(r"\b(?!__CUDA|CUDA_VERSION\b|CUDART_VERSION\b|CUDNN_VERSION\b)(\w*CU(?:DA|DNN)\w*)\b")
 _OPT_OUT_FLAG = re.compile(r"(?:^|_)(?:NO|DISABLE|DISABLED|SKIP|WITHOUT)(?:_|$)")
+# a build flag's branch holding this share of a file's lines of code (not blank, not a preprocessor line) guards the
+# whole file: the port widens it
+WHOLE_FILE = 0.8
 
 
-def build_flags_compiling_out(text: str, build: Build) -> Iterable[tuple[Directive, list[str]]]:
+@dataclass(frozen=True)
+class FlagBranch:
+    """A conditional directive whose branch a CUDA build flag compiles out on AMD: the flags, and whether the branch
+    holds the whole file (WHOLE_FILE of its code)."""
+
+    directive: Directive
+    flags: list[str]
+    whole_file: bool
+
+
+def build_flags_compiling_out(text: str, build: Build) -> Iterable[FlagBranch]:
     """Each `#if` / `#ifdef` / `#elif` that compiles its branch out on AMD because it tests project build flags
-    naming CUDA that the HIP build leaves undefined (`-U WITH_CUDA`), with those flags."""
-    for directive in directives(text, build):
+    naming CUDA or cuDNN that the HIP build leaves undefined (`-U WITH_CUDA`)."""
+    found = directives(text, build)
+    lines = text.split("\n")
+    code_lines = [index for index, line in enumerate(lines) if line.strip() and not line.lstrip().startswith("#")]
+    for directive in found:
         if (directive.kind in ("else", "endif") or directive.enclosed_dead
                 or on_amd(directive.condition, build) is not False):
             continue
         flags = sorted(flag for flag in set(_CUDA_BUILD_FLAG.findall(directive.condition)) & build.undefined
                        if not _OPT_OUT_FLAG.search(flag))  # `GGML_CUDA_NO_VMM`: its branch is the fallback
         if flags:
-            yield directive, flags
+            end = next((d.first for d in found if d.group == directive.group and d.first > directive.first), len(lines))
+            held = sum(directive.last < index < end for index in code_lines)
+            yield FlagBranch(directive, flags, held >= WHOLE_FILE * len(code_lines))
 
 
 def check_cuda_build_flags(text: str, build: Build) -> Iterable[Hit]:
     """Flag a directive that compiles GPU code out on AMD through a CUDA build flag the HIP build leaves undefined
-    (`build_flags_compiling_out`): the GPU code under it is lost on AMD."""
-    for directive, flags in build_flags_compiling_out(text, build):
-        yield _directive_hit(text, directive, f"the HIP build leaves `{flags[0]}` undefined: the branch is compiled out")
+    (`build_flags_compiling_out`): the GPU code under it is lost on AMD. A cuDNN flag only around the whole file (a
+    cuDNN layer): a smaller cuDNN branch sits beside its fallback (darknet's im2col convolution), which AMD takes."""
+    for branch in build_flags_compiling_out(text, build):
+        if branch.whole_file or any("CUDA" in flag for flag in branch.flags):
+            yield _directive_hit(text, branch.directive,
+                                 f"the HIP build leaves `{branch.flags[0]}` undefined: the branch is compiled out")
 
 
 _SYNC_WARP_CALL = re.compile(r"\b__(?:shfl(?:_up|_down|_xor)?|ballot|any|all)_sync\s*\(")
@@ -1260,6 +1282,20 @@ def check_runtime_overloads(text: str) -> Iterable[Hit]:
 
 _CUTLASS_INCLUDE = re.compile(r"#\s*include\s*[<\"](?:cutlass|cute)/")
 _CUTLASS_NAME = re.compile(r"(?<![\w:])(?:cutlass|cute)::")
+
+
+_CUDNN_USE = re.compile(r"#\s*include\s*[<\"]cudnn\.h[>\"]|\bcudnn[A-Z]\w*\s*\(")
+
+
+def check_cudnn(text: str) -> Iterable[Hit]:
+    """Flag `#include <cudnn.h>` and each line calling a `cudnn*` function, not in a `#define`'s body (a checking macro
+    such as `CUDNN_CHECK` is flagged where it is used, on its cuDNN call)."""
+    in_define = False
+    for number, line in enumerate(text.split("\n"), start=1):
+        defining = in_define or bool(re.match(r"\s*#\s*define\b", line))
+        in_define = defining and line.rstrip().endswith("\\")
+        if not defining and (match := _CUDNN_USE.search(line)):
+            yield Hit(number, match.start() + 1)
 
 
 def check_cutlass(text: str) -> Iterable[Hit]:
@@ -2542,6 +2578,21 @@ RULES: list[Rule] = [
         before="#include <cutlass/gemm/device/gemm.h>\nreturn cutlass::fast_max(x, y);",
         after="#include <ck/tensor_operation/gpu/device/device_gemm.hpp>  // or hipBLASLt\nreturn ck_tile::max(x, y);",
         check=check_cutlass,
+    ),
+    Rule(
+        "cudnn-api", "error", "cuDNN include or call",
+        "cuDNN is NVIDIA's; AMD's library is MIOpen, whose API differs beyond the names: other argument orders "
+        "(`miopenConvolutionForward` takes the workspace last, `miopenConvolutionBackwardWeights` dy before x), "
+        "algorithms found by `miopenFind*` calls rather than picked, workspaces sized by calls of its own, little "
+        "double precision. A translator that respells `cudnn*` as `miopen*` (torch's table does) leaves calls that "
+        "do not compile or compute something else.",
+        "Write the MIOpen path under the HIP build (as hipCaffe and PaddlePaddle did), or call the framework's op "
+        "(torch's convolution runs MIOpen on ROCm).",
+        before="CUDNN_CHECK(cudnnConvolutionForward(handle, &one, x_desc, x, w_desc, w, conv_desc, algo, ws, ws_bytes,\n"
+               "                                    &zero, y_desc, y));",
+        after="MIOPEN_CHECK(miopenConvolutionForward(handle, &one, x_desc, x, w_desc, w, conv_desc, algo, &zero, y_desc,\n"
+              "                                      y, ws, ws_bytes));",
+        check=check_cudnn,
     ),
     Rule(
         "thrust-cuda-par", "warning", "`thrust::cuda::par` execution policy",
