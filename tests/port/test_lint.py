@@ -428,6 +428,9 @@ def test_rule_variants_fire(code, rule):
      "    for (int j = 0; j < n; ++j) { if (x[j] < 0) break; }\n  }\n}", "unroll-unknown-trip"),
     ("__global__ void k(const Strides s, float* x) {\n#pragma unroll\n  for (int d = 0; d < s.Capacity(); d++) {\n"
      "    if (d >= s.rank) break;\n  }\n}", "unroll-unknown-trip"),
+    # a block-level combine only a block of several warps needs, not a barrier skipped within a warp
+    ("if (block_size > WARP_SIZE) {\n  __syncthreads();\n  if (lane == 0) buf[warp] = v;\n  __syncthreads();\n}",
+     "warp-sync-skipped"),
     # a checking macro's body: flagged where a cuDNN call uses it, not where it is defined
     ("#define CUDNN_CHECK(ans) {                             \\\n  cudnnStatus_t status = (ans);               \\\n"
      "  if (status) fail(cudnnGetErrorString(status));  \\\n}", "cudnn-api"),

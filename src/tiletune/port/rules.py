@@ -161,6 +161,19 @@ def _position(text: str, index: int) -> tuple[int, int]:
     return text.count("\n", 0, index) + 1, index - line_start + 1
 
 
+# `if (offset > 16) __syncthreads();` / `if (s >= WARP_SIZE) { __syncthreads(); }`: the barrier, alone in its branch,
+# left out for the steps within 32 lanes (not a block-level combine that only a block of several warps needs:
+# `if (block_size > WARP_SIZE) { __syncthreads(); ...store and reload the warps' sums }`)
+_SKIPPED_BARRIER = re.compile(r"\bif\s*\(\s*[\w.]+\s*>=?\s*(?:16|32|\w*WARP_SIZE\w*|warpSize)\s*\)\s*"
+                              r"(?:__syncthreads\s*\(\s*\)\s*;|\{\s*__syncthreads\s*\(\s*\)\s*;\s*\})")
+
+
+def check_skipped_barrier(text: str) -> Iterable[Hit]:
+    """Flag a block barrier a reduction skips once its stride is within 32 lanes (the `if`, across lines)."""
+    for match in _SKIPPED_BARRIER.finditer(text):
+        yield Hit(*_position(text, match.start()))
+
+
 _SET_ATTRIBUTE = re.compile(r"\b(?:cuda|hip)FuncSetAttribute\s*\(")
 _LAUNCH = re.compile(r"<<<(.*?)>>>", re.DOTALL)
 _LAUNCH_EX_SMEM = re.compile(r"\bdynamicSmemBytes\s*=\s*([^;]+);")
@@ -2411,6 +2424,18 @@ RULES: list[Rule] = [
         before="auto warp = cg::tiled_partition<32>(block);\nif (warp.any(v > 0)) flag[warp.meta_group_rank()] = 1;",
         after="auto warp = cg::tiled_partition<64>(block);  // the wavefront on gfx9xx",
         check=check_warp_tiles,
+    ),
+    Rule(
+        "warp-sync-skipped", "warning", "block barrier skipped once a reduction works within 32 lanes",
+        "`if (offset > 16) __syncthreads();` leaves the last steps of a shared-memory tree to warp-synchronous "
+        "execution: 32 lanes in lockstep that see each other's shared-memory writes without a barrier. Neither vendor "
+        "promises that (CUDA wants `__syncwarp` since Volta); hip-clang keeps such values in registers or reorders "
+        "the loads, and the reduction returns wrong sums (CloverLeaf's and TeaLeaf's HIP ports).",
+        "Keep the barrier at every step, outside divergent branches, or finish the last 64 lanes with shuffles "
+        "(`__shfl_down`) or hipCUB's WarpReduce.",
+        before="if (offset > 16) __syncthreads();  // within a warp: no sync needed",
+        after="__syncthreads();  // every step: the last ones are not warp-synchronous on AMD",
+        check=check_skipped_barrier,
     ),
     Rule(
         "mask-32bit", "error", "32-bit lane mask in a warp function",
