@@ -3,7 +3,8 @@
 Llama-3-8B shapes: 8192 tokens (batch 4 x 2048), hidden 4096, intermediate 14336, 32 q / 8 kv heads of
 128, bf16; `--only quant`: NF4 dequantization (PyTorch, bitsandbytes, TileLang) and the QLoRA Linear; `--only moe`:
 Qwen3-30B-A3B's experts (grouped GEMM against a dense GEMM over the same rows and torch's grouped_mm); `--only
-lora_rank`: lora_linear's rank-r GEMMs as the op runs them and reformulated. Each
+lora_rank`: lora_linear's rank-r GEMMs as the op runs them and reformulated; `--only host`: the elementwise ops at 8
+tokens, where `launch` is the host's cost of a call. Each
 variant is timed two ways: `gpu` replays the forward + backward captured in a CUDA
 graph (triton.testing.do_bench_cudagraph), i.e. device time, what a training step pays when the CPU
 runs ahead of the GPU; `launch` calls it eagerly between CUDA events (triton.testing.do_bench), so
@@ -28,6 +29,7 @@ import argparse
 import csv
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -78,8 +80,10 @@ def forward_only(forward):
     return run
 
 
-def elementwise_cases():
-    """(op, {variant: callable}) with callables doing forward + backward on Llama-3-8B shapes.
+def elementwise_cases(tokens: int = TOKENS):
+    """(op, {variant: callable}) with callables doing forward + backward on Llama-3-8B shapes at `tokens` tokens
+    (`--only host`: 8, where the device work is a few microseconds and the `launch` time is the host's cost of a
+    call: the custom op's dispatch, the kernel's argument checks, autograd).
 
     Every variant gets its own copy of the inputs: Liger's swiglu backward writes its gradients into
     the saved inputs, which would change the data the other variants see.
@@ -96,22 +100,23 @@ def elementwise_cases():
     def leaves(*tensors):
         return [t.detach().clone().requires_grad_() for t in tensors]
 
-    x = torch.randn(TOKENS, HIDDEN, device=dev, dtype=dt)
+    suffix = "" if tokens == TOKENS else f" ({tokens} tokens)"
+    x = torch.randn(tokens, HIDDEN, device=dev, dtype=dt)
     w = (1 + 0.1 * torch.randn(HIDDEN, device=dev)).to(dt)
     dy = torch.randn_like(x)
     fns = {"eager": lambda x, w: rms_norm.reference_forward(x, w, 1e-5),
            "liger": lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-5, 0.0, "llama", False),
            "tilelang": lambda x, w: rms_norm.rms_norm(x, w, 1e-5, "tilelang", True)}
-    yield "rms_norm", {v: _case(f, leaves(x, w), dy) for v, f in fns.items()}
+    yield "rms_norm" + suffix, {v: _case(f, leaves(x, w), dy) for v, f in fns.items()}
 
-    g = torch.randn(TOKENS, INTER, device=dev, dtype=dt)
+    g = torch.randn(tokens, INTER, device=dev, dtype=dt)
     u = torch.randn_like(g)
     dy = torch.randn_like(g)
     fns = {"eager": lambda g, u: F.silu(g) * u, "liger": LigerSiLUMulFunction.apply,
            "tilelang": lambda g, u: swiglu.swiglu(g, u, "tilelang", True)}
-    yield "swiglu", {v: _case(f, leaves(g, u), dy) for v, f in fns.items()}
+    yield "swiglu" + suffix, {v: _case(f, leaves(g, u), dy) for v, f in fns.items()}
 
-    b, s = 4, TOKENS // 4
+    b, s = 4, max(1, tokens // 4)
     q = torch.randn(b, s, HEADS, HEAD_DIM, device=dev, dtype=dt).transpose(1, 2)
     k = torch.randn(b, s, KV_HEADS, HEAD_DIM, device=dev, dtype=dt).transpose(1, 2)
     angle = torch.rand(b, s, HEAD_DIM // 2, device=dev) * 100
@@ -119,7 +124,7 @@ def elementwise_cases():
     dq, dk = torch.randn_like(q), torch.randn_like(k)
     fns = {"eager": apply_rotary_pos_emb, "liger": liger_rotary_pos_emb,
            "tilelang": lambda q, k, c, s: rope.rope(q, k, c, s, "tilelang", True)}
-    yield "rope", {v: _case(lambda q, k, f=f: f(q, k, cos, sin), [t.detach().transpose(1, 2).clone().transpose(1, 2)
+    yield "rope" + suffix, {v: _case(lambda q, k, f=f: f(q, k, cos, sin), [t.detach().transpose(1, 2).clone().transpose(1, 2)
                                                                    .requires_grad_() for t in (q, k)], (dq, dk))
                    for v, f in fns.items()}
 
@@ -397,7 +402,8 @@ def git_commit() -> str:
         return os.environ.get("TILETUNE_COMMIT", "unknown")
 
 
-GROUPS = {"elementwise": elementwise_cases, "linear": linear_cases, "attention": attention_cases, "quant": quant_cases,
+GROUPS = {"elementwise": elementwise_cases, "host": functools.partial(elementwise_cases, 8), "linear": linear_cases,
+          "attention": attention_cases, "quant": quant_cases,
           "moe": moe_cases, "lora_rank": lora_rank_cases}
 BASELINES = ("eager", "cublas", "flash")  # the baseline of a case: the first of these among its variants
 
