@@ -301,13 +301,13 @@ def _with_include(text: str, include: str) -> str:
     file's include guard), where a port puts it: below the licence comment and beside the file's other includes; on
     top when there is no such `#include`."""
     lines = text.splitlines(keepends=True)
-    depth, guard = 0, None
+    depth, guard_seen = 0, False
     for index, line in enumerate(lines):
         if match := _CONDITIONAL.match(line):
             kind, name = match.groups()
-            if kind == "ifndef" and depth == 0 and guard is None and index + 1 < len(lines) and re.match(
+            if kind == "ifndef" and depth == 0 and not guard_seen and index + 1 < len(lines) and re.match(
                     rf"\s*#\s*define\s+{re.escape(name)}\b", lines[index + 1]):  # fmt: skip
-                guard = name  # the include guard: its inside is the whole file
+                guard_seen = True  # the include guard: its inside is the whole file
             elif kind == "endif":
                 depth -= 1
             else:

@@ -2609,8 +2609,8 @@ RULES: list[Rule] = [
         "cuDNN is NVIDIA's; AMD's library is MIOpen, whose API differs beyond the names: other argument orders "
         "(`miopenConvolutionForward` takes the workspace last, `miopenConvolutionBackwardWeights` dy before x), "
         "algorithms found by `miopenFind*` calls rather than picked, workspaces sized by calls of its own, little "
-        "double precision. A translator that respells `cudnn*` as `miopen*` (torch's table does) leaves calls that "
-        "do not compile or compute something else.",
+        "double precision. Translators respell a few names at most (torch's table: the handle, `cudnnCreate` -> "
+        "`miopenCreate`) and leave calls that do not compile, or, respelt, compute something else.",
         "Write the MIOpen path under the HIP build (as hipCaffe and PaddlePaddle did), or call the framework's op "
         "(torch's convolution runs MIOpen on ROCm).",
         before="CUDNN_CHECK(cudnnConvolutionForward(handle, &one, x_desc, x, w_desc, w, conv_desc, algo, ws, ws_bytes,\n"
