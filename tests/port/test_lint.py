@@ -67,6 +67,8 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     (("__host__ __device__ Reduce(const Reduce& o) : parent(o.parent) {\n#if !defined(__CUDA_ARCH__)\n"
       "  if (parent) setup_for_device();\n#endif\n}"), "cuda-arch-guard"),
     ("__device__ float hmax(float x, float y) { return cutlass::fast_max(x, y); }", "cutlass-cute"),  # via a header
+    (("template <typename T>\ntypename std::enable_if<std::is_floating_point<T>::value, int>::type\nbits(T x) {\n"
+      "  x += 1;\n}"), "missing-return"),  # SFINAE's type is int here
     ("void pool(Layer* l) {\n  CUDNN_CHECK(cudnnPoolingForward(l->handle, l->desc, &one, l->x_desc, l->x, &zero,\n"
      "                                  l->y_desc, l->y));\n}", "cudnn-api"),
     ("__device__ int f(int s, int t) {\n  int groupMask = 15 << ((t & 31) & ~3);\n  return __shfl_xor_sync(groupMask, s, 1);\n}",
@@ -414,6 +416,11 @@ def test_rule_variants_fire(code, rule):
      "cuda-arch-guard"),  # a host function: only the host pass compiles it
     ("PetscErrorCode MatSetUp_SeqSELLHIP(Mat A) {\n  PetscFunctionBegin;\n  PetscFunctionReturn(PETSC_SUCCESS);\n}",
      "missing-return"),  # PETSc's macro returns too
+    # SFINAE's void: enable_if's type defaults to void, or is void given (its condition with commas and comparisons)
+    (("template <typename K, typename V>\ninline typename std::enable_if<!(std::is_same<K, half>::value ||\n"
+      "    std::is_same<V, half>::value), void>::type\nSortByKey(K* keys, V* values) {\n  sort(keys, values);\n}"),
+     "missing-return"),
+    ("template <int N>\nstd::enable_if_t<(N > 4)> fill(float* x) {\n  x[0] = N;\n}", "missing-return"),
     (("__global__ void k(float* x) {}\nvoid launch(float* x, bool big) {\n  int extra = 0;\n  if (big) extra = 256;\n"
       "  cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (6112 + extra) * sizeof(double));\n}"),
      "lds-limit"),  # at most 6368 doubles: 50,944 bytes

@@ -1692,6 +1692,29 @@ _NOT_A_RETURN_TYPE = {"static", "inline", "constexpr", "extern", "virtual", "exp
                       "__global__", "__forceinline__", "__noinline__", "__inline__", "const"}
 
 
+_ENABLE_IF = re.compile(r"\benable_if(?:_t)?\s*<")
+
+
+def _enable_if_void(return_type: str) -> bool:
+    """Whether `return_type` is SFINAE's void: `std::enable_if<cond>::type`, `enable_if<cond, void>::type` or
+    `enable_if_t<cond>` (a comparison in the condition is parenthesised, as C++ requires of `>`)."""
+    match = _ENABLE_IF.search(return_type)
+    if match is None:
+        return False
+    arguments, start, angles, parens = [], match.end(), 1, 0
+    for index in range(match.end(), len(return_type)):
+        char = return_type[index]
+        parens += {"(": 1, ")": -1}.get(char, 0)
+        if parens == 0 and char in "<>":
+            angles += 1 if char == "<" else -1
+        if angles == 0 or (char == "," and angles == 1 and parens == 0):
+            arguments.append(return_type[start:index].strip())
+            start = index + 1
+            if angles == 0:
+                break
+    return len(arguments) == 1 or (len(arguments) == 2 and arguments[1] == "void")
+
+
 def check_missing_return(text: str) -> Iterable[Hit]:
     """Flag a function with a return type other than void (or auto) whose body has no `return` (nor a
     `throw`, `abort`, `__builtin_unreachable` or `__trap`, nor a project macro named for a return such as
@@ -1709,7 +1732,8 @@ def check_missing_return(text: str) -> Iterable[Hit]:
                         " ", function.before_name)
         words = [word for word in re.findall(r"\w+", before)
                  if word not in _NOT_A_RETURN_TYPE and word not in macros and not re.fullmatch(r"[A-Z0-9]+_[A-Z0-9_]+", word)]
-        returns_nothing = words and words[-1] in ("void", "auto") and not re.search(r"[*&]\s*$", before)
+        returns_nothing = ((words and words[-1] in ("void", "auto") and not re.search(r"[*&]\s*$", before))
+                           or _enable_if_void(before))
         if not words or returns_nothing or "operator" in words or function.name == "main":
             continue
         body = text[function.body_start : function.body_end]
