@@ -704,6 +704,18 @@ def _build_flag_file(tail_lines: int) -> str:
             + "".join(f"int host_{i}(int x) {{ return x + {i}; }}\n" for i in range(tail_lines)))
 
 
+def test_a_hip_build_that_defines_cuda_arch_has_answered_its_guards():
+    """Legion's first HIP build passed `-D__CUDA_ARCH__=600`: its `#ifdef __CUDA_ARCH__` device paths are AMD's, and
+    no guard is flagged; the same file under plain hipcc is."""
+    from tiletune.port.preprocessor import Build
+
+    code = ("__device__ inline void add(double* p, double v) {\n#ifdef __CUDA_ARCH__\n  atomicAdd(p, v);\n#else\n"
+            "  *p += v;\n#endif\n}\n")
+    assert [f.line for f in lint_text(code, "redop.h") if f.rule == "cuda-arch-guard"] == [2]
+    assert not [f for f in lint_text(code, "redop.h", build=Build(defined=frozenset({"__CUDA_ARCH__"})))
+                if f.rule == "cuda-arch-guard"]
+
+
 @pytest.mark.parametrize(("tail_lines", "linted_inside"), [(0, True), (40, False)], ids=["whole-file", "one-block"])
 def test_a_whole_file_under_a_cuda_build_flag_is_linted_as_the_port_will_compile_it(tail_lines, linted_inside):
     """`cuda-build-flag` asks to widen `#ifdef WITH_CUDA` to the HIP build: when it guards the whole file the code

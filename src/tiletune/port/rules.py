@@ -1115,13 +1115,17 @@ def _host_branches_in_device_code(text: str) -> Iterable[Hit]:
                                  "from nvcc's: the class is no longer trivially copyable in device code")
 
 
-def check_arch_guards(text: str) -> Iterable[Hit]:
+def check_arch_guards(text: str, build: Build) -> Iterable[Hit]:
     """Flag an `#if` / `#elif` that tests `__CUDA_ARCH__` (a comparison, or `#ifdef`) where hipcc compiles a
     branch of its group out because of it (`>= 800` and `defined(__CUDA_ARCH__)` are false on AMD, `< 700` true),
     and a macro defined as such a test (`#define HAS_BF16 (__CUDA_ARCH__ >= 800)`), which is a constant on AMD. A
     test for GPUs older than sm_N (`#if __CUDA_ARCH__ < 600`) is true on AMD: its branch (a CAS-loop `atomicAdd`
     for doubles, a no-op `atomicAdd` macro for sm_1x) is compiled there even with nothing after it; so is the host
-    branch of a `__host__ __device__` function (`#ifndef __CUDA_ARCH__`), flagged where it throws."""
+    branch of a `__host__ __device__` function (`#ifndef __CUDA_ARCH__`), flagged where it throws. Nothing where the
+    HIP build defines `__CUDA_ARCH__` itself (`-D__CUDA_ARCH__=600`, as Legion's first HIP build did): it has chosen
+    what AMD compiles."""
+    if "__CUDA_ARCH__" in build.defined:
+        return []
     return sorted([*_guards_compiling_out(text, _ARCH_TEST, true_alone=_OLD_ARCH_TEST), *_arch_defines(text),
                    *_host_branches_in_device_code(text)], key=lambda hit: (hit.line, hit.column))
 
@@ -3089,6 +3093,7 @@ RULES: list[Rule] = [
         after="#if defined(__gfx90a__) || defined(__gfx942__)  // the AMD path, then the __CUDA_ARCH__ tests",
         check=check_arch_guards,
         reads_dead_code=True,
+        reads_build=True,
     ),
     Rule(
         "cuda-build-flag", "warning", "GPU code under a CUDA build flag the HIP build does not set",
