@@ -201,6 +201,12 @@ def test_a_projects_own_cu_named_variables_are_not_cuda_names():
     assert set(cuda_names(text)) == {"CUdevice", "cuCtxCreate"}
 
 
+def test_cucomplex_types_left_are_cuda_names():
+    """cuComplex.h's types and constructors, which no translator call-syntax check sees (no parenthesis after a type)."""
+    text = "cuFloatComplex z = make_cuFloatComplex(1.f, 0.f);\ncuDoubleComplex w;\nhipFloatComplex ok;"
+    assert set(cuda_names(text)) == {"cuFloatComplex", "make_cuFloatComplex", "cuDoubleComplex"}
+
+
 def test_cuda_names_are_the_apis_and_headers_not_a_projects_own_snake_case_names():
     text = ("cudaError_t cuda_status = cudaMemcpyAsync(d, h, n, cudaMemcpyHostToDevice, s);\n#include <cuda_fp16.h>\n"
             "curand_init(seed, id, 0, &state); int cuda_device_count = 0; bool use_cudnn_v8 = false;")
@@ -290,6 +296,10 @@ def test_torch_engine_gives_a_host_only_file_the_runtime_include(tmp_path):
      ["#ifdef USE_FAST\n#include <fast.h>\n#endif\n#include <hip/hip_runtime.h>\n#include \"common.h\""]),
     ("bare.cu", "// no include at all\n__global__ void k(int* x) { *x = 1; }\n",
      ['#include "hip/hip_runtime.h"\n// no include at all']),
+    # cuComplex.h's names beyond the two torch's table maps
+    ("rotary.cu", "#include <cuComplex.h>\n__global__ void k(cuFloatComplex* x, float c, float s) {\n"
+                  "  x[0] = cuCmulf(x[0], make_cuFloatComplex(c, s));\n  x[1].x = cuCabsf(x[1]);\n}\n",
+     ["<hip/hip_complex.h>", "hipFloatComplex* x", "hipCmulf(x[0], make_hipFloatComplex(c, s))", "hipCabsf(x[1])"]),
 ])
 def test_torch_engine_fills_what_cuda_gives_implicitly(tmp_path, name, cuda, expected):
     source = tmp_path / name

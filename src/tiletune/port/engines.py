@@ -178,6 +178,12 @@ TORCH_TABLE_GAPS: list[Rewrite] = [
     Rewrite(re.compile(rf"\bhipStreamWaitEvent\s*{_CALL_ARGUMENTS}"), _with_arity(2, "hipStreamWaitEvent({0}, 0)"),
             "cuda_runtime_api.h defaults `cudaStreamWaitEvent`'s flags to 0; hip_runtime_api.h gave "
             "`hipStreamWaitEvent`'s no default before ROCm 6.1"),
+    # cuComplex.h's names: torch maps the header, cuComplex and cuDoubleComplex only (cuFloatComplex, the make_
+    # constructors and the arithmetic are left as they were)
+    Rewrite(re.compile(r"\bcu(FloatComplex|C(?:add|sub|mul|div|abs|real|imag|fma)f?|Conjf?|Complex(?:FloatToDouble|"
+                       r"DoubleToFloat))\b"), r"hip\1",
+            "hip/hip_complex.h's names for cuComplex.h's (hipFloatComplex, hipCaddf, hipCabs, hipConjf ...)"),
+    Rewrite(re.compile(r"\bmake_cu(Float|Double)?Complex\b"), r"make_hip\1Complex", "hip/hip_complex.h's constructors"),
     Rewrite(re.compile(r"""(#\s*include\s*[<"])vector_functions\.hp?p?([>"])"""), r"\1hip/hip_vector_types.h\2",
             "CUDA's make_float2 / make_int4 ... header; HIP defines them with its vector types (torch maps "
             "vector_types.h only)"),

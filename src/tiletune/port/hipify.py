@@ -33,6 +33,7 @@ _CUDA_NAME = re.compile(
     r"\b(?:cuda|cublas|cusparse|cufft|cusolver|cudnn|nvrtc|nccl)(?:[A-Z]\w*|_\w+\.h\b)|\bcurand(?:[A-Z_])\w*"
     r"|\bCU(?:DA|BLAS|SPARSE|RAND|FFT|SOLVER|DNN|B)?_[A-Z]\w*|\bcu[A-Z]\w*(?=\s*\()|\bCU[a-z]\w*|\bCub[A-Z]\w*|\b__nv_\w+"
     r"|\b(?:nvcuda|wmma|cutlass|cute|cub|thrust::cuda)::\w+"
+    r"|\b(?:make_)?cu(?:Float|Double)?Complex\b"  # cuComplex.h's types and constructors
 )
 
 _MACRO_DEFINITION = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)", re.MULTILINE)
