@@ -1166,15 +1166,23 @@ def check_compiler_guards(text: str) -> Iterable[Hit]:
 _CUDA_VERSION_NAME = re.compile(r"\b(?:__CUDACC_VER_(?:MAJOR|MINOR|BUILD)__|CUDART_VERSION)\b")
 
 
+def _lines_outside(text: str, directive: re.Pattern) -> Iterable[tuple[int, str]]:
+    """(1-based number, line) of each line of `text` outside the preprocessor directives `directive` matches at their
+    start, their backslash-continued lines included."""
+    continued = False
+    for number, line in enumerate(text.split("\n"), start=1):
+        inside = continued or bool(directive.match(line))
+        continued = inside and line.rstrip().endswith("\\")
+        if not inside:
+            yield number, line
+
+
 def check_cuda_version_expressions(text: str) -> Iterable[Hit]:
     """Flag C++ code, not a preprocessor directive, that reads nvcc's version macros or `CUDART_VERSION`
     (`static_assert(__CUDACC_VER_MAJOR__ > 10, ...)`, `return CUDART_VERSION;`): in a directive an undefined name is 0,
     in code hipcc finds no such identifier."""
-    in_directive = False
-    for number, line in enumerate(text.split("\n"), start=1):
-        directive = in_directive or line.lstrip().startswith("#")
-        in_directive = directive and line.rstrip().endswith("\\")
-        match = None if directive else _CUDA_VERSION_NAME.search(line)
+    for number, line in _lines_outside(text, re.compile(r"\s*#")):
+        match = _CUDA_VERSION_NAME.search(line)
         if match and line.count('"', 0, match.start()) % 2 == 0:  # not inside a string literal
             yield Hit(number, match.start() + 1, f"`{match.group(0)}` is undefined under hipcc")
 
@@ -1307,11 +1315,8 @@ _CUDNN_USE = re.compile(r"#\s*include\s*[<\"]cudnn\.h[>\"]|\bcudnn[A-Z]\w*\s*\("
 def check_cudnn(text: str) -> Iterable[Hit]:
     """Flag `#include <cudnn.h>` and each line calling a `cudnn*` function, not in a `#define`'s body (a checking macro
     such as `CUDNN_CHECK` is flagged where it is used, on its cuDNN call)."""
-    in_define = False
-    for number, line in enumerate(text.split("\n"), start=1):
-        defining = in_define or bool(re.match(r"\s*#\s*define\b", line))
-        in_define = defining and line.rstrip().endswith("\\")
-        if not defining and (match := _CUDNN_USE.search(line)):
+    for number, line in _lines_outside(text, re.compile(r"\s*#\s*define\b")):
+        if match := _CUDNN_USE.search(line):
             yield Hit(number, match.start() + 1)
 
 
