@@ -51,10 +51,12 @@ def _assert_same(result, reference):
 
 
 def test_choose_offloads_every_nth_layer_and_shares_the_rest_of_the_budget():
-    # the top layer's backward starts with the layer 6 in flight, 3 below: one kept layer more (30 + 12) would not fit
+    # layer 6, 3 below the top, is in flight during the top layer's backward beside layers 7 and 8 (20 + 12); a fourth
+    # kept layer would not fit at the loss (40)
     assert choose_treatments(10, 10, 10, 35, offload_every=3, offload_bytes=12) == [
-        "offload", "recompute", "recompute", "offload", "recompute", "recompute", "offload", "recompute", "keep", "keep"]
-    # 2 apart, layer 6 is back before the top layer's backward ends (3 kept: 30 there, 20 + 12 a layer below)
+        "offload", "recompute", "recompute", "offload", "recompute", "recompute", "offload", "keep", "keep", "keep"]
+    assert choose_treatments(10, 10, 10, 31, offload_every=3, offload_bytes=12)[-3:] == ["recompute", "keep", "keep"]
+    # 2 apart, layer 6 is back during layer 8's backward (10 + 12); the loss holds the 3 kept layers (30)
     assert choose_treatments(10, 10, 10, 35, offload_every=2, offload_bytes=12) == [
         "offload", "recompute", "offload", "recompute", "offload", "recompute", "offload", "keep", "keep", "keep"]
     assert choose_treatments(10, 10, 10, 35, 3, 12, max_offloaded=1).count("offload") == 1
@@ -73,11 +75,14 @@ def test_recomputed_inputs_take_the_host_before_offloaded_layers():
 
 def test_a_layer_in_flight_counts_beside_the_spared_layers_below_the_one_that_brings_it_back():
     treatments = ["offload", "recompute", "offload", "keep", "keep"]
-    # brought back 2 layers above: on the device beside layer 3 (10 + 12) and layer 4 (20 + 12)
-    assert held_beyond_base(treatments, {"keep": 10}, offload_bytes=12, distance=2) == 32
-    # 1 layer above: back before layer 4's backward, so max(10 + 12, 20)
-    assert held_beyond_base(treatments, {"keep": 10}, 12, 1) == 22
-    plan = RecomputePlan(treatments, 100, 50, 10, 10, "cuda memory", offload_bytes=12, offload_every=1)
+    # brought back 2 layers above: on the device during layer 3's backward (nothing below it held: 12) and layer 4's
+    # (layer 3's 10 + 12); a layer's own bytes are its backward's working set, already in the base
+    assert held_beyond_base(treatments, {"keep": 10}, offload_bytes=12, distance=2) == 22
+    # 1 layer above: back during layer 3's backward only (12); at the loss both kept layers hold theirs (20)
+    assert held_beyond_base(treatments, {"keep": 10}, 12, 1) == 20
+    # a third kept layer: the loss (30) is the highest point
+    assert held_beyond_base(treatments + ["keep"], {"keep": 10}, 12, 2) == 30
+    plan = RecomputePlan(treatments, 100, 50, 10, 10, "cuda memory", offload_bytes=12, offload_every=2)
     assert plan.predicted_peak_bytes == 50 + 22
 
 
