@@ -308,8 +308,9 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
     if not source.exists():
         raise SystemExit(f"{source} is missing: run `score.py --fetch` online (or --from-git) first")
     text = source.read_text(encoding="utf-8")
-    build = port.get("hip_build", {})  # the project's HIP build macros, as its build files set them
-    hip_build = Build(frozenset(build.get("defined", ())), frozenset(build.get("undefined", ())))
+    build = port.get("hip_build", {})  # the project's HIP build macros and C++ standard, as its build files set them
+    hip_build = Build(frozenset(build.get("defined", ())), frozenset(build.get("undefined", ())),
+                      int(build.get("std", "c++17").removeprefix("c++")))
     # the project's own names: those this file defines and the macros the project defines in its other files (gputt's
     # `cudaCheck`): `tiletune hipify` run on the project reads them there and does not count them as CUDA names left
     own_names = frozenset(port.get("project_macros", ())) | defined_names(text)
@@ -379,7 +380,7 @@ def _guard_decided(before: str, after: str, build: Build) -> bool:
     the other known value): `#ifdef __CUDACC__`, false under hipcc (which leaves nvcc's macro undefined; the lint
     leaves it to the translation), becomes `#ifdef __HIPCC__`, true."""
     tests = ("if", "ifdef", "ifndef", "elif")
-    as_written = Build(build.defined, build.undefined | {"__CUDACC__"})
+    as_written = Build(build.defined, build.undefined | {"__CUDACC__"}, build.std)
     old = [on_amd(d.condition, as_written) for d in directives(before, as_written) if d.kind in tests]
     new = [on_amd(d.condition, build) for d in directives(after, build) if d.kind in tests]
     return len(old) == len(new) and any(a is not None and b is not None and a != b for a, b in zip(old, new))

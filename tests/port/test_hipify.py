@@ -148,6 +148,16 @@ def test_cli_takes_the_hip_builds_macros(tmp_path):
     assert both.exit_code == 2 and "KERNEL_USE_FP8 given to both --define and --undef" in both.output
 
 
+def test_cli_takes_the_hip_builds_cxx_standard(tmp_path):
+    """`--std c++11` (the HIP build's -std): `register`, an error under hipcc's default C++17, is not flagged."""
+    source = tmp_path / "k.cu"
+    source.write_text("__global__ void k(float* x) { register float v = x[0]; x[1] = v; }\n")
+    runner = CliRunner()
+    assert "register-storage" in runner.invoke(main, ["hipify", str(source), "--lint-only", "--format", "json"]).output
+    older = runner.invoke(main, ["hipify", str(source), "--lint-only", "--format", "json", "--std", "c++11"])
+    assert older.exit_code == 0 and "register-storage" not in older.output
+
+
 def test_cli_json_on_stdout_is_parseable(tree):
     result = CliRunner().invoke(main, ["hipify", str(tree), "--lint-only", "--format", "json"])
     data = json.loads(result.stdout)

@@ -716,6 +716,15 @@ def test_a_hip_build_that_defines_cuda_arch_has_answered_its_guards():
                 if f.rule == "cuda-arch-guard"]
 
 
+@pytest.mark.parametrize(("std", "fires"), [(11, False), (14, False), (17, True), (20, True)])
+def test_register_is_flagged_where_the_hip_build_compiles_cxx17(std, fires):
+    """clang rejects `register` from C++17 (hipcc's default) and only warns before: SHOC's HIP build compiles its
+    `register float v0 = ...` kernels with `-std=c++11`."""
+    code = "__global__ void add(float* x) {\n  register float v = x[threadIdx.x];\n  x[threadIdx.x] = v + 1;\n}\n"
+    found = [f.line for f in lint_text(code, "flops.cu", build=Build(std=std)) if f.rule == "register-storage"]
+    assert found == ([2] if fires else [])
+
+
 @pytest.mark.parametrize(("tail_lines", "linted_inside"), [(0, True), (40, False)], ids=["whole-file", "one-block"])
 def test_a_whole_file_under_a_cuda_build_flag_is_linted_as_the_port_will_compile_it(tail_lines, linted_inside):
     """`cuda-build-flag` asks to widen `#ifdef WITH_CUDA` to the HIP build: when it guards the whole file the code

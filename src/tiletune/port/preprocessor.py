@@ -43,10 +43,12 @@ _COMPARE = {">=": int.__ge__, "<=": int.__le__, "==": int.__eq__, "!=": int.__ne
 @dataclass(frozen=True)
 class Build:
     """The HIP build's own macros beyond hipcc's: names it defines (`-DNAME`, true in `#if NAME`) and names it leaves
-    undefined (`-UNAME`: false in `#ifdef NAME` and `#if NAME`)."""
+    undefined (`-UNAME`: false in `#ifdef NAME` and `#if NAME`); and the C++ standard it compiles (`-std=c++11`: 11),
+    hipcc's clang defaulting to gnu++17."""
 
     defined: frozenset[str] = frozenset()
     undefined: frozenset[str] = frozenset()
+    std: int = 17
 
 
 HIPCC = Build()  # hipcc alone: no project macro known

@@ -1115,6 +1115,15 @@ def _host_branches_in_device_code(text: str) -> Iterable[Hit]:
                                  "from nvcc's: the class is no longer trivially copyable in device code")
 
 
+_REGISTER = re.compile(r"(?:^|[;{}(,])\s*register\s+(?=[A-Za-z_])")
+
+
+def check_register_storage(text: str, build: Build) -> Iterable[Hit]:
+    """Flag the `register` storage class where the HIP build compiles C++17 or later (hipcc's default), where clang
+    rejects it; an older `-std` only warns."""
+    return pattern_hits(_REGISTER, text.splitlines()) if build.std >= 17 else []
+
+
 def check_arch_guards(text: str, build: Build) -> Iterable[Hit]:
     """Flag an `#if` / `#elif` that tests `__CUDA_ARCH__` (a comparison, or `#ifdef`) where hipcc compiles a
     branch of its group out because of it (`>= 800` and `defined(__CUDA_ARCH__)` are false on AMD, `< 700` true),
@@ -2840,10 +2849,13 @@ RULES: list[Rule] = [
         "`register` was deprecated in C++11 and removed in C++17. clang, which hipcc is, rejects it in C++17 mode "
         "(\"ISO C++17 does not allow 'register' storage class specifier\", an error by default), and torch "
         "extensions build with -std=c++17; nvcc accepts it and g++ only warns, so the CUDA build never said.",
-        "Drop the keyword (compilers ignore it), or spell it through a macro that is `register` only before C++17.",
+        "Drop the keyword (compilers ignore it), or spell it through a macro that is `register` only before C++17. "
+        "A HIP build that compiles an older standard (`tiletune hipify --std c++11`, as SHOC's `-std=c++11`) only "
+        "gets clang's deprecation warning: nothing fires.",
         before="register int r1, r2, r3, r4;",
         after="int r1, r2, r3, r4;",
-        pattern=re.compile(r"(?:^|[;{}(,])\s*register\s+(?=[A-Za-z_])"),
+        check=check_register_storage,
+        reads_build=True,
     ),
     Rule(
         "warpsize-constexpr", "error", "`warpSize` where C++ needs a constant",
