@@ -4,6 +4,13 @@ Both take the op's arguments plus the implementation name and ``strict``, run wh
 `registry.select` picks for those inputs, and have fake kernels, so autograd works and torch.compile
 treats them as opaque (TileLang itself cannot be traced). The op module says what differs between ops
 in one `Signature`; everything else (schemas, selection, saving for the backward, autograd) is here.
+
+The ops are registered through `torch.library.Library` (schema, one kernel for every backend, a fake, and an
+autograd kernel: an `autograd.Function` that calls the op below autograd), not `torch.library.custom_op`, whose
+Python wrappers (default filling, aliasing checks, a dynamo guard around the kernel) cost a call more host time
+than the op's own selection: 16 against 10 us for a forward on a CPU, in a step whose host time sets its pace
+(benchmarks/results/h100-2026-12-07c). The ops stay visible to dispatch modes (selective checkpointing keeps
+their outputs) and pass `torch.library.opcheck` (tests/kernels/test_customop.py).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tiletune.kernels.library import KernelMissing
 from tiletune.kernels.registry import backward_of, fallback, note_fallback, select
 
 
@@ -50,6 +58,9 @@ def _as_tuple(value) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
 
+_LIBRARY = torch.library.Library("tiletune", "FRAGMENT")  # kept alive: the registrations live as long as it does
+
+
 def make_custom_op(sig: Signature):
     """Register ``tiletune::<name>`` and ``tiletune::<name>_backward`` with fakes and autograd; returns the forward op."""
     grads_schema = ", ".join(f"Tensor grad{i}" for i in range(sig.differentiable))
@@ -68,41 +79,58 @@ def make_custom_op(sig: Signature):
                                     (*grads, *saved))  # fmt: skip
         return _finish(outputs, sig.layout, grads[0])
 
-    forward_op = torch.library.custom_op(f"tiletune::{sig.name}", forward, mutates_args=(),
-                                         schema=f"({sig.inputs}, str impl, bool strict) -> {sig.outputs}")
-    forward_op.register_fake(lambda *args: sig.fake(*args[:-2]))
-    backward_op = torch.library.custom_op(
-        f"tiletune::{sig.name}_backward", backward, mutates_args=(),
-        schema=f"({grads_schema}, {sig.backward_inputs}, str impl, bool strict) -> {sig.backward_outputs}")
-    backward_op.register_fake(lambda *args: sig.backward_fake(*args[:-2]))
+    forward_op = _define(sig.name, f"({sig.inputs}, str impl, bool strict) -> {sig.outputs}", forward,
+                         lambda *args: sig.fake(*args[:-2]))  # fmt: skip
+    backward_op = _define(f"{sig.name}_backward",
+                          f"({grads_schema}, {sig.backward_inputs}, str impl, bool strict) -> {sig.backward_outputs}",
+                          backward, lambda *args: sig.backward_fake(*args[:-2]))  # fmt: skip
 
-    def setup_context(ctx, inputs, output):
-        *inputs, ctx.impl, ctx.strict = inputs
-        outputs = _as_tuple(output)
-        ctx.mark_non_differentiable(*outputs[sig.differentiable :])
-        saved = sig.save(inputs, outputs, ctx.needs_input_grad)
-        ctx.tensor_slots = [i for i, value in enumerate(saved) if isinstance(value, Tensor)]
-        ctx.constants = [None if isinstance(value, Tensor) else value for value in saved]
-        ctx.save_for_backward(*(saved[i] for i in ctx.tensor_slots))
+    class Autograd(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            with torch._C._AutoDispatchBelowAutograd():
+                output = forward_op(*args)
+            *inputs, ctx.impl, ctx.strict = args
+            outputs = _as_tuple(output)
+            ctx.mark_non_differentiable(*outputs[sig.differentiable :])
+            saved = sig.save(inputs, outputs, ctx.needs_input_grad)
+            ctx.tensor_slots = [i for i, value in enumerate(saved) if isinstance(value, Tensor)]
+            ctx.constants = [None if isinstance(value, Tensor) else value for value in saved]
+            ctx.save_for_backward(*(saved[i] for i in ctx.tensor_slots))
+            return output
 
-    def autograd_backward(ctx, *grads):
-        saved = list(ctx.constants)
-        for slot, tensor in zip(ctx.tensor_slots, ctx.saved_tensors, strict=True):
-            saved[slot] = tensor
-        results = _as_tuple(backward_op(*grads[: sig.differentiable], *saved, ctx.impl, ctx.strict))
-        input_grads = tuple(None if index is None or not ctx.needs_input_grad[i] else results[index]
-                            for i, index in enumerate(sig.grad_of))
-        return (*input_grads, None, None)
+        @staticmethod
+        def backward(ctx, *grads):
+            saved = list(ctx.constants)
+            for slot, tensor in zip(ctx.tensor_slots, ctx.saved_tensors, strict=True):
+                saved[slot] = tensor
+            results = _as_tuple(backward_op(*grads[: sig.differentiable], *saved, ctx.impl, ctx.strict))
+            input_grads = tuple(None if index is None or not ctx.needs_input_grad[i] else results[index]
+                                for i, index in enumerate(sig.grad_of))
+            return (*input_grads, None, None)
 
-    forward_op.register_autograd(autograd_backward, setup_context=setup_context)
+    def autograd_kernel(*args):
+        if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
+            return Autograd.apply(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return forward_op(*args)
+
+    _LIBRARY.impl(sig.name, autograd_kernel, "Autograd")
     return forward_op
+
+
+def _define(name: str, schema: str, kernel: Callable, fake: Callable):
+    """``tiletune::<name>`` with `schema`, `kernel` for every backend and `fake` for fake tensors: its default
+    overload."""
+    _LIBRARY.define(name + schema)
+    _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"tiletune::{name}", fake, lib=_LIBRARY)
+    return getattr(torch.ops.tiletune, name).default
 
 
 def _run_or_fall_back(op: str, impl: str, strict: bool, run: Callable, instead: Callable, args: tuple):
     """`run(*args)`, or the op's fallback `instead(*args)` when a kernel the loaded kernel library lacks cannot be
     compiled here (the reason counted like every fallback; raised under strict)."""
-    from tiletune.kernels.library import KernelMissing
-
     try:
         return run(*args)
     except KernelMissing as missing:
