@@ -7,10 +7,10 @@ in one `Signature`; everything else (schemas, selection, saving for the backward
 
 The ops are registered through `torch.library.Library` (schema, one kernel for every backend, a fake, and an
 autograd kernel: an `autograd.Function` that calls the op below autograd), not `torch.library.custom_op`, whose
-Python wrappers (default filling, aliasing checks, a dynamo guard around the kernel) cost a call more host time
-than the op's own selection: 16 against 10 us for a forward on a CPU, in a step whose host time sets its pace
-(benchmarks/results/h100-2026-12-07c). The ops stay visible to dispatch modes (selective checkpointing keeps
-their outputs) and pass `torch.library.opcheck` (tests/kernels/test_customop.py).
+Python wrappers (default filling, aliasing checks, a dynamo guard around the kernel) cost 25-30 us more host time
+a forward + backward (benchmarks/results/cpu-2026-12-07-customop): time the GPU waits in a step whose host sets its
+pace (the MoE step, benchmarks/results/h100-2026-12-07b). The ops stay visible to dispatch modes (selective
+checkpointing keeps their outputs) and pass `torch.library.opcheck` (tests/kernels/test_customop.py).
 """
 
 from __future__ import annotations
