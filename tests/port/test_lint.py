@@ -716,6 +716,34 @@ def test_a_hip_build_that_defines_cuda_arch_has_answered_its_guards():
                 if f.rule == "cuda-arch-guard"]
 
 
+def _nest(outer: str, inner: str, outer_pragma: bool = True, inner_pragma: bool = True) -> str:
+    """A kernel with two nested loops `for (k...; outer)` and `for (j...; inner)`, each under `#pragma unroll` or not."""
+    def pragma(on: bool) -> str:
+        return "#pragma unroll\n" if on else ""
+    return ("__global__ void conv(float* y, const float* x, const float* w, int n, int m) {\n  float v = 0;\n"
+            f"{pragma(outer_pragma)}  for (int k = 0; k < {outer}; ++k) {{\n"
+            f"{pragma(inner_pragma)}    for (int j = 0; j < {inner}; ++j) v += w[k * 8 + j] * x[j];\n"
+            "  }\n  y[threadIdx.x] = v;\n}\n")
+
+
+@pytest.mark.parametrize(("code", "flagged"), [
+    (_nest("n", "m"), [3]),  # both bounds at run time: the outer loop is not unrolled (clang 15, gfx90a)
+    (_nest("n", "m", inner_pragma=False), []),  # the inner loop not unrolled: the outer one is
+    (_nest("n", "4"), []),  # the inner one unrolled whole: the outer one is innermost again
+    (_nest("8", "m"), []),  # a constant outer bound: unrolled whole
+    (_nest("n", "m", outer_pragma=False), []),
+    # bounds that are template parameters, named in an array parameter's extents (fast-hadamard-transform's
+    # `float x[kNChunks][1 << kLogN]`): constants, not parameters
+    ("template <int kLogN, int kN> __device__ void f(float x[kN][1 << kLogN]) {\n#pragma unroll\n"
+     "  for (int i = 0; i < kLogN; ++i) {\n#pragma unroll\n    for (int j = 0; j < kLogN; ++j) x[0][i + j] += 1;\n  }\n}\n", []),
+])
+def test_unroll_of_a_loop_around_one_unrolled_at_run_time(code, flagged):
+    """hip-clang warns 'loop not unrolled' for a `#pragma unroll` loop with a run-time bound around another one: the
+    inner loop gets a remainder loop and the outer one is no longer innermost (the variants checked with clang 15
+    for gfx90a; PyTorch's depthwise convolution dropped these pragmas under ROCm)."""
+    assert [f.line for f in lint_text(code, "conv.cu") if f.rule == "unroll-unknown-trip"] == flagged
+
+
 @pytest.mark.parametrize(("std", "fires"), [(11, False), (14, False), (17, True), (20, True)])
 def test_register_is_flagged_where_the_hip_build_compiles_cxx17(std, fires):
     """clang rejects `register` from C++17 (hipcc's default) and only warns before: SHOC's HIP build compiles its

@@ -2317,9 +2317,13 @@ def _parameter_names(header: str) -> set[str]:
     heads = [head for head in _CALLABLE_HEAD.finditer(searched) if head.group(1) not in _ATTRIBUTES]
     if not heads:
         return set()
-    names = (re.findall(r"\w+", parameter.split("=", 1)[0]) for parameter in
+    # an array parameter's extents are not its name (`double rC[THR_N][THR_M]`, `float x[kN][1 << kLogN]`)
+    names = (re.findall(r"\w+", _ARRAY_EXTENTS.sub("", parameter.split("=", 1)[0])) for parameter in
              split_arguments(_balanced_args(header, heads[0].end() - 1)))
     return {words[-1] for words in names if len(words) > 1}
+
+
+_ARRAY_EXTENTS = re.compile(r"\[[^\[\]]*\]")
 
 
 def _read_at_run_time(expr: str, scope: str, parameters: set[str], loop_variable: str, depth: int = 0) -> bool:
@@ -2338,9 +2342,24 @@ def _read_at_run_time(expr: str, scope: str, parameters: set[str], loop_variable
 def check_unroll_unknown_trip(text: str) -> Iterable[Hit]:
     """Flag `#pragma unroll` (any count but 1) on a `for` loop LLVM cannot count: a geometric step (`offset >>= 1`)
     from a start or to a bound known only at run time (`blockDim.x / 2`), or an early exit (`break`, `return`) from a
-    loop whose bound or step is known only at run time. hip-clang then warns 'loop not unrolled' (-Wpass-failed) for
-    each instantiation; nvcc drops the request silently. Bounds from template parameters or constants are known, so
-    those loops unroll."""
+    loop whose bound or step is known only at run time; and on a loop with a run-time bound around another such
+    unrolled loop (PyTorch's depthwise convolution: `kH < KH_LIMIT` around `kW < KW_LIMIT`): the inner one is unrolled
+    at run time, with a remainder loop, and the outer one, no longer innermost, is not (clang 15 for gfx90a, one
+    warning per such outer loop; an inner loop without the pragma, or with a constant bound, leaves the outer one
+    unrolled). hip-clang then warns 'loop not unrolled' (-Wpass-failed) for each instantiation; nvcc drops the request
+    silently. Bounds from template parameters or constants are known, so those loops unroll."""
+    loops = list(_unrolled_loops(text))
+    for pragma, body_start, body_end, bound_at_run_time, why in loops:
+        if why:
+            yield Hit(*_position(text, pragma), why)
+        elif bound_at_run_time and any(body_start < inner < body_end and inner_run_time
+                                       for inner, _, _, inner_run_time, _ in loops):  # fmt: skip
+            yield Hit(*_position(text, pragma), "a loop unrolled at run time inside it")
+
+
+def _unrolled_loops(text: str) -> Iterable[tuple[int, int, int, bool, str | None]]:
+    """Each `for` loop under `#pragma unroll` (count not 1) inside a function: where its pragma starts, its body's
+    span, whether its bound or step is read at run time, and why LLVM cannot count it (None: it can, or may)."""
     for pragma in _UNROLLED_FOR.finditer(text):
         function = enclosing_function(text, pragma.start())
         if function is None:
@@ -2357,11 +2376,13 @@ def check_unroll_unknown_trip(text: str) -> Iterable[Hit]:
             return any(_read_at_run_time(clause, scope, parameters, loop_variable) for clause in clauses)
 
         body_start = pragma.end() + len(_balanced_args(text, pragma.end() - 1)) + 1
-        body = text[body_start : _statement_end(text, body_start)]
+        body_end = _statement_end(text, body_start)
+        why = None
         if _GEOMETRIC_STEP.search(step) and run_time(init, condition):
-            yield Hit(*_position(text, pragma.start()), "a geometric step from a run-time value")
-        elif run_time(condition, step) and _exits_early(body):  # from a run-time start: still at most n trips
-            yield Hit(*_position(text, pragma.start()), "an early exit from a loop with a run-time bound")
+            why = "a geometric step from a run-time value"
+        elif run_time(condition, step) and _exits_early(text[body_start:body_end]):  # from a run-time start: still at most n trips
+            why = "an early exit from a loop with a run-time bound"
+        yield pragma.start(), body_start, body_end, run_time(condition, step), why
 
 
 def _exits_early(body: str) -> bool:
