@@ -3321,8 +3321,9 @@ RULES: list[Rule] = [
     Rule(
         "unroll-unknown-trip", "note", "`#pragma unroll` on a loop hip-clang cannot count",
         "LLVM unrolls a loop (fully, or by the pragma's count with a remainder) only when it can compute the trip count. "
-        "A geometric step (`offset >>= 1`) from a run-time start, or an early `break` / `return` out of a loop with a "
-        "run-time bound, defeats that, and hip-clang warns 'loop not unrolled: the optimizer was unable to perform the "
+        "A geometric step (`offset >>= 1`) from a run-time start, an early `break` / `return` out of a loop with a "
+        "run-time bound, or an unrolled loop with a run-time bound inside one (unrolled with a remainder loop, it "
+        "leaves the outer loop no longer innermost) defeats that, and hip-clang warns 'loop not unrolled: the optimizer was unable to perform the "
         "requested transformation' (-Wpass-failed) for every instantiation, an error under -Werror; nvcc drops the "
         "request silently. The code is unchanged, only the compile log fills (GPUMD's force sums, llama.cpp's softmax).",
         "Drop the pragma where the bound is a run-time value, give the loop a compile-time bound (a template parameter), "
