@@ -119,7 +119,7 @@ CLASSES: dict[str, ChangeClass] = {
     # round 7's classes, defined by its labellers (before the round was scored)
     "operator-ambiguity": ChangeClass((), False,
                                       "a host comparison on a SIMD wrapper that clang finds ambiguous (its built-in vector operators)"),
-    "unused-header": ChangeClass(("unused-thrust-header",), False, "an unused CUDA-toolkit library header (Thrust) kept out of the HIP build"),
+    "unused-header": ChangeClass(("unused-thrust-header", "unused-nvtx-header"), False, "an unused CUDA-toolkit library header (Thrust, NVTX) kept out of the HIP build"),
     "build-flag-guard": ChangeClass(("cuda-build-flag",), False, "a project build macro selecting the GPU code (`#if BUILD_CUDA`) widened to the HIP build's"),
     # round 8's classes, defined by its labellers (before the round was scored)
     "ambiguous-call": ChangeClass(("ffs-ballot",), False,

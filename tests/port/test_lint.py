@@ -438,6 +438,9 @@ def test_rule_variants_fire(code, rule):
     # a block-level combine only a block of several warps needs, not a barrier skipped within a warp
     ("if (block_size > WARP_SIZE) {\n  __syncthreads();\n  if (lane == 0) buf[warp] = v;\n  __syncthreads();\n}",
      "warp-sync-skipped"),
+    # NVTX that the file uses (llm.c's NvtxRange): the include stays
+    ("#include <nvtx3/nvToolsExt.h>\nstruct NvtxRange {\n  NvtxRange(const char* s) { nvtxRangePush(s); }\n"
+     "  ~NvtxRange() { nvtxRangePop(); }\n};", "unused-nvtx-header"),
     # a checking macro's body: flagged where a cuDNN call uses it, not where it is defined
     ("#define CUDNN_CHECK(ans) {                             \\\n  cudnnStatus_t status = (ans);               \\\n"
      "  if (status) fail(cudnnGetErrorString(status));  \\\n}", "cudnn-api"),

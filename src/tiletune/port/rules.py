@@ -1972,6 +1972,17 @@ def check_unused_thrust(text: str) -> Iterable[Hit]:
         yield Hit(*_position(text, include.start() + len(include.group(0)) - len(include.group(0).lstrip())))
 
 
+_NVTX_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*[<\"](?:nvtx3/)?nvToolsExt\w*\.h[>\"]", re.MULTILINE)
+
+
+def check_unused_nvtx(text: str) -> Iterable[Hit]:
+    """Flag each NVTX include (`nvToolsExt.h`) of a file that names nothing of NVTX (no `nvtx...` call or type)."""
+    if re.search(r"\bnvtx\w+", _NVTX_INCLUDE.sub("", text), re.IGNORECASE):
+        return
+    for include in _NVTX_INCLUDE.finditer(text):
+        yield Hit(*_position(text, include.start() + len(include.group(0)) - len(include.group(0).lstrip())))
+
+
 _BF16_VALUE = re.compile(r"\b(?:__)?nv_bfloat162?\s+(?:const\s+)?(\w+)\s*[,)=;]")
 
 
@@ -2854,6 +2865,17 @@ RULES: list[Rule] = [
         before="#include <cstdint>\n#include <thrust/device_vector.h>  // nothing here names thrust::",
         after="#include <cstdint>",
         check=check_unused_thrust,
+    ),
+    Rule(
+        "unused-nvtx-header", "warning", "an NVTX header the file does not use",
+        "NVTX becomes roctx: the translation includes `roctracer/roctx.h`, a ROCm component of its own (roctracer; "
+        "rocprofiler-sdk ships another roctx) whose calls link `-lroctx64`; an include nothing uses makes the HIP "
+        "build need it for nothing (QUICK's HIP port dropped its `nvToolsExt.h`, whose calls "
+        "were all commented out).",
+        "Remove the include; where ranges are wanted on AMD, include roctx (or rocprofiler-sdk's) and link it.",
+        before='#include "nvToolsExt.h"  // every nvtxRangePushA commented out',
+        after="",
+        check=check_unused_nvtx,
     ),
     Rule(
         "bf16-arithmetic", "warning", "an arithmetic operator on two bf16 values",

@@ -3,6 +3,7 @@
 #define HOST_DEVICE __host__ __device__
 #include <cuda_bf16.h>  // expect: bf16-type
 #include <thrust/complex.h>  // expect: unused-thrust-header
+#include "nvToolsExt.h"  // expect: unused-nvtx-header
 
 HOST_DEVICE inline float2 operator+(const float2& a, const float2& b) { return make_float2(a.x + b.x, a.y + b.y); }
 
