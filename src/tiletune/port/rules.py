@@ -1966,10 +1966,15 @@ _THRUST_INCLUDE = re.compile(r"^[ \t]*#\s*include\s*[<\"]thrust/[^>\"]+[>\"]", r
 
 def check_unused_thrust(text: str) -> Iterable[Hit]:
     """Flag each `#include <thrust/...>` of a file that names nothing of Thrust (no `thrust::`)."""
-    if re.search(r"\bthrust::", text):
+    return _unused_includes(_THRUST_INCLUDE, re.compile(r"\bthrust::"), text)
+
+
+def _unused_includes(include: re.Pattern, use: re.Pattern, text: str) -> Iterable[Hit]:
+    """Each line `include` matches, in a file where `use` matches nothing outside those lines."""
+    if use.search(include.sub("", text)):
         return
-    for include in _THRUST_INCLUDE.finditer(text):
-        yield Hit(*_position(text, include.start() + len(include.group(0)) - len(include.group(0).lstrip())))
+    for match in include.finditer(text):
+        yield Hit(*_position(text, match.start() + len(match.group(0)) - len(match.group(0).lstrip())))
 
 
 _NVTX_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*[<\"](?:nvtx3/)?nvToolsExt\w*\.h[>\"]", re.MULTILINE)
@@ -1977,10 +1982,7 @@ _NVTX_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*[<\"](?:nvtx3/)?nvToolsE
 
 def check_unused_nvtx(text: str) -> Iterable[Hit]:
     """Flag each NVTX include (`nvToolsExt.h`) of a file that names nothing of NVTX (no `nvtx...` call or type)."""
-    if re.search(r"\bnvtx\w+", _NVTX_INCLUDE.sub("", text), re.IGNORECASE):
-        return
-    for include in _NVTX_INCLUDE.finditer(text):
-        yield Hit(*_position(text, include.start() + len(include.group(0)) - len(include.group(0).lstrip())))
+    return _unused_includes(_NVTX_INCLUDE, re.compile(r"\bnvtx\w+", re.IGNORECASE), text)
 
 
 _BF16_VALUE = re.compile(r"\b(?:__)?nv_bfloat162?\s+(?:const\s+)?(\w+)\s*[,)=;]")
@@ -2388,12 +2390,12 @@ def _unrolled_loops(text: str) -> Iterable[tuple[int, int, int, bool, str | None
 
         body_start = pragma.end() + len(_balanced_args(text, pragma.end() - 1)) + 1
         body_end = _statement_end(text, body_start)
-        why = None
+        bound_at_run_time, why = run_time(condition, step), None
         if _GEOMETRIC_STEP.search(step) and run_time(init, condition):
             why = "a geometric step from a run-time value"
-        elif run_time(condition, step) and _exits_early(text[body_start:body_end]):  # from a run-time start: still at most n trips
+        elif bound_at_run_time and _exits_early(text[body_start:body_end]):  # from a run-time start: at most n trips
             why = "an early exit from a loop with a run-time bound"
-        yield pragma.start(), body_start, body_end, run_time(condition, step), why
+        yield pragma.start(), body_start, body_end, bound_at_run_time, why
 
 
 def _exits_early(body: str) -> bool:
@@ -3345,8 +3347,9 @@ RULES: list[Rule] = [
         "LLVM unrolls a loop (fully, or by the pragma's count with a remainder) only when it can compute the trip count. "
         "A geometric step (`offset >>= 1`) from a run-time start, an early `break` / `return` out of a loop with a "
         "run-time bound, or an unrolled loop with a run-time bound inside one (unrolled with a remainder loop, it "
-        "leaves the outer loop no longer innermost) defeats that, and hip-clang warns 'loop not unrolled: the optimizer was unable to perform the "
-        "requested transformation' (-Wpass-failed) for every instantiation, an error under -Werror; nvcc drops the "
+        "leaves the outer loop no longer innermost) defeats that, and hip-clang warns 'loop not unrolled: the "
+        "optimizer was unable to perform the requested transformation' (-Wpass-failed) for every instantiation, an "
+        "error under -Werror; nvcc drops the "
         "request silently. The code is unchanged, only the compile log fills (GPUMD's force sums, llama.cpp's softmax).",
         "Drop the pragma where the bound is a run-time value, give the loop a compile-time bound (a template parameter), "
         "or silence the warning around the kernel under `__clang__` (`#pragma clang diagnostic ignored \"-Wpass-failed\"`).",
