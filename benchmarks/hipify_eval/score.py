@@ -34,7 +34,7 @@ from tiletune.port.compile_check import line_map
 from tiletune.port.engines import select_engine
 from tiletune.port.hipify import cuda_names, defined_names
 from tiletune.port.lint import lint_text
-from tiletune.port.preprocessor import Build, directives, on_amd
+from tiletune.port.preprocessor import Build, cxx_standard, directives, on_amd
 
 HERE = Path(__file__).resolve().parent
 PORTS = HERE / "ports"
@@ -310,7 +310,7 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
     text = source.read_text(encoding="utf-8")
     build = port.get("hip_build", {})  # the project's HIP build macros and C++ standard, as its build files set them
     hip_build = Build(frozenset(build.get("defined", ())), frozenset(build.get("undefined", ())),
-                      int(build.get("std", "c++17").removeprefix("c++")))
+                      cxx_standard(build.get("std", "c++17")))
     # the project's own names: those this file defines and the macros the project defines in its other files (gputt's
     # `cudaCheck`): `tiletune hipify` run on the project reads them there and does not count them as CUDA names left
     own_names = frozenset(port.get("project_macros", ())) | defined_names(text)

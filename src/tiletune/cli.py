@@ -134,7 +134,7 @@ def hipify(ctx: click.Context, paths: tuple[str, ...], explain_rule: str | None,
     from pathlib import Path
 
     from tiletune.port.hipify import run_hipify
-    from tiletune.port.preprocessor import Build
+    from tiletune.port.preprocessor import Build, cxx_standard
     from tiletune.port.report import RENDERERS, explain, write_reports
 
     if explain_rule:
@@ -147,7 +147,7 @@ def hipify(ctx: click.Context, paths: tuple[str, ...], explain_rule: str | None,
 
     report = run_hipify(list(paths), out, engine=engine, inplace=inplace, lint_only=lint_only,
                         compile_check=compile_check, offload_arch=offload_arch, hipcc_flags=hipcc_flags,
-                        build=Build(frozenset(defines), frozenset(undefines), int(cxx_std.removeprefix("c++"))))
+                        build=Build(frozenset(defines), frozenset(undefines), cxx_standard(cxx_std)))
     click.echo(RENDERERS[fmt](report), nl=False)
     if report_dir or out:
         written = write_reports(report, Path(report_dir or out))

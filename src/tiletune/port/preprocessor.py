@@ -54,6 +54,11 @@ class Build:
 HIPCC = Build()  # hipcc alone: no project macro known
 
 
+def cxx_standard(flag: str) -> int:
+    """The year of a C++ standard as `-std` names it: 'c++11' -> 11 (what `Build.std` holds)."""
+    return int(flag.removeprefix("c++"))
+
+
 def on_amd(condition: str, build: Build = HIPCC) -> bool | None:
     """The value of a preprocessor condition under hipcc (with `build`'s macros), or None when it depends on
     anything else."""
