@@ -1,6 +1,7 @@
 """Where the host's time goes in one call of tiletune's ops (forward + backward at 8 tokens, where the device
 work is a few microseconds): each op's host time a call (the best of 5 rounds of CALLS calls, synchronised at the
-end of each round), then cProfile of CALLS calls per op, the functions with the most time of their own. On a GPU
+end of each round), then cProfile of CALLS calls per op (backward on the calling thread, where cProfile sees it), the
+functions with the most time of their own. On a GPU
 the ops run their TileLang impl; without one, the reference (the custom op's dispatch and selection are the same;
 `--small` shrinks the widths 64-fold, so that the reference's arithmetic on the CPU does not hide them).
 
@@ -82,10 +83,12 @@ def main() -> None:
             fn()
         print(f"{name}: {host_us(fn, args.calls):.0f} us a call (forward + backward)")
         profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(args.calls):
-            fn()
-        profiler.disable()
+        # backward on this thread: on a GPU autograd's engine runs it on a device thread cProfile does not see
+        with torch.autograd.set_multithreading_enabled(False):
+            profiler.enable()
+            for _ in range(args.calls):
+                fn()
+            profiler.disable()
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
         table = text.getvalue()

@@ -72,3 +72,12 @@ def test_the_gpus_idle_time_is_the_span_less_the_union_of_its_busy_intervals():
     summary = {**summarise_kernels({"x": (1.0, 1)}), **side}
     text = profile_table({"baseline": summary})
     assert "| GPU idle within the step, ms | 2.0 |" in text and "| kernel launches | 4 |" in text
+
+
+def test_the_host_events_are_the_heaviest_by_their_own_cpu_time_and_reach_the_table():
+    from tiletune.bench.profile import host_events
+
+    events = host_events([("aten::copy_", 3.0, 40), ("tiletune::rope", 9.5, 24), ("cudaLaunchKernel", 6.0, 2700)], top=2)
+    assert events == [{"name": "tiletune::rope", "ms": 9.5, "calls": 24}, {"name": "cudaLaunchKernel", "ms": 6.0, "calls": 2700}]
+    text = profile_table({"all": {**summarise_kernels({"x": (1.0, 1)}), "host_events": events}})
+    assert "### all: host events by their own CPU time" in text and "| 9.5 | 24 | `tiletune::rope` |" in text

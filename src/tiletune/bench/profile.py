@@ -3,7 +3,8 @@
 `tiletune bench --profile` runs this in every variant's process after the timed steps (so it never
 touches the timings) and writes profile.md: milliseconds per category and variant, each variant's
 heaviest kernels, and what the host did: how long the GPU sat idle between the step's first and last kernel
-(waiting on the host to launch work), how many kernels it launched and how often it waited for the GPU. A second
+(waiting on the host to launch work), how many kernels it launched, how often it waited for the GPU, and the host
+events (ops, autograd nodes, runtime calls) with the most CPU time of their own, on every thread. A second
 extra step records the CUDA allocator's history: what was live at the step's peak, by the line of Python that
 allocated it (`memory_peak`).
 """
@@ -52,8 +53,8 @@ _HOST_WAIT = re.compile(r"^(?:cuda|hip)(?:StreamSynchronize|DeviceSynchronize|Ev
 
 
 def profile_step(step: Callable[[], None], top: int = 12) -> dict:
-    """Run `step` once under the profiler; device milliseconds per category, the `top` heaviest kernels, and the
-    host's side (`host_side`)."""
+    """Run `step` once under the profiler; device milliseconds per category, the `top` heaviest kernels, the
+    host's side (`host_side`) and the `top` host events by their own CPU time (`host_events`)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -71,7 +72,15 @@ def profile_step(step: Callable[[], None], top: int = 12) -> dict:
             launches += bool(_LAUNCH.match(event.name))
             waits += bool(_HOST_WAIT.match(event.name))
     summary = summarise_kernels({name: (sum(times), len(times)) for name, times in kernels.items()}, top)
-    return {**summary, **host_side(intervals, launches, waits)}
+    own_cpu = [(e.key, e.self_cpu_time_total / 1000, e.count) for e in prof.key_averages()]
+    return {**summary, **host_side(intervals, launches, waits), "host_events": host_events(own_cpu, top)}
+
+
+def host_events(own_cpu: list[tuple[str, float, int]], top: int = 12) -> list[dict]:
+    """(name, own CPU ms, calls) of the profiler's host events -> the `top` by own CPU ms (the host's time in the
+    event less its child events'; under the profiler each event also carries the profiler's own cost)."""
+    heaviest = sorted(own_cpu, key=lambda event: -event[1])[:top]
+    return [{"name": name, "ms": ms, "calls": calls} for name, ms, calls in heaviest]
 
 
 def host_side(intervals: list[tuple[float, float]], launches: int, waits: int) -> dict:
@@ -174,6 +183,9 @@ def profile_table(profiles: dict[str, dict]) -> str:
     for variant in variants:
         lines += ["", f"### {variant}: heaviest kernels", "", "| ms | calls | category | kernel |", "|---|---|---|---|"]
         lines += [f"| {k['ms']:.1f} | {k['calls']} | {k['category']} | `{k['name'][:90]}` |" for k in profiles[variant]["kernels"]]
+        if profiles[variant].get("host_events"):
+            lines += ["", f"### {variant}: host events by their own CPU time", "", "| ms | calls | event |", "|---|---|---|"]
+            lines += [f"| {e['ms']:.1f} | {e['calls']} | `{e['name'][:90]}` |" for e in profiles[variant]["host_events"]]
         if "memory" in profiles[variant]:
             memory = profiles[variant]["memory"]
             lines += ["", f"### {variant}: live at the step's peak ({memory['peak_gib']:.2f} GiB allocated)", "",
