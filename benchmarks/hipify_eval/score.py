@@ -242,6 +242,10 @@ CLASSES: dict[str, ChangeClass] = {
     "mpi-stream-sync": ChangeClass((), False, "a device synchronise added after a kernel writes a buffer GPU-aware MPI then reads: on AMD the send read it before the kernel finished"),
     # round 25's, defined after its labelling (the labeller named it; first labelled runtime-api / runtime-header)
     "project-backend-api": ChangeClass((), False, "a project's own CUDA-backend API switched to its HIP namesake (PETSc's `VecCUDAGetArrayRead`, `VECCUDA`, `WaitForCUDA`, `petscdevice_cuda.h`)"),
+    # round 45's, defined by its labeller (before the round was scored)
+    "extern-c-include": ChangeClass(("extern-c-include",), False, "a HIP header reached from inside an `extern \"C\"` block moved out of it (HIP's C++ templates need C++ linkage; nvcc pre-includes cuda_runtime.h, so the CUDA file never saw it)"),
+    # round 46's, defined by its labeller (before the round was scored)
+    "device-recursion": ChangeClass((), False, "a device function's run-time recursion unrolled into templates for the HIP port (hip-clang's stack for a recursive device call)"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).
@@ -324,6 +328,7 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
 
     result = PortScore(port["name"])
     ranges, all_sites = [], set()
+    counted = []  # (change, flagged, rewritten) of the changes the score counts
     for change in port["changes"]:
         first, last = change["lines"]
         ranges.append((first, last))
@@ -333,7 +338,6 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
             result.excluded += change["class"] != OBSOLETE
             continue
         kind = CLASSES[change["class"]]
-        result.changes += 1
         sites = set(change.get("sites", ()))
         flagged = any(f.rule in kind.rules and (first <= f.line <= last or f.line in sites) for f in findings)
         lines = sorted({*range(first, last + 1), *sites})  # a change made once covers its sites too
@@ -343,6 +347,15 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
                      or (kind.kept_covers and after.strip() == before.strip())
                      or (kind.translation_decides_guard and _guard_decided(before, after, hip_build))
                      or _inserted_elsewhere(kind, change, before, text, translated))  # fmt: skip
+        counted.append((change, flagged, rewritten))
+    covered_lines = {n for change, flagged, rewritten in counted if flagged or rewritten
+                     for n in range(change["lines"][0], change["lines"][1] + 1)}
+    openers = _conditional_openers(text, hip_build)
+    for change, flagged, rewritten in counted:
+        first, last = change["lines"]
+        # the #else / #endif of a conditional whose #if line another change holds: one edit, covered with its #if
+        flagged = flagged or (first in openers and openers[first] in covered_lines)
+        result.changes += 1
         result.covered += bool(flagged or rewritten)
         result.by_translation += bool(rewritten)
         if not (flagged or rewritten):
@@ -363,6 +376,13 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
         else:
             notes.append(f"false finding {port['name']}:{finding.line} [{finding.rule}] {label}")
     return result
+
+
+def _conditional_openers(text: str, build: Build) -> dict[int, int]:
+    """{line of an #elif / #else / #endif: line of the #if / #ifdef / #ifndef it continues} (1-based)."""
+    found = directives(text, build)
+    opener = {d.group: d.first + 1 for d in found if d.kind in ("if", "ifdef", "ifndef")}
+    return {d.first + 1: opener[d.group] for d in found if d.kind in ("elif", "else", "endif") and d.group in opener}
 
 
 def _inserted_elsewhere(kind: ChangeClass, change: dict, before: str, text: str, translated: str) -> bool:

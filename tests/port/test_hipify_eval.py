@@ -74,3 +74,20 @@ def test_an_inserted_runtime_include_counts_where_the_translation_inserts_it_in_
     missed = score.Counter()
     result = score.score_port(port, score.select_engine("torch"), missed, [])
     assert (result.changes, result.covered) == (1, covered) and missed["runtime-header"] == 1 - covered
+
+
+@pytest.mark.parametrize("undefined, covered", [(["SIZEOF_CUFLOATCOMPLEX"], 2), ([], 0)])
+def test_a_conditionals_else_and_endif_are_covered_with_its_if(tmp_path, monkeypatch, undefined, covered):
+    """The humans removed `#if SIZEOF_CUFLOATCOMPLEX == 8` ... `#else` ... `#endif` (one edit, labelled as the #if
+    line and its #else / #endif lines): a finding on the #if (the HIP build leaves the size undefined) covers both;
+    without it neither is covered: the #else / #endif lines are not covered by themselves."""
+    score = _score_module()
+    source = tmp_path / "reduce.cu"
+    source.write_text("#if SIZEOF_CUFLOATCOMPLEX == 8\n  case 1: run(); break;\n#else\n  case 1: return -1;\n#endif\n"
+                      "int unrelated;\n#if SIZEOF_CUDOUBLECOMPLEX == 16\n#endif\n")
+    monkeypatch.setattr(score, "cached", lambda repo, commit, path: source)
+    port = {"name": "synthetic", "repo": "o/r", "cuda": {"commit": "0" * 40, "path": "reduce.cu"},
+            "hip_build": {"undefined": undefined},
+            "changes": [{"lines": [1, 1], "class": "build-flag-guard"}, {"lines": [3, 5], "class": "build-flag-guard"}]}
+    result = score.score_port(port, score.select_engine("torch"), score.Counter(), [])
+    assert (result.changes, result.covered) == (2, covered)

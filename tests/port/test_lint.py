@@ -766,3 +766,15 @@ def test_a_whole_file_under_a_cuda_build_flag_is_linted_as_the_port_will_compile
     rules = {f.rule for f in lint_text(_build_flag_file(tail_lines), "policy.hpp", build=Build(undefined=frozenset({"WITH_CUDA"})))}
     assert "cuda-build-flag" in rules
     assert ("warp-size-define" in rules) is linted_inside and ("mask-32bit" in rules) is linted_inside, rules
+
+
+def test_device_code_under_the_pass_test_is_linted_and_under_a_version_test_is_not():
+    """A 32-lane scan under `#ifdef __CUDA_ARCH__` (the device pass, which the port keeps as `__HIP_DEVICE_COMPILE__`)
+    is flagged along with the guard (and the 32-bit mask parameter); under `#if __CUDA_ARCH__ >= 800` AMD compiles it
+    out, so only the guard is."""
+    body = ("__device__ int scan(int x, unsigned mask) {\n{guard}\n  unsigned lane = threadIdx.x & 0x1f;\n"
+            "  int y = __shfl_up_sync(mask, x, 1);\n  if (lane >= 1) x += y;\n#endif\n  return x;\n}\n")
+    found = {(f.line, f.rule) for f in lint_text(body.replace("{guard}", "#ifdef __CUDA_ARCH__"), "scan.cuh")}
+    assert found == {(1, "mask-32bit"), (2, "cuda-arch-guard"), (3, "warp-size-literal"), (4, "mask-32bit")}
+    found = {(f.line, f.rule) for f in lint_text(body.replace("{guard}", "#if __CUDA_ARCH__ >= 800"), "scan.cuh")}
+    assert found == {(2, "cuda-arch-guard")}

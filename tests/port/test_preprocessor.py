@@ -91,7 +91,25 @@ def test_the_hip_builds_own_macros_decide_their_branches():
     assert on_amd("defined(KERNEL_USE_FP8)", off) is False and on_amd("KERNEL_USE_FP8 && defined(USE_ROCM)", off) is False
     assert on_amd("!defined(KERNEL_USE_FP8)", off) is True and on_amd("KERNEL_USE_FP8 && defined(USE_ROCM)", on) is True
     assert on_amd("defined(__CUDA_ARCH__)", on) is False and on_amd("defined(USE_ROCM)", off) is True
+    # a name the HIP build leaves undefined reads 0 in a comparison (autoconf's SIZEOF_CUFLOATCOMPLEX, only the CUDA
+    # configure sets it); an unknown one still depends on the build
+    sizes = Build(undefined=frozenset({"SIZEOF_CUFLOATCOMPLEX"}))
+    assert on_amd("SIZEOF_CUFLOATCOMPLEX == 8", sizes) is False and on_amd("SIZEOF_CUFLOATCOMPLEX != 8", sizes) is True
+    assert on_amd("SIZEOF_CUFLOATCOMPLEX == 8") is None
     fp8_lines = {finding.line for finding in lint_text(FP8_FLAGGED, "k.cu") if finding.rule == "fp8-type"}
     assert fp8_lines == {3, 4, 7}
     assert not [f for f in lint_text(FP8_FLAGGED, "k.cu", build=off) if f.rule == "fp8-type"]
     assert {f.line for f in lint_text(FP8_FLAGGED, "k.cu", build=on) if f.rule == "fp8-type"} == fp8_lines
+
+
+def test_the_device_pass_test_is_either_pass_when_the_port_keeps_the_split():
+    """`#ifdef __CUDA_ARCH__` alone (any spelling, negated too) is the device / host pass split: with `pass_split` (the
+    lint's build as ported) both branches compile; a version test, or the test inside a compound condition, is still
+    hipcc's (false: the port does not rename those)."""
+    split = Build(pass_split=True)
+    for condition in ("defined(__CUDA_ARCH__)", "!defined(__CUDA_ARCH__)", "(defined __CUDA_ARCH__)"):
+        assert on_amd(condition, split) is None and on_amd(condition) is not None
+    assert on_amd("__CUDA_ARCH__", split) is None
+    assert on_amd("__CUDA_ARCH__ >= 800", split) is False
+    assert on_amd("defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800", split) is False
+    assert on_amd("defined(__CUDA_ARCH__)", Build(defined=frozenset({"__CUDA_ARCH__"}), pass_split=True)) is True

@@ -101,14 +101,14 @@ def _translated(build: Build) -> Build:
 
 
 def _as_ported(text: str, build: Build) -> Build:
-    """`build` with the CUDA build flags that compile a whole file out (`build_flags_compiling_out`, a branch holding
-    WHOLE_FILE of its lines: a header of RAJA's CUDA policy under `#if defined(RAJA_ENABLE_CUDA)`) taken as defined,
-    as the test `cuda-build-flag` asks to widen will be. A smaller CUDA-only branch may stay CUDA's (SuperLU_DIST keeps
-    its `#ifdef HAVE_CUDA` helpers out of the HIP build): it is left compiled out."""
+    """`build` as the port will compile: the CUDA build flags that compile a whole file out (`build_flags_compiling_out`,
+    a branch holding WHOLE_FILE of its lines: a header of RAJA's CUDA policy under `#if defined(RAJA_ENABLE_CUDA)`)
+    taken as defined, as the test `cuda-build-flag` asks to widen will be (a smaller CUDA-only branch may stay CUDA's:
+    SuperLU_DIST keeps its `#ifdef HAVE_CUDA` helpers out of the HIP build, so it is left compiled out); and
+    `#ifdef __CUDA_ARCH__` read as the device / host pass split (`Build.pass_split`), which `cuda-arch-guard` asks to
+    keep as `__HIP_DEVICE_COMPILE__`: the device code under it is linted."""
     flags = {flag for branch in build_flags_compiling_out(text, build) if branch.whole_file for flag in branch.flags}
-    if not flags:
-        return build
-    return dataclasses.replace(build, defined=build.defined | flags, undefined=build.undefined - flags)
+    return dataclasses.replace(build, defined=build.defined | flags, undefined=build.undefined - flags, pass_split=True)
 
 
 def lint_file(path: Path, label: str | None = None) -> list[Finding]:

@@ -10,6 +10,7 @@ feature flag the HIP build leaves off); conditions on anything else are unknown,
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -37,6 +38,9 @@ _VERSION_TEST = re.compile(rf"^({CUDA_ARCH_NAME}|CUDA_VERSION|CUDART_VERSION|__C
 _VERSION_ON_AMD = {"__GNUC__": 4}
 # `(NAME - 0)`: the idiom that reads a macro as 0 when it is undefined (sppark's `(__CUDACC_VER_MAJOR__-0) >= 11`)
 _PLUS_ZERO = re.compile(r"\(\s*(\w+)\s*[-+]\s*0\s*\)")
+# `#ifdef __CUDA_ARCH__` and its spellings, with no version: the device / host pass test (`Build.pass_split`)
+_PASS_TEST = re.compile(r"!?\s*\(?\s*(?:defined\s*\(?\s*__CUDA_ARCH__\s*\)?|__CUDA_ARCH__)\s*\)?")
+_COMPARISON = re.compile(r"^(\w+)\s*(>=|<=|==|!=|>|<)\s*(\d+)[uUlL]*$")  # `SIZEOF_CUFLOATCOMPLEX == 8`
 _COMPARE = {">=": int.__ge__, "<=": int.__le__, "==": int.__eq__, "!=": int.__ne__, ">": int.__gt__, "<": int.__lt__}
 
 
@@ -49,6 +53,9 @@ class Build:
     defined: frozenset[str] = frozenset()
     undefined: frozenset[str] = frozenset()
     std: int = 17
+    # whether `#ifdef __CUDA_ARCH__` (defined or not, no version) is the device / host pass split a port keeps (as
+    # `__HIP_DEVICE_COMPILE__`): both branches compile, each in its pass; hipcc alone compiles the defined one out
+    pass_split: bool = False
 
 
 HIPCC = Build()  # hipcc alone: no project macro known
@@ -63,10 +70,12 @@ def on_amd(condition: str, build: Build = HIPCC) -> bool | None:
     """The value of a preprocessor condition under hipcc (with `build`'s macros), or None when it depends on
     anything else."""
     condition = _PLUS_ZERO.sub(r"\1", condition.strip())
+    if build.pass_split and "__CUDA_ARCH__" not in build.defined and _PASS_TEST.fullmatch(condition):
+        return None  # either pass: the port keeps the split
     for operator, decisive in (("||", True), ("&&", False)):
         parts = _split_outside_parentheses(condition, operator)
-        if len(parts) > 1:
-            values = [on_amd(part, build) for part in parts]
+        if len(parts) > 1:  # a part alone is no pass split: `!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800`
+            values = [on_amd(part, dataclasses.replace(build, pass_split=False)) for part in parts]
             if decisive in values:
                 return decisive
             return None if None in values else not decisive
@@ -82,6 +91,8 @@ def on_amd(condition: str, build: Build = HIPCC) -> bool | None:
         return False if name in UNDEFINED_ON_AMD | build.undefined or re.fullmatch(CUDA_ARCH_NAME, name) else None
     if match := _VERSION_TEST.match(condition):
         return _COMPARE[match.group(2)](_VERSION_ON_AMD.get(match.group(1), 0), int(match.group(3)))
+    if (match := _COMPARISON.match(condition)) and match.group(1) in build.undefined:  # an undefined name reads 0
+        return _COMPARE[match.group(2)](0, int(match.group(3)))
     if match := re.fullmatch(r"(\d+)[uUlL]*", condition):  # `#if 0`: code kept out of every build
         return int(match.group(1)) != 0
     return True if condition in DEFINED_ON_AMD | build.defined else False if condition in build.undefined else None

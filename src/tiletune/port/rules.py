@@ -1197,7 +1197,10 @@ def check_cuda_version_expressions(text: str) -> Iterable[Hit]:
 
 # A project's build flag naming CUDA (`WITH_CUDA`, `BUILD_CUDA`, `GOOGLE_CUDA`) or cuDNN (Caffe's `USE_CUDNN`), not
 # the toolkits' own version macros
-_CUDA_BUILD_FLAG = re.compile(r"\b(?!__CUDA|CUDA_VERSION\b|CUDART_VERSION\b|CUDNN_VERSION\b)(\w*CU(?:DA|DNN)\w*)\b")
+# a flag naming CUDA or cuDNN (`WITH_CUDA`), or autoconf's for a CUDA library or type (`HAVE_CUFFT_H`, `SIZEOF_CUFLOATCOMPLEX`:
+# AC_CHECK_SIZEOF(cuFloatComplex), which only the CUDA configure runs)
+_CUDA_BUILD_FLAG = re.compile(r"\b(?!__CUDA|CUDA_VERSION\b|CUDART_VERSION\b|CUDNN_VERSION\b)(\w*CU(?:DA|DNN)\w*"
+                              r"|(?:HAVE|SIZEOF)_CU(?:BLAS|FFT|RAND|SPARSE|SOLVER|COMPLEX|FLOATCOMPLEX|DOUBLECOMPLEX)\w*)\b")
 _OPT_OUT_FLAG = re.compile(r"(?:^|_)(?:NO|DISABLE|DISABLED|SKIP|WITHOUT)(?:_|$)")
 # a build flag's branch holding this share of a file's lines of code (not blank, not a preprocessor line) guards the
 # whole file: the port widens it
@@ -1216,13 +1219,14 @@ class FlagBranch:
 
 def build_flags_compiling_out(text: str, build: Build) -> Iterable[FlagBranch]:
     """Each `#if` / `#ifdef` / `#elif` that compiles its branch out on AMD because it tests project build flags
-    naming CUDA or cuDNN that the HIP build leaves undefined (`-U WITH_CUDA`)."""
+    naming CUDA or cuDNN that the HIP build leaves undefined (`-U WITH_CUDA`), unless an `#elif` after it tests an
+    AMD flag."""
     found = directives(text, build)
     lines = text.split("\n")
     code_lines = [index for index, line in enumerate(lines) if line.strip() and not line.lstrip().startswith("#")]
     for directive in found:
         if (directive.kind in ("else", "endif") or directive.enclosed_dead
-                or on_amd(directive.condition, build) is not False):
+                or on_amd(directive.condition, build) is not False or _amd_branch_follows(directive, found)):
             continue
         flags = sorted(flag for flag in set(_CUDA_BUILD_FLAG.findall(directive.condition)) & build.undefined
                        if not _OPT_OUT_FLAG.search(flag))  # `GGML_CUDA_NO_VMM`: its branch is the fallback
@@ -1232,12 +1236,22 @@ def build_flags_compiling_out(text: str, build: Build) -> Iterable[FlagBranch]:
             yield FlagBranch(directive, flags, held >= WHOLE_FILE * len(code_lines))
 
 
+_AMD_FLAG = re.compile(r"\b\w*(?:HIP|ROCM|HCC)\w*\b")
+
+
+def _amd_branch_follows(directive, found) -> bool:
+    """Whether an `#elif` after `directive` in its group tests an AMD flag (`#elif defined(HAVE_HIPBLAS)`): the project
+    has its AMD branch already."""
+    return any(d.group == directive.group and d.first > directive.first and d.kind == "elif"
+               and _AMD_FLAG.search(d.condition) for d in found)
+
+
 def check_cuda_build_flags(text: str, build: Build) -> Iterable[Hit]:
     """Flag a directive that compiles GPU code out on AMD through a CUDA build flag the HIP build leaves undefined
     (`build_flags_compiling_out`): the GPU code under it is lost on AMD. A cuDNN flag only around the whole file (a
     cuDNN layer): a smaller cuDNN branch sits beside its fallback (darknet's im2col convolution), which AMD takes."""
     for branch in build_flags_compiling_out(text, build):
-        if branch.whole_file or any("CUDA" in flag for flag in branch.flags):
+        if branch.whole_file or any("CUDA" in flag or "CUDNN" not in flag for flag in branch.flags):
             yield _directive_hit(text, branch.directive,
                                  f"the HIP build leaves `{branch.flags[0]}` undefined: the branch is compiled out")
 
@@ -1983,6 +1997,28 @@ _NVTX_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*[<\"](?:nvtx3/)?nvToolsE
 def check_unused_nvtx(text: str) -> Iterable[Hit]:
     """Flag each NVTX include (`nvToolsExt.h`) of a file that names nothing of NVTX (no `nvtx...` call or type)."""
     return _unused_includes(_NVTX_INCLUDE, re.compile(r"\bnvtx\w+", re.IGNORECASE), text)
+
+
+_EXTERN_C_OPEN = re.compile(r'\bextern\s+"C"\s*\{')
+# a CUDA toolkit header, or a project header named for CUDA (`mc_cuda.h`), which includes them
+_CUDA_HEADER_INCLUDE = re.compile(
+    r'^[ \t]*#[ \t]*include[ \t]*[<"](?:[^<>"]*/)?(?:cub/|thrust/|cuda/|(?i:\w*cuda\w*)\.h|'
+    r'(?:cu(?:blas|fft|rand|sparse|solver|Complex|dnn|tensor)\w*|nvrtc|nccl|vector_types|math_constants)\.h)', re.MULTILINE)
+
+
+def check_extern_c_includes(text: str) -> Iterable[Hit]:
+    """Flag an `#include` of a CUDA header (or a project header named for CUDA) inside an `extern "C" { ... }` block."""
+    for block in _EXTERN_C_OPEN.finditer(text):
+        depth, end = 1, block.end()
+        for brace in re.finditer(r"[{}]", text[block.end():]):
+            depth += 1 if brace.group(0) == "{" else -1
+            if depth == 0:
+                end = block.end() + brace.start()
+                break
+        else:
+            end = len(text)
+        for include in _CUDA_HEADER_INCLUDE.finditer(text, block.end(), end):
+            yield Hit(*_position(text, include.start() + len(include.group(0)) - len(include.group(0).lstrip())))
 
 
 _BF16_VALUE = re.compile(r"\b(?:__)?nv_bfloat162?\s+(?:const\s+)?(\w+)\s*[,)=;]")
@@ -2880,6 +2916,18 @@ RULES: list[Rule] = [
         check=check_unused_nvtx,
     ),
     Rule(
+        "extern-c-include", "error", 'a CUDA header included inside `extern "C"`',
+        "nvcc includes cuda_runtime.h before the file's first line, so a CUDA header included again inside an "
+        "`extern \"C\" { ... }` block (often the file's own `foo_cuda.h`, opened with `#ifdef __cplusplus`) adds "
+        "nothing there. Translated, the block includes HIP's headers, whose C++ half (hip_runtime_api.h's template "
+        "overloads, hip_fp16.h's and hip_complex.h's operators) then gets C linkage: hip-clang stops at 'templates "
+        "must have C++ linkage' (UCC's ROCm kernels moved their includes out of the block).",
+        'Include the CUDA or HIP headers before the `extern "C"` block, and keep only C declarations inside it.',
+        before='#ifdef __cplusplus\nextern "C" {\n#endif\n#include "mc_cuda.h"\n#ifdef __cplusplus\n}\n#endif',
+        after='#include "mc_rocm.h"  // outside any extern "C" block',
+        check=check_extern_c_includes,
+    ),
+    Rule(
         "bf16-arithmetic", "warning", "an arithmetic operator on two bf16 values",
         "ROCm 6.0's `__hip_bfloat16` is a plain struct without arithmetic operators (ROCm 6.1's hip_bf16.h added "
         "them): `a + b` on two `__nv_bfloat16` values does not compile there. vLLM's port wrote `__hadd(a, b)`.",
@@ -3149,7 +3197,8 @@ RULES: list[Rule] = [
         "`__CUDA_ARCH__` is not defined when hipcc compiles for AMD, so `#if __CUDA_ARCH__ >= 800` "
         "silently selects the fallback (or the host-only) branch: fast paths disappear without an error. A macro "
         "defined as such a test (`#define HAS_BF16 (__CUDA_ARCH__ >= 800)`) is false on AMD wherever it is tested. "
-        "The lint skips the code AMD compiles out: lint again after enabling a branch there.",
+        "The lint reads the code under a bare `#ifdef __CUDA_ARCH__` (the device pass, which the port keeps as "
+        "`__HIP_DEVICE_COMPILE__`) and skips what a version test compiles out: lint again after enabling such a branch.",
         "Test `__HIP_DEVICE_COMPILE__` / `__HIP_PLATFORM_AMD__` (and `__gfx942__` etc.) explicitly for the AMD path.",
         before="#if __CUDA_ARCH__ >= 800",
         after="#if defined(__gfx90a__) || defined(__gfx942__)  // the AMD path, then the __CUDA_ARCH__ tests",
