@@ -778,3 +778,37 @@ def test_device_code_under_the_pass_test_is_linted_and_under_a_version_test_is_n
     assert found == {(1, "mask-32bit"), (2, "cuda-arch-guard"), (3, "warp-size-literal"), (4, "mask-32bit")}
     found = {(f.line, f.rule) for f in lint_text(body.replace("{guard}", "#if __CUDA_ARCH__ >= 800"), "scan.cuh")}
     assert found == {(2, "cuda-arch-guard")}
+
+
+SCAN_BLOCK = """template <typename T>
+__device__ void warpScan(T* c, unsigned i, unsigned mask) {
+  T x = c[i];
+  for (int offset = 1; offset < warpSize; offset <<= 1) {
+    T y = __shfl_up_sync(mask, x, offset);
+    if ((threadIdx.x % warpSize) >= offset) x += y;
+  }
+  c[i] = x;
+}
+template <typename T>
+__device__ void blockScan(T* c, unsigned size, T* ws) {
+  auto first = threadIdx.x, laneId = threadIdx.x % warpSize;
+  for (auto i = first; i < size; i += blockDim.x) {
+    warpScan(c, i, 0xffffffffu);
+    auto warpId = i / 32;
+    if (31 == laneId) ws[warpId] = c[i];
+  }
+  __syncthreads();
+  if (threadIdx.x < 32)
+    warpScan(ws, threadIdx.x, 0xffffffffu);
+  __syncthreads();
+  for (auto j = first; j * 32 < size; j += blockDim.x) c[j * 32] += ws[j];
+}
+"""
+
+
+def test_a_thread_index_under_another_name_a_last_lane_test_and_a_warp_call_under_a_barrier_are_warp_arithmetic():
+    """`auto first = threadIdx.x; for (auto i = first; ...) i / 32` is a warp id; `31 == lane` picks the last of 32
+    lanes; `if (threadIdx.x < 32) warpScan(...); __syncthreads();` runs a warp-level function of the file, no tree
+    step. `j * 32` on the same alias lays out data: not flagged."""
+    found = {(f.line, f.rule) for f in lint_text(SCAN_BLOCK, "scan.cuh") if f.rule == "warp-size-literal"}
+    assert found == {(15, "warp-size-literal"), (16, "warp-size-literal"), (19, "warp-size-literal")}

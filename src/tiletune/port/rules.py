@@ -344,8 +344,10 @@ _THREAD_COUNT_NAMES = re.compile(r"block_?size|num_?threads|n_?threads|threads_?
 _HEX_32, _HEX_31 = r"0[xX]0*20", r"0[xX]0*1[fF]"  # 32 and 31 written in hex (`& 0x1f`, `% 0x20`)
 _WARP_LITERAL = re.compile(
     rf"[%/*]\s*(?:32|{_HEX_32})[uU]?\b(?!\.)|&\s*(?:31|{_HEX_31})[uU]?\b|>>\s*5\b|<<\s*5\b"
-    rf"|(?<![<>])<\s*(?:32|{_HEX_32})[uU]?\b(?!\.)(?!\s*>)"
+    rf"|(?<![<>])<\s*(?:32|{_HEX_32})[uU]?\b(?!\.)(?!\s*>)|==\s*(?:31|{_HEX_31})[uU]?\b"  # `lane == 31`: the last lane
 )
+# the last lane's test written the other way round: `if (31 == laneId)`
+_LAST_LANE_FIRST = re.compile(rf"(?<![\w.])(?:31|{_HEX_31})[uU]?\s*==\s*([\w.]+)")
 _THREAD_COUNT_LITERAL = re.compile(r"(?<![<>-])>=?\s*32[uU]?\b(?!\.)")
 _THREADS_OF_WARPS = re.compile(r"(?<![\w.])32[uU]?\s*\*\s*(\w*(?i:warps)\w*)\b")  # `32 * num_warps`
 _LANE_ZERO_TEST = re.compile(r"\s*\)?\s*==\s*0\b")
@@ -371,10 +373,11 @@ def _left_operand(line: str, end: int) -> str:
 _BLOCK_BARRIER = re.compile(r"\s*(?:__syncthreads\s*\(|cg::sync\s*\(|(?:cta|block|b)\s*\.\s*sync\s*\()")
 
 
-def _barrier_step(lines: list[str], index: int) -> bool:
+def _barrier_step(lines: list[str], index: int, warp_calls: re.Pattern | None = None) -> bool:
     """Whether `lines[index]` is `if (...)` guarding one step of a shared-memory tree reduction: no
-    shuffle, vote or per-warp index inside, and a block barrier as the next statement. Such a step is
-    correct for any warp width (`if (tid < 32) s[tid] += s[tid + 32]; __syncthreads();`)."""
+    shuffle, vote or per-warp index inside, nor a call of the file's warp-level functions (`warp_calls`), and a block
+    barrier as the next statement. Such a step is correct for any warp width (`if (tid < 32) s[tid] += s[tid + 32];
+    __syncthreads();`)."""
     if not re.match(r"\s*if\s*\(", lines[index]):
         return False
     depth = 0
@@ -385,18 +388,22 @@ def _barrier_step(lines: list[str], index: int) -> bool:
     else:
         return False
     following = next((line for line in lines[end + 1 : end + 4] if line.strip()), "")
-    return not _WARP_WIDE_USE.search("\n".join(lines[index : end + 1])) and bool(_BLOCK_BARRIER.match(following))
+    guarded = "\n".join(lines[index : end + 1])
+    return (not _WARP_WIDE_USE.search(guarded) and not (warp_calls and warp_calls.search(guarded))
+            and bool(_BLOCK_BARRIER.match(following)))
 
 
 def check_lane_arithmetic(text: str) -> Iterable[Hit]:
-    """Flag `% 32`, `/ 32`, `& 31`, `>> 5`, `< 32`... applied to a thread, lane or warp index, `> 32`
-    applied to a thread count (`if (blockSize > 32)`: more than one warp), `32 *` a warp count (`32 * num_warps`:
+    """Flag `% 32`, `/ 32`, `& 31`, `>> 5`, `< 32`, `== 31`... applied to a thread, lane or warp index (or to a name
+    holding `threadIdx.x`, divided or masked: `auto first = threadIdx.x; ... i = first; ... i / 32`), `31 == lane`,
+    `> 32` applied to a thread count (`if (blockSize > 32)`: more than one warp), `32 *` a warp count (`32 * num_warps`:
     threads), and a loop from the hardware lane id
     stepping by 32 (`lane = threadIdx.x % warpSize; for (j = lane; j < n; j += 32)`) or from a lane id whose `% 32`
     is flagged here (fixing that lane id to count 64 lanes leaves the step wrong). A lane-0
     test (`threadIdx.x % 32 == 0`) is flagged only when the statement it guards shuffles, votes or
     indexes a per-warp array: picking one thread per 32 is otherwise harmless. A step of a tree
-    reduction with a block barrier after it is left alone, and so is a function that does nothing warp-wide
+    reduction with a block barrier after it (calling none of the file's warp-level functions) is left alone, and so is
+    a function that does nothing warp-wide
     (`lane_blind_functions`): there 32 only lays out data. Nothing is flagged in a file whose warp-level code all
     stays in 32-lane groups (`_logical_32_lane_groups`): its lane arithmetic by 32 agrees with its shuffles."""
     if _logical_32_lane_groups(text):
@@ -404,9 +411,16 @@ def check_lane_arithmetic(text: str) -> Iterable[Hit]:
     lines = text.splitlines()
     line_starts = _line_starts(lines)
     flagged_lanes = set()  # names given a lane id `% 32` that was flagged: loops from them stepping by 32 follow
+    blind = {f.name for f in lane_blind_functions(text)}
+    warp_level = sorted({f.name for f in functions(text)} - blind)
+    warp_calls = re.compile(rf"\b(?:{'|'.join(map(re.escape, warp_level))})\s*(?:<[^;{{}}]*?>)?\s*\(") if warp_level else None
+    thread_index = _thread_index_aliases(text)
     for number, line in enumerate(lines, start=1):
-        if _barrier_step(lines, number - 1) or in_lane_blind_function(text, line_starts[number - 1]):
+        if _barrier_step(lines, number - 1, warp_calls) or in_lane_blind_function(text, line_starts[number - 1]):
             continue
+        for match in _LAST_LANE_FIRST.finditer(line):
+            if _LANE_NAMES.search(match.group(1)):
+                yield Hit(number, match.start() + 1, f"`{match.group(1)}` compared with 31, the last of 32 lanes")
         for match in _THREAD_COUNT_LITERAL.finditer(line):
             operand = _left_operand(line, match.start())
             if _THREAD_COUNT_NAMES.search(operand) and not _LANE_NAMES.search(operand):
@@ -420,7 +434,9 @@ def check_lane_arithmetic(text: str) -> Iterable[Hit]:
             # or the result is named a lane id, whatever it was taken from (`lane_id = sq_id % 32`)
             assigned = _ASSIGNED_BEFORE.search(line[: match.start()])
             named_lane = match.group(0).lstrip()[0] in "%&" and assigned and _LANE_ID_NAME.fullmatch(assigned.group(1))
-            if not (_LANE_NAMES.search(operand) or warp_count or named_lane):
+            # a thread index under another name, divided or masked into a warp or lane id (its `* 32` lays out data)
+            aliased = operand.strip() in thread_index and match.group(0).lstrip()[0] in "/%&>"
+            if not (_LANE_NAMES.search(operand) or aliased or warp_count or named_lane):
                 continue
             if _LANE_ZERO_TEST.match(line, match.end()):
                 guarded = "\n".join([line[match.end():], *lines[number : number + 3]])
@@ -439,6 +455,21 @@ def check_lane_arithmetic(text: str) -> Iterable[Hit]:
             elif flagged_lanes & names:
                 yield Hit(number, match.start() + 1, "a loop from a lane id taken modulo 32 (flagged above) stepping by "
                           "32: once the lane id counts a 64-lane wavefront, the step must be warpSize too")
+
+
+_INDEX_COPY = re.compile(r"\b(\w+)\s*=\s*([\w.]+)\s*[;,)]")  # `auto first = threadIdx.x;`, `for (auto i = first; ...`
+
+
+def _thread_index_aliases(text: str) -> set[str]:
+    """Names set to `threadIdx.x` itself, or to such a name (`auto first = threadIdx.x; for (auto i = first; ...`):
+    a thread index under another name, whose `/ 32` is a warp id as `threadIdx.x / 32` is."""
+    copies = _INDEX_COPY.findall(text)
+    aliases: set[str] = set()
+    while True:
+        found = {name for name, source in copies if source == "threadIdx.x" or source in aliases} - aliases
+        if not found:
+            return aliases
+        aliases |= found
 
 
 # A lane id of the hardware's warp (`lane = threadIdx.x % warpSize`, `__lane_id()`): a loop from it stepping by 32
