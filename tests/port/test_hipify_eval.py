@@ -31,12 +31,13 @@ def test_ground_truth_names_a_pinned_source_and_known_classes(path):
     # filtered_lrelu in mmcv), Hugging Face's HFOIL (text-generation-inference in 2024) and Inria's non-commercial
     # Gaussian-Splatting license (diff-gaussian-rasterization), the LGPL of OpenMM's CUDA platform and GROMACS, LAMMPS'
     # GPL (and Grid's and GPUMD's), Aphrodite's AGPL, QMCPACK's NCSA, Eigen's MPL, BabelStream's own (STREAM's terms
-    # with its run rules) and Rodinia's (BSD-style, with a citation request) are named as the repository had them
+    # with its run rules), Rodinia's (BSD-style, with a citation request), ELPA's LGPL and SiftGPU's non-commercial
+    # license (in COLMAP) are named as the repository had them
     assert port["license"] in {"Apache-2.0", "BSD-2-Clause", "BSD-3-Clause", "MIT", "LicenseRef-NVIDIA-Source-Code",
                                "HFOIL-1.0", "LicenseRef-Gaussian-Splatting", "LGPL-3.0-or-later", "NCSA", "LGPL-2.1-or-later",
                                "GPL-2.0-only", "GPL-2.0-or-later", "GPL-3.0-or-later", "Apache-2.0 OR MIT",
                                "BSD-3-Clause-LBNL", "MPL-2.0", "AGPL-3.0-only", "LicenseRef-BabelStream",
-                               "LicenseRef-Rodinia", "GPL-3.0-only"}  # fmt: skip
+                               "LicenseRef-Rodinia", "GPL-3.0-only", "LGPL-3.0-only", "LicenseRef-SiftGPU"}  # fmt: skip
     for change in port["changes"]:
         first, last = change["lines"]
         assert 1 <= first <= last and change["class"] in {*score.CLASSES, *score.EXCLUDED, score.OBSOLETE}

@@ -812,3 +812,12 @@ def test_a_thread_index_under_another_name_a_last_lane_test_and_a_warp_call_unde
     step. `j * 32` on the same alias lays out data: not flagged."""
     found = {(f.line, f.rule) for f in lint_text(SCAN_BLOCK, "scan.cuh") if f.rule == "warp-size-literal"}
     assert found == {(15, "warp-size-literal"), (16, "warp-size-literal"), (19, "warp-size-literal")}
+
+
+def test_directives_between_a_return_type_and_the_name_are_no_part_of_the_type():
+    """ELPA writes `__global__ void` in both branches of an `#ifdef` (one with `__launch_bounds__`) before the kernel's
+    name: a void function, not one returning `endif`; a non-void one written the same way is still flagged."""
+    code = ("template <typename T, unsigned int blk>\n#ifdef WITH_HIPCUB\n__global__ void\n__launch_bounds__(blk)\n#else\n"
+            "__global__ void\n#endif\nkernel(T* q)\n{\n  q[threadIdx.x] = 0;\n}\n"
+            "#if defined(USE_FAST)\n__device__ float\n#else\n__device__ double\n#endif\nhalf_of(float x)\n{\n  x *= 0.5f;\n}\n")
+    assert [(f.line, f.rule) for f in lint_text(code, "k.cu")] == [(20, "missing-return")]

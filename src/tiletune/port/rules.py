@@ -1228,10 +1228,11 @@ def check_cuda_version_expressions(text: str) -> Iterable[Hit]:
 
 # A project's build flag naming CUDA (`WITH_CUDA`, `BUILD_CUDA`, `GOOGLE_CUDA`) or cuDNN (Caffe's `USE_CUDNN`), not
 # the toolkits' own version macros
-# a flag naming CUDA or cuDNN (`WITH_CUDA`), or autoconf's for a CUDA library or type (`HAVE_CUFFT_H`, `SIZEOF_CUFLOATCOMPLEX`:
-# AC_CHECK_SIZEOF(cuFloatComplex), which only the CUDA configure runs)
+# a flag naming CUDA or cuDNN (`WITH_CUDA`), one for a CUDA library or type (autoconf's `HAVE_CUFFT_H`,
+# `SIZEOF_CUFLOATCOMPLEX`: AC_CHECK_SIZEOF(cuFloatComplex), which only the CUDA configure runs; ELPA's `WITH_CUCUB`)
 _CUDA_BUILD_FLAG = re.compile(r"\b(?!__CUDA|CUDA_VERSION\b|CUDART_VERSION\b|CUDNN_VERSION\b)(\w*CU(?:DA|DNN)\w*"
-                              r"|(?:HAVE|SIZEOF)_CU(?:BLAS|FFT|RAND|SPARSE|SOLVER|COMPLEX|FLOATCOMPLEX|DOUBLECOMPLEX)\w*)\b")
+                              r"|(?:HAVE|SIZEOF|WITH|USE|ENABLE)_(?:CU(?:BLAS|FFT|RAND|SPARSE|SOLVER|COMPLEX|FLOATCOMPLEX"
+                              r"|DOUBLECOMPLEX|CUB)|CUB)\w*)\b")
 _OPT_OUT_FLAG = re.compile(r"(?:^|_)(?:NO|DISABLE|DISABLED|SKIP|WITHOUT)(?:_|$)")
 # a build flag's branch holding this share of a file's lines of code (not blank, not a preprocessor line) guards the
 # whole file: the port widens it
@@ -1791,8 +1792,8 @@ def check_missing_return(text: str) -> Iterable[Hit]:
         name = re.escape(function.name)
         if function.name in classes or re.search(rf"\b{name}\s*(?:<[^<>]*>\s*)?::\s*{name}\s*\(", header):
             continue  # a constructor, also one defined outside its class (`Point::Point() {`)
-        before = re.sub(r"template\s*<(?:[^<>]|<[^<>]*>)*>|__launch_bounds__\s*\([^()]*\)|\b(?:public|private|protected)\s*:",
-                        " ", function.before_name)
+        before = re.sub(r"template\s*<(?:[^<>]|<[^<>]*>)*>|__launch_bounds__\s*\([^()]*\)|\b(?:public|private|protected)\s*:"
+                        r"|^[ \t]*#.*$", " ", function.before_name, flags=re.MULTILINE)  # and directives between them
         words = [word for word in re.findall(r"\w+", before)
                  if word not in _NOT_A_RETURN_TYPE and word not in macros and not re.fullmatch(r"[A-Z0-9]+_[A-Z0-9_]+", word)]
         returns_nothing = ((words and words[-1] in ("void", "auto") and not re.search(r"[*&]\s*$", before))

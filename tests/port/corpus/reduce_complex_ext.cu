@@ -1,4 +1,4 @@
-// hip-build: -D HAVE_ROCM -U HAVE_CUDA -U SIZEOF_CUFLOATCOMPLEX -U HAVE_CUBLAS
+// hip-build: -D HAVE_ROCM -U HAVE_CUDA -U SIZEOF_CUFLOATCOMPLEX -U HAVE_CUBLAS -U WITH_CUCUB
 // A collective library's reduction kernels for complex data, compiled as C++ by nvcc but declared to C callers:
 // its own CUDA header (which includes the CUDA runtime, fp16 and complex headers) sits inside the extern "C" block,
 // and the complex case is kept under autoconf's size check of cuFloatComplex, which only the CUDA configure runs.
@@ -32,6 +32,12 @@ extern "C" int reduce_sum(int dtype, const void* a, const void* b, void* out, in
       return -1;
   }
 }
+
+#ifdef WITH_CUCUB  // expect: cuda-build-flag
+constexpr bool sort_with_cub = true;  // the CUB path, a CUDA library the HIP build has as hipCUB under its own flag
+#else
+constexpr bool sort_with_cub = false;
+#endif
 
 int reduce_max_index(int n, const float* x, int* index, void* handle) {
 #ifdef HAVE_CUBLAS  // the project's hipBLAS branch follows: not flagged
