@@ -1227,8 +1227,7 @@ def check_cuda_version_expressions(text: str) -> Iterable[Hit]:
             yield Hit(number, match.start() + 1, f"`{match.group(0)}` is undefined under hipcc")
 
 # A project's build flag naming CUDA (`WITH_CUDA`, `BUILD_CUDA`, `GOOGLE_CUDA`) or cuDNN (Caffe's `USE_CUDNN`), not
-# the toolkits' own version macros
-# a flag naming CUDA or cuDNN (`WITH_CUDA`), one for a CUDA library or type (autoconf's `HAVE_CUFFT_H`,
+# the toolkits' own version macros, or one for a CUDA library or type (autoconf's `HAVE_CUFFT_H`,
 # `SIZEOF_CUFLOATCOMPLEX`: AC_CHECK_SIZEOF(cuFloatComplex), which only the CUDA configure runs; ELPA's `WITH_CUCUB`)
 _CUDA_BUILD_FLAG = re.compile(r"\b(?!__CUDA|CUDA_VERSION\b|CUDART_VERSION\b|CUDNN_VERSION\b)(\w*CU(?:DA|DNN)\w*"
                               r"|(?:HAVE|SIZEOF|WITH|USE|ENABLE)_(?:CU(?:BLAS|FFT|RAND|SPARSE|SOLVER|COMPLEX|FLOATCOMPLEX"
