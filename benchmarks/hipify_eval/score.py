@@ -246,6 +246,9 @@ CLASSES: dict[str, ChangeClass] = {
     "extern-c-include": ChangeClass(("extern-c-include",), False, "a HIP header reached from inside an `extern \"C\"` block moved out of it (HIP's C++ templates need C++ linkage; nvcc pre-includes cuda_runtime.h, so the CUDA file never saw it)"),
     # round 46's, defined by its labeller (before the round was scored)
     "device-recursion": ChangeClass((), False, "a device function's run-time recursion unrolled into templates for the HIP port (hip-clang's stack for a recursive device call)"),
+    # round 49's, defined by its labeller (before the round was scored)
+    "device-function-pointer": ChangeClass((), False, "device function pointers fetched with `cudaMemcpyFromSymbol` replaced by a switch (HIP had no device function pointers in 2021)"),
+    "device-noinline": ChangeClass((), False, "big device functions marked `__noinline__` because hipcc otherwise never finished compiling them"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).

@@ -65,14 +65,15 @@ def test_torch_engine_maps_pytorch_headers_rccl_graph_params_the_kernel_cast_and
         "#include <ATen/cuda/CUDAContext.h>\n#include <ATen/cuda/Exceptions.h>\n"
         "#include <c10/cuda/CUDAGuard.h>\n#include \"c10/cuda/CUDAStream.h\"\n#include <vector_functions.h>\n"
         "#include \"nccl.h\"\n"
-        "void f() { cudaKernelNodeParams params; cudaFuncSetAttribute(k<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, n);\n"
+        "void f() { cudaKernelNodeParams params; cudaLaunchParams launches[2];\n"
+        "  cudaFuncSetAttribute(k<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, n);\n"
         "  cudaFuncSetAttribute((const void*)k<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, n);\n"
         "  cudaFuncSetSharedMemConfig(k<32>, cudaSharedMemBankSizeFourByte); cudaFuncSetCacheConfig(k<16>, cudaFuncCachePreferShared); }\n"
         "void g() { cusparseSpMM(h, op, op, &a, A, B, &b, C, CUDA_R_32F, CUSPARSE_SPMM_ALG_DEFAULT, buf); }\n")
     hip = select_engine("torch").translate(source)
     assert "<ATen/hip/HIPContext.h>" in hip and "<ATen/hip/Exceptions.h>" in hip
     assert "<c10/hip/HIPGuard.h>" in hip and '"c10/hip/HIPStream.h"' in hip and "<hip/hip_vector_types.h>" in hip
-    assert "hipKernelNodeParams params;" in hip and "#include <rccl/rccl.h>" in hip
+    assert "hipKernelNodeParams params;" in hip and "hipLaunchParams launches[2];" in hip and "#include <rccl/rccl.h>" in hip
     assert hip.count("hipFuncSetAttribute((const void*)k<64>, hipFuncAttributeMaxDynamicSharedMemorySize") == 2
     assert "hipFuncSetSharedMemConfig((const void*)k<32>, hipSharedMemBankSizeFourByte)" in hip
     assert "hipFuncSetCacheConfig((const void*)k<16>, hipFuncCachePreferShared)" in hip

@@ -136,6 +136,8 @@ TORCH_TABLE_GAPS: list[Rewrite] = [
             "torch's table maps the driver header only as `include <cuda.h` / `include \"cuda.h` with one space, so "
             "`#include<cuda.h>` stayed (Cholla's gravity solver); ROCm has no cuda.h"),
     Rewrite(re.compile(r"\bcudaKernelNodeParams\b"), "hipKernelNodeParams", "HIP graph API, missing from torch's table"),
+    Rewrite(re.compile(r"\bcudaLaunchParams\b"), "hipLaunchParams",
+            "the launch-parameter struct of cooperative multi-device launches, missing from torch's table"),
     Rewrite(re.compile(r"\b__CUDACC_RTC__\b"), "__HIPCC_RTC__",
             "NVRTC's macro for a source compiled at run time; hiprtc defines __HIPCC_RTC__ instead (clang D100652), so "
             "a test of __CUDACC_RTC__ takes its offline branch under hiprtc (standard headers it cannot find)"),
