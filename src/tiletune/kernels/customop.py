@@ -7,9 +7,9 @@ in one `Signature`; everything else (schemas, selection, saving for the backward
 
 The ops are registered through `torch.library.Library` (schema, one kernel for every backend, a fake, and an
 autograd kernel: an `autograd.Function` that calls the op below autograd), not `torch.library.custom_op`, whose
-Python wrappers (default filling, aliasing checks, a dynamo guard around the kernel) cost 25-30 us more host time
-a forward + backward (benchmarks/results/cpu-2026-12-07-customop): time the GPU waits in a step whose host sets its
-pace (the MoE step, benchmarks/results/h100-2026-12-07b). The ops stay visible to dispatch modes (selective
+Python wrappers (default filling, aliasing checks, a dynamo guard around the kernel) cost 35-125 us more host time
+a forward + backward on an H100 machine (benchmarks/results/h100-2026-12-07d: both registrations in one call): time
+the GPU waited in the MoE step while its host set the pace. The ops stay visible to dispatch modes (selective
 checkpointing keeps their outputs) and pass `torch.library.opcheck` (tests/kernels/test_customop.py).
 """
 
