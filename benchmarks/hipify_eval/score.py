@@ -28,17 +28,19 @@ import sys
 import urllib.request
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from tiletune.port.compile_check import line_map
 from tiletune.port.engines import select_engine
 from tiletune.port.hipify import cuda_names, defined_names
-from tiletune.port.lint import lint_text
+from tiletune.port.lint import lint_text, strip_comments
 from tiletune.port.preprocessor import Build, cxx_standard, directives, on_amd
+from tiletune.port.twins import HEADER_SUFFIXES, SCANNED_SUFFIXES, ProjectTwins, cuda_spelled
 
 HERE = Path(__file__).resolve().parent
 PORTS = HERE / "ports"
 CACHE = HERE / "cache"
+TWINS_INDEX = ".project-twins.json"  # beside a cached original: its project's HIP twins at that commit
 RAW = "https://raw.githubusercontent.com/{repo}/{commit}/{path}"
 
 
@@ -58,6 +60,9 @@ class ChangeClass:
     # torch's hipify adds `#include "hip/hip_runtime.h"` at the top of a file with kernel syntax and no CUDA runtime
     # include, where nvcc had included cuda_runtime.h implicitly
     translation_inserts: re.Pattern | None = None
+    # a rename of the project's own names: covered by a translation only where no CUDA-spelled identifier of the lines
+    # is left in them (the rest of the line may be rewritten for other reasons)
+    renames_project_names: bool = False
 
 
 HIP_RUNTIME_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]hip/hip_runtime\.h[>"]', re.MULTILINE)
@@ -241,7 +246,8 @@ CLASSES: dict[str, ChangeClass] = {
     "rtc-execution-space": ChangeClass((), False, "functions or data a runtime-compiled source left device-only by NVRTC's `--device-as-default-execution-space` (which hiprtc lacks) given `__host__ __device__` or made `constexpr`"),
     "mpi-stream-sync": ChangeClass((), False, "a device synchronise added after a kernel writes a buffer GPU-aware MPI then reads: on AMD the send read it before the kernel finished"),
     # round 25's, defined after its labelling (the labeller named it; first labelled runtime-api / runtime-header)
-    "project-backend-api": ChangeClass((), False, "a project's own CUDA-backend API switched to its HIP namesake (PETSc's `VecCUDAGetArrayRead`, `VECCUDA`, `WaitForCUDA`, `petscdevice_cuda.h`)"),
+    "project-backend-api": ChangeClass((), True, "a project's own CUDA-backend API switched to its HIP namesake (PETSc's `VecCUDAGetArrayRead`, `VECCUDA`, `WaitForCUDA`, `petscdevice_cuda.h`)",
+                                       renames_project_names=True),
     # round 45's, defined by its labeller (before the round was scored)
     "extern-c-include": ChangeClass(("extern-c-include",), False, "a HIP header reached from inside an `extern \"C\"` block moved out of it (HIP's C++ templates need C++ linkage; nvcc pre-includes cuda_runtime.h, so the CUDA file never saw it)"),
     # round 46's, defined by its labeller (before the round was scored)
@@ -281,6 +287,43 @@ def fill_cache(get, ports: list[dict]) -> None:
                 print(f"cached {repo}@{at[:10]}:{path}")
 
 
+def twins_index(port: dict) -> Path:
+    """Where the cache keeps the project's HIP twins (`tiletune hipify --project`) at the port's CUDA commit."""
+    return cached(port["repo"], port["cuda"]["commit"], TWINS_INDEX)
+
+
+def project_twins(port: dict) -> ProjectTwins:
+    """The project's HIP twins as `tiletune hipify --project` reads them at the port's CUDA commit, from the cache
+    (empty where the cache was filled without a clone: `--fetch` reads single files)."""
+    index = twins_index(port)
+    if not index.exists():
+        return ProjectTwins()
+    data = json.loads(index.read_text())
+    return ProjectTwins(frozenset(data["names"]), tuple(data["paths"]))
+
+
+def index_project(git_dir: str, port: dict, excluded: list[str]) -> None:
+    """Write the project's HIP twins at the port's CUDA commit to the cache: what `ProjectTwins.scan` reads in a
+    checkout, its sources read with git, the CUDA file and every HIP file of the repository's ports (the human
+    answers) left out."""
+    commit = port["cuda"]["commit"]
+    git = ["git", f"--git-dir={git_dir}"]
+    paths = subprocess.run([*git, "ls-tree", "-r", "--name-only", commit], capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    listed = subprocess.run([*git, "grep", "-l", "-I", "-E", "hip|Hip|HIP|rocm|Rocm|ROCm|ROCM|amdgpu|Amdgpu|AMDGPU",
+                             commit, "--", *(f"*{suffix}" for suffix in SCANNED_SUFFIXES)],
+                            capture_output=True, text=True).stdout.splitlines()
+    spelled = [path for path in (line.split(":", 1)[1] for line in listed) if path not in excluded]
+    batch = subprocess.run([*git, "cat-file", "--batch"], input="".join(f"{commit}:{p}\n" for p in spelled).encode(),
+                           capture_output=True, check=True).stdout
+    twins = ProjectTwins.from_texts([batch.decode("utf-8", errors="replace")],
+                                    (p for p in paths if PurePosixPath(p).suffix in HEADER_SUFFIXES))
+    target = twins_index(port)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps({"excluded": excluded, "names": sorted(twins.names), "paths": list(twins.paths)}))
+    print(f"indexed {port['repo']}@{commit[:10]}: {len(twins.names)} HIP-spelled names, {len(twins.paths)} headers")
+
+
 def fetch_raw(repo: str, commit: str, path: str) -> str:
     with urllib.request.urlopen(RAW.format(repo=repo, commit=commit, path=path), timeout=60) as response:
         return response.read().decode("utf-8")
@@ -290,8 +333,9 @@ def from_git(clones: dict[str, str]):
     def get(repo: str, commit: str, path: str) -> str:
         if repo not in clones:
             raise SystemExit(f"no clone given for {repo}: add --from-git {repo}=DIR")
-        return subprocess.run(["git", f"--git-dir={clones[repo]}", "show", f"{commit}:{path}"],
-                              capture_output=True, text=True, check=True).stdout
+        raw = subprocess.run(["git", f"--git-dir={clones[repo]}", "show", f"{commit}:{path}"],
+                             capture_output=True, check=True).stdout
+        return raw.decode("utf-8", errors="replace")  # a Latin-1 byte in a comment (a few old sources) read as U+FFFD
     return get
 
 
@@ -322,7 +366,7 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
     # `cudaCheck`): `tiletune hipify` run on the project reads them there and does not count them as CUDA names left
     own_names = frozenset(port.get("project_macros", ())) | defined_names(text)
     findings = lint_text(text, port["cuda"]["path"], build=hip_build)
-    translated = engine.translate(source)
+    translated, _ = project_twins(port).rename(engine.translate(source))
     original_lines, translated_lines = text.splitlines(), translated.splitlines()
     back = line_map(text, translated)
     translated_of = defaultdict(list)
@@ -346,7 +390,8 @@ def score_port(port: dict, engine, missed: Counter, notes: list[str]) -> PortSco
         lines = sorted({*range(first, last + 1), *sites})  # a change made once covers its sites too
         before = "\n".join(original_lines[n - 1] for n in lines)
         after = "\n".join(line for n in lines for line in translated_of[n])
-        rewritten = ((kind.translation_covers and after.strip() != before.strip() and not cuda_names(after, own_names))
+        rewritten = ((kind.translation_covers and after.strip() != before.strip() and not cuda_names(after, own_names)
+                      and not (kind.renames_project_names and cuda_spelled(after) & cuda_spelled(before)))
                      or (kind.kept_covers and after.strip() == before.strip())
                      or (kind.translation_decides_guard and _guard_decided(before, after, hip_build))
                      or _inserted_elsewhere(kind, change, before, text, translated))  # fmt: skip
@@ -403,6 +448,7 @@ def _guard_decided(before: str, after: str, build: Build) -> bool:
     the other known value): `#ifdef __CUDACC__`, false under hipcc (which leaves nvcc's macro undefined; the lint
     leaves it to the translation), becomes `#ifdef __HIPCC__`, true."""
     tests = ("if", "ifdef", "ifndef", "elif")
+    before, after = strip_comments(before), strip_comments(after)  # `#ifdef __CUDACC__ // CUDA or C++`
     as_written = Build(build.defined, build.undefined | {"__CUDACC__"}, build.std)
     old = [on_amd(d.condition, as_written) for d in directives(before, as_written) if d.kind in tests]
     new = [on_amd(d.condition, build) for d in directives(after, build) if d.kind in tests]
@@ -448,7 +494,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.fetch:
         fill_cache(fetch_raw, ports)
     if args.from_git:
-        fill_cache(from_git(dict(item.split("=", 1) for item in args.from_git)), ports)
+        clones = dict(item.split("=", 1) for item in args.from_git)
+        fill_cache(from_git(clones), ports)
+        answers = defaultdict(list)  # the HIP files of every port of a repository, left out of its index
+        for port in load_ports():
+            answers[port["repo"]].append(port["hip"]["path"])
+        for port in ports:
+            excluded = sorted({port["cuda"]["path"], *answers[port["repo"]]})
+            index = twins_index(port)
+            if port["repo"] in clones and (not index.exists() or json.loads(index.read_text())["excluded"] != excluded):
+                index_project(clones[port["repo"]], port, excluded)
     engine = select_engine("torch")
     missed, notes = Counter(), []
     scores = [score_port(port, engine, missed, notes) for port in ports]

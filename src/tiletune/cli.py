@@ -122,6 +122,10 @@ def _run_torchrun(command: list[str]) -> int:
 @click.option("-U", "--undef", "undefines", multiple=True, metavar="NAME",
               help="A macro the project's HIP build leaves undefined (repeatable), e.g. a feature flag it keeps off: "
                    "code under `#ifdef NAME` is not linted.")
+@click.option("--project", type=click.Path(file_okay=False),
+              help="The root of the project the sources belong to: where it keeps a HIP back end beside the CUDA one "
+                   "(`hip_util.hpp` beside `cuda_util.cuh`, `hipCheck` beside `cudaCheck`), the translation calls those "
+                   "HIP twins of its CUDA-named API and headers.")
 @click.option("--std", "cxx_std", type=click.Choice(["c++11", "c++14", "c++17", "c++20", "c++23"]), default="c++17",
               show_default=True, help="The C++ standard the project's HIP build compiles (its -std; hipcc's own default "
                                       "is gnu++17): `register`, an error from C++17, only warns before it.")
@@ -129,7 +133,7 @@ def _run_torchrun(command: list[str]) -> int:
 def hipify(ctx: click.Context, paths: tuple[str, ...], explain_rule: str | None, out: str | None, inplace: bool,
            lint_only: bool, engine: str, fmt: str, report_dir: str | None, strict: bool, compile_check: bool,
            offload_arch: str, hipcc_flags: tuple[str, ...], defines: tuple[str, ...], undefines: tuple[str, ...],
-           cxx_std: str) -> None:
+           cxx_std: str, project: str | None) -> None:
     """Translate CUDA sources under PATHS to HIP and report what needs a human on AMD GPUs."""
     from pathlib import Path
 
@@ -147,7 +151,7 @@ def hipify(ctx: click.Context, paths: tuple[str, ...], explain_rule: str | None,
 
     report = run_hipify(list(paths), out, engine=engine, inplace=inplace, lint_only=lint_only,
                         compile_check=compile_check, offload_arch=offload_arch, hipcc_flags=hipcc_flags,
-                        build=Build(frozenset(defines), frozenset(undefines), cxx_standard(cxx_std)))
+                        build=Build(frozenset(defines), frozenset(undefines), cxx_standard(cxx_std)), project=project)
     click.echo(RENDERERS[fmt](report), nl=False)
     if report_dir or out:
         written = write_reports(report, Path(report_dir or out))

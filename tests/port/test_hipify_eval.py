@@ -69,7 +69,7 @@ def test_an_inserted_runtime_include_counts_where_the_translation_inserts_it_in_
     score = _score_module()
     source = tmp_path / "kernel.cu"
     source.write_text(f'{runtime_include}// a kernel\n#include "project.h"\n\n__global__ void k(float* x) {{ x[threadIdx.x] = 0; }}\n')
-    monkeypatch.setattr(score, "cached", lambda repo, commit, path: source)
+    monkeypatch.setattr(score, "cached", lambda repo, commit, path: tmp_path / path)
     port = {"name": "synthetic", "repo": "o/r", "cuda": {"commit": "0" * 40, "path": "kernel.cu"},
             "changes": [{"lines": lines, "class": "runtime-header", "note": note}]}
     missed = score.Counter()
@@ -86,9 +86,25 @@ def test_a_conditionals_else_and_endif_are_covered_with_its_if(tmp_path, monkeyp
     source = tmp_path / "reduce.cu"
     source.write_text("#if SIZEOF_CUFLOATCOMPLEX == 8\n  case 1: run(); break;\n#else\n  case 1: return -1;\n#endif\n"
                       "int unrelated;\n#if SIZEOF_CUDOUBLECOMPLEX == 16\n#endif\n")
-    monkeypatch.setattr(score, "cached", lambda repo, commit, path: source)
+    monkeypatch.setattr(score, "cached", lambda repo, commit, path: tmp_path / path)
     port = {"name": "synthetic", "repo": "o/r", "cuda": {"commit": "0" * 40, "path": "reduce.cu"},
             "hip_build": {"undefined": undefined},
             "changes": [{"lines": [1, 1], "class": "build-flag-guard"}, {"lines": [3, 5], "class": "build-flag-guard"}]}
+    result = score.score_port(port, score.select_engine("torch"), score.Counter(), [])
+    assert (result.changes, result.covered) == (2, covered)
+
+
+@pytest.mark.parametrize("twins, covered", [(["hipCheckOnDebug", "HipDevice"], 2), (["hipCheckOnDebug"], 1), ([], 0)])
+def test_a_project_backend_rename_counts_where_the_projects_twin_is_called(tmp_path, monkeypatch, twins, covered):
+    """The humans called the project's HIP twins (`hipCheckOnDebug`, `DataSpace::HipDevice`): the translation covers
+    a line where `tiletune hipify --project` finds the twin in the project's index; a line that keeps a CUDA-spelled
+    name of the project is not covered, whatever else on it was translated (`cudaMemset` -> `hipMemset`)."""
+    score = _score_module()
+    (tmp_path / "memory.cu").write_text("void f(char* p) {\n  cudaMemset(p, 0, 8);\n  cudaCheckOnDebug();\n"
+                                        "  cudaMemset(p, 0, 8); allocData(DataSpace::CudaDevice, p);\n}\n")
+    (tmp_path / score.TWINS_INDEX).write_text(score.json.dumps({"excluded": [], "names": twins, "paths": []}))
+    monkeypatch.setattr(score, "cached", lambda repo, commit, path: tmp_path / path)
+    port = {"name": "synthetic", "repo": "o/r", "cuda": {"commit": "0" * 40, "path": "memory.cu"},
+            "changes": [{"lines": [3, 3], "class": "project-backend-api"}, {"lines": [4, 4], "class": "project-backend-api"}]}
     result = score.score_port(port, score.select_engine("torch"), score.Counter(), [])
     assert (result.changes, result.covered) == (2, covered)

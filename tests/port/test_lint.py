@@ -169,6 +169,7 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
      "    warp_size != 32) {\n  printf(\"Error: Invalid value for warp_size.\\n\");\n  return;\n}", "warp-size-assert"),
     ("#define CC_AMPERE 800\n#define HAS_BF16_MATH (__CUDA_ARCH__ >= CC_AMPERE)", "cuda-arch-guard"),  # false on AMD
     ("#if CUDA_VERSION < 8000\n#error \"CUDA >= 8.0 is required\"\n#endif", "compiler-guard"),  # taken under hipcc
+    ('#ifdef __NVCC__\n  out << "nvcc ";\n  use_tensor_cores = true;\n#endif', "compiler-guard"),  # not a banner only
     ("if (cudaMallocHost(&p, n) != cudaSuccess) {\n  cudaGetLastError();  // clear it\n  p = nullptr;\n}", "discarded-status"),
     (("template <typename T> constexpr __device__ T log2(T n) { return n <= 1 ? 0 : 1 + log2(n / 2); }\n"
       "template <int N> struct Bits { static constexpr int value = log2(N); };"), "constexpr-device-only"),
@@ -257,6 +258,12 @@ def test_rule_variants_fire(code, rule):
     ("constexpr int kCols = 32;\nint chunks = n / kCols;", "warp-size-define"),
     ("int chunks = std::max(1, seqlen / 64);", "constexpr-std-minmax"),  # not a constexpr initialiser
     ("static constexpr int kNWarps = kNThreads / 32;", "warp-size-literal"),  # as often a tile decomposition
+    ('#ifdef __NVCC__\n#if defined __CUDACC_VER_MAJOR__\n  out << "nvcc " << __CUDACC_VER_MAJOR__ << ".";\n#else\n'
+     '  out << "nvcc UNKNOWN";\n#endif\n  out << " (";\n#endif', "compiler-guard"),  # AMD loses a banner only
+    ("#ifdef __NVCC__\n#if __CUDACC_VER_MAJOR__ < 11\n#error Unsupported CUDA version\n#endif\n#endif",
+     "compiler-guard"),  # a check of nvcc's release, rightly skipped by hipcc
+    ("#if defined __clang__\n#define FAST 1\n#elif defined __GNUC__\n#if __GNUC__ < 9\n#error old gcc\n#endif\n#endif",
+     "compiler-guard"),  # hip-clang takes the clang branch: the GCC check is never reached
     ("if (num_threads > 320) return;", "warp-size-literal"),
     ("int cols = std::max(32, n / 4);", "block-32-threads"),  # not a block dimension
     ("constexpr int kA = 4;\nint n = std::min(a, b);", "constexpr-std-minmax"),  # the constexpr ended at its `;`

@@ -24,6 +24,9 @@ from tiletune.port.preprocessor import Build, blank_branches_dead_on_amd, on_amd
     ("defined(CUDA_ARCHITECTURES)", None),  # not one: a build setting of the project
     ("(__CUDACC_VER_MAJOR__-0) >= 11", False),  # `(NAME-0)`: an undefined macro read as 0
     ("__CUDA_ARCH_LIST__ >= 890", False),  # nvcc 11.5's list of the build's archs
+    ("defined __clang__", True),  # hip-clang is clang
+    ("defined __NVCC__ or defined __INTEL_LLVM_COMPILER", False),  # C++'s alternative tokens; not Intel's icx
+    ("defined USE_ROCM and not defined __CUDA_ARCH__", True),
 ])
 def test_conditions_as_hipcc_sees_them(condition, value):
     assert on_amd(condition) is value

@@ -20,6 +20,7 @@ from tiletune.port.engines import select_engine
 from tiletune.port.lint import Finding, lint_text, strip_comments
 from tiletune.port.preprocessor import HIPCC, Build
 from tiletune.port.report import FileResult, HipifyReport
+from tiletune.port.twins import ProjectTwins
 
 SOURCE_SUFFIXES = frozenset({".cu", ".cuh", ".cpp", ".cc", ".cxx", ".c", ".h", ".hpp", ".hh", ".hxx", ".inl"})
 HOST_UNIT_SUFFIXES = frozenset({".cpp", ".cc", ".cxx", ".c"})
@@ -138,9 +139,10 @@ def _moved(finding: Finding, lines: list[int]) -> Finding:
 
 def run_hipify(paths: list[str], out: str | None = None, *, engine: str = "auto", inplace: bool = False,
                lint_only: bool = False, compile_check: bool = False, offload_arch: str = "gfx90a",
-               hipcc_flags: tuple[str, ...] = (), build: Build = HIPCC) -> HipifyReport:
+               hipcc_flags: tuple[str, ...] = (), build: Build = HIPCC, project: str | None = None) -> HipifyReport:
     """Lint `paths` (code the HIP build compiles out with `build`'s macros left alone), translate them into `out` (or
-    in place), optionally compile with the same macros; return the report."""
+    in place), with `project`'s HIP twins of its CUDA-back-end names and headers (`twins.ProjectTwins`) renamed in,
+    optionally compile with the same macros; return the report."""
     if sum([out is not None, inplace, lint_only]) != 1:
         raise UserError("say where the HIP sources go: exactly one of --out DIR, --inplace (keeps .prehip "
                         "backups) or --lint-only (no translation)")
@@ -150,6 +152,8 @@ def run_hipify(paths: list[str], out: str | None = None, *, engine: str = "auto"
         raise UserError(f"--offload-arch {offload_arch!r} is not an AMD GPU target; use e.g. gfx90a (MI200), "
                         "gfx942 (MI300), gfx1100 (RX 7900)")
     root, sources = collect_sources(paths)
+    if project is not None and not Path(project).is_dir():
+        raise UserError(f"--project {project}: no such directory; give the root of the project the sources belong to")
     texts = {source: source.read_text(encoding="utf-8", errors="replace") for source in sources}
     findings = [f for source in sources for f in lint_text(texts[source], display_path(source), build=build)]
     if lint_only:
@@ -160,7 +164,10 @@ def run_hipify(paths: list[str], out: str | None = None, *, engine: str = "auto"
     if out_dir is not None:
         _check_destination(out_dir, paths, destinations)
     translator = select_engine(engine)
-    translations = {source: translator.translate(source) for source in sources}
+    twins = ProjectTwins.scan(Path(project), exclude=sources) if project is not None else ProjectTwins()
+    translations, renames = {}, {}
+    for source in sources:
+        translations[source], renames[source] = twins.rename(translator.translate(source))
 
     line_maps = {source: line_map(texts[source], hip_text) for source, hip_text in translations.items()}
     if inplace:  # the CUDA text now lives in the .prehip backups: point findings at the rewritten files
@@ -178,6 +185,7 @@ def run_hipify(paths: list[str], out: str | None = None, *, engine: str = "auto"
         report.files.append(FileResult(
             source=display_path(source), output=display_path(destination),
             translated=sum(names_before.values()) - sum(left.values()), left=dict(left.most_common()),
+            renamed=dict(renames[source].most_common()),
         ))
         source_maps[destination.resolve()] = SourceMap(display_path(source), [] if inplace else line_maps[source])
         if _is_compile_unit(source, texts[source]):

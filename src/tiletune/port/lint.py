@@ -18,7 +18,7 @@ from pathlib import Path
 from tiletune.port.preprocessor import HIPCC, Build, blank_branches_dead_on_amd
 from tiletune.port.rules import RULES, Rule, build_flags_compiling_out, pattern_hits
 
-_COMMENT_OR_LITERAL = re.compile(
+COMMENT_OR_LITERAL = re.compile(
     r"//[^\n]*|/\*.*?\*/|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'", re.DOTALL
 )
 
@@ -51,7 +51,7 @@ def strip_comments(text: str) -> str:
             return re.sub(r"[^\n]", " ", token)
         return token
 
-    return _COMMENT_OR_LITERAL.sub(blank, text)
+    return COMMENT_OR_LITERAL.sub(blank, text)
 
 
 def lint_text(text: str, path: str, rules: list[Rule] = RULES, build: Build = HIPCC) -> list[Finding]:

@@ -15,7 +15,9 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-DEFINED_ON_AMD = {"USE_ROCM", "__HIP_PLATFORM_AMD__", "__HIPCC__", "__HIP__"}
+# hip-clang is clang: `#if defined __clang__` is taken, a test for another host compiler (Intel's icx / icc, NVIDIA's
+# nvc++) is not
+DEFINED_ON_AMD = {"USE_ROCM", "__HIP_PLATFORM_AMD__", "__HIPCC__", "__HIP__", "__clang__"}
 # Never defined by hipcc, nor renamed by any translator (torch's hipify renames __CUDACC__, not these); the
 # hcc-era platform macro, which hip_common.h still defined up to ROCm 5.7 and ROCm 6.0 dropped (as torch 2.3 dropped
 # it from its extension flags); and the CUDA headers' feature-test macros.
@@ -24,6 +26,7 @@ UNDEFINED_ON_AMD = {"__CUDA_ARCH__", "__NVCC__", "__HIP_PLATFORM_HCC__",
                     "__CUDACC_VER_MAJOR__", "__CUDACC_VER_MINOR__", "__CUDACC_VER_BUILD__",
                     # feature-test macros only CUDA's cuda_bf16.h / cuda_fp8.h define (not HIP's headers, through 6.2)
                     "__CUDA_BF16_TYPES_EXIST__", "__CUDA_FP8_TYPES_EXIST__",
+                    "__INTEL_COMPILER", "__INTEL_LLVM_COMPILER", "__NVCOMPILER",
                     # what IDEs' code models define for their indexing, never a compiler
                     "__CLION_IDE__", "__JETBRAINS_IDE__", "__INTELLISENSE__", "__RESHARPER__"}
 _DIRECTIVE = re.compile(r"^\s*#\s*(if|ifdef|ifndef|elif|else|endif)\b(.*)$")
@@ -41,6 +44,8 @@ _PLUS_ZERO = re.compile(r"\(\s*(\w+)\s*[-+]\s*0\s*\)")
 # `#ifdef __CUDA_ARCH__` and its spellings, with no version: the device / host pass test (`Build.pass_split`)
 _PASS_TEST = re.compile(r"!?\s*\(?\s*(?:defined\s*\(?\s*__CUDA_ARCH__\s*\)?|__CUDA_ARCH__)\s*\)?")
 _COMPARISON = re.compile(r"^(\w+)\s*(>=|<=|==|!=|>|<)\s*(\d+)[uUlL]*$")  # `SIZEOF_CUFLOATCOMPLEX == 8`
+# C++'s alternative tokens, which a directive may spell its operators with (`#if defined __NVCC__ or defined X`)
+_ALTERNATIVE_TOKENS = ((re.compile(r"\bor\b"), "||"), (re.compile(r"\band\b"), "&&"), (re.compile(r"\bnot\b"), "!"))
 _COMPARE = {">=": int.__ge__, "<=": int.__le__, "==": int.__eq__, "!=": int.__ne__, ">": int.__gt__, "<": int.__lt__}
 
 
@@ -70,6 +75,8 @@ def on_amd(condition: str, build: Build = HIPCC) -> bool | None:
     """The value of a preprocessor condition under hipcc (with `build`'s macros), or None when it depends on
     anything else."""
     condition = _PLUS_ZERO.sub(r"\1", condition.strip())
+    for token, operator in _ALTERNATIVE_TOKENS:
+        condition = token.sub(operator, condition)
     if build.pass_split and "__CUDA_ARCH__" not in build.defined and _PASS_TEST.fullmatch(condition):
         return None  # either pass: the port keeps the split
     for operator, decisive in (("||", True), ("&&", False)):

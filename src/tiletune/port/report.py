@@ -24,12 +24,14 @@ COMPILE_RULE_ID = "hipcc"
 
 @dataclass
 class FileResult:
-    """What translation did to one file: CUDA references translated and those left as they were."""
+    """What translation did to one file: CUDA references translated, those left as they were, and the project's
+    CUDA-back-end names renamed to its HIP twins (`"old -> new"`: count; `--project`)."""
 
     source: str
     output: str | None
     translated: int = 0
     left: dict[str, int] = field(default_factory=dict)
+    renamed: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -114,6 +116,9 @@ def _text_translation(report: HipifyReport) -> list[str]:
               f"{sum(left.values())} left as they were")]
     for file in report.files:
         lines.append(f"  {file.source} -> {file.output}: {file.translated} translated, {sum(file.left.values())} left")
+        if file.renamed:
+            renames = ", ".join(f"{rename} x{count}" for rename, count in file.renamed.items())
+            lines.append(_wrapped("renamed to the project's HIP twins: ", renames, 4))
     if left:
         names = ", ".join(f"{name} x{count}" for name, count in left.most_common())
         lines.append(_wrapped("left as they were: ", names, 2))

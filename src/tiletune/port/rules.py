@@ -1051,6 +1051,12 @@ _AMD_MACRO = re.compile(rf"\b(?:{'|'.join(sorted(DEFINED_ON_AMD | {'__HIP_DEVICE
 _STUB = re.compile(r"(?:\s*(?:assert\s*\(\s*(?:false|0)\s*\)|__trap\s*\(\s*\)|__builtin_(?:trap|unreachable)\s*\(\s*\)"
                    r"|NO_DEVICE_CODE)\s*;?)*\s*")
 
+# A branch that only describes or vets the compiler: streams its name and version macros into a string
+# (`out << "nvcc " << __CUDACC_VER_MAJOR__;`) or stops an unsupported release (`#error`), its directives around them;
+# AMD loses only a line of a build banner or a check meant for nvcc.
+_COMPILER_REPORT = re.compile(r"(?:\s*(?:#[ \t]*(?:if|ifdef|ifndef|elif|else|endif|error)\b[^\n]*"
+                              r"|\w+(?:\s*<<\s*(?:\"(?:\\.|[^\"\\\n])*\"|__\w+__))+\s*;))*\s*")
+
 # A branch that only synchronises the block or the warp (`__syncthreads();`, a cooperative group's `b.sync();`).
 _BARRIER = re.compile(r"(?:\s*(?:__syncthreads|__syncwarp|\w+\.sync)\s*\(\s*\)\s*;)+\s*")
 
@@ -1084,8 +1090,8 @@ def _guards_compiling_out(text: str, test: re.Pattern, true_alone: re.Pattern | 
         closing = [d for d in found if d.group == directive.group and d.first > directive.first]
         dropped = ([_branch_body(text, directive, closing[0])] if value is False and closing else
                    [_branch_body(text, d, n) for d, n in zip(later, closing[1:])] if value is True else [])
-        if dropped and all(_STUB.fullmatch(body) for body in dropped):
-            continue  # AMD loses only a trap (`assert(false)` for old GPUs) and compiles the real code
+        if dropped and all(_STUB.fullmatch(body) or _COMPILER_REPORT.fullmatch(body) for body in dropped):
+            continue  # AMD loses only a trap (`assert(false)` for old GPUs) or a compiler's banner, and compiles the real code
         if value is True and not later and closing and _BARRIER.fullmatch(_branch_body(text, directive, closing[0])):
             continue  # AMD gains only a barrier (`#if __CUDA_ARCH__ < 700` / `__syncthreads();`): the safe choice
         if value is not True or later or (true_alone is not None and true_alone.search(directive.condition)):
