@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from tiletune import families
 from tiletune.errors import UserError
 from tiletune.kernels import moe_experts as moe
 from tiletune.kernels import registry
@@ -210,7 +211,7 @@ def test_without_keep_rows_the_input_waits_for_the_backward_and_the_result_is_th
         x, w = hidden.clone().requires_grad_(), weights.double().requires_grad_()
         packed = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.nbytes) or t, lambda t: t):
-            y, rows, *_ = torch.ops.tiletune.moe_experts(x, index, w, gate_up, down, keep, "reference", False)
+            y, rows, *_ = torch.ops.tiletune.moe_experts(x, index, w, gate_up, down, keep, True, "reference", False)
         (y * torch.linspace(-1, 1, 16, dtype=torch.float64)).sum().backward()
         results[keep], saved_bytes[keep] = (rows.shape[0], y.detach(), x.grad, w.grad), sum(packed)
     assert results[True][0] == 74 and results[False][0] == 0
@@ -221,11 +222,11 @@ def test_without_keep_rows_the_input_waits_for_the_backward_and_the_result_is_th
 
 def test_a_kernel_with_the_wrong_activation_fails_the_gate():
     """An implementation computing gelu(gate)·up: the gate must catch it (so the GPU check can fail)."""
-    def wrong_forward(hidden, top_k_index, top_k_weights, gate_up, down, keep_rows):
+    def wrong_forward(hidden, top_k_index, top_k_weights, gate_up, down, keep_rows, output_read):
         gelu_gate = dataclasses.replace(moe.REFERENCE_GLUE,
                                         activation=lambda h: F.gelu(h.chunk(2, dim=-1)[0]) * h.chunk(2, dim=-1)[1])
         return moe._experts_forward(moe._loop_gemm, hidden, top_k_index, top_k_weights, gate_up, down,
-                                    glue=gelu_gate, keep_rows=keep_rows)
+                                    glue=gelu_gate, keep_rows=keep_rows, output_read=output_read)
 
     registry.add(registry.Impl("moe_experts", "gelu_by_mistake", wrong_forward, moe.reference_backward))
     try:
@@ -280,6 +281,49 @@ def test_bound_into_moe_models_with_the_stock_loss_and_gradients(model_type):
     report = apply_kernels(model, {"moe_experts": "reference"})
     entry = next(e for e in report.entries if e.op == "moe_experts" and e.layer == 0)
     assert not entry.installed and "expert weights train" in entry.fallback
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+@pytest.mark.parametrize("model_type", MOE_MODELS)
+def test_a_checkpointed_layers_recomputation_runs_no_down_gemm_and_the_gradients_stay(monkeypatch, model_type,
+                                                                                     use_reentrant):  # fmt: skip
+    """Recomputing a checkpointed layer in the backward, nothing reads the experts' output (it only joins the residual
+    sum): the op computes the routing and the gate_up rows the backward needs, not the activation, the down GEMM or
+    the merge. Loss and gradients equal the run without checkpointing; with the family's output marked kept (a
+    post-feedforward norm would read it) the recomputation computes it all."""
+    model = tiny_moe(model_type)
+    for name, param in model.named_parameters():
+        param.requires_grad_("experts" not in name)
+    ids = torch.randint(0, 128, (2, 19))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    apply_kernels(model, {"moe_experts": "reference"})
+    forward_gemms = []  # the "nt" GEMMs: gate_up and down in a forward
+    loop_gemm = moe._loop_gemm
+    monkeypatch.setattr(moe, "_loop_gemm", lambda kind, *a, **k: forward_gemms.append(kind == "nt") or loop_gemm(kind, *a, **k))
+    def step():  # re-entrant checkpointing takes .backward(), not autograd.grad
+        for param in trainable:
+            param.grad = None
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [param.grad for param in trainable]
+
+    plain, plain_grads = step()
+    assert sum(forward_gemms) == 2 * 2  # two layers
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    model.train()
+    forward_gemms.clear()
+    loss, grads = step()
+    assert sum(forward_gemms) == 2 * 3  # the forward's two, the recomputation's gate_up alone
+    assert float(loss) == float(plain)
+    for mine, theirs in zip(grads, plain_grads, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-7)
+    family = families.family_of(model.config)
+    monkeypatch.setattr(families, "_families", {**families._families, model_type: dataclasses.replace(
+        family, experts=dataclasses.replace(family.experts, output_kept=True))})
+    apply_kernels(model, {"moe_experts": "reference"})  # a later op of the layer would read the output: computed
+    forward_gemms.clear()
+    step()
+    assert sum(forward_gemms) == 2 * 4
 
 
 def test_where_the_kernels_cannot_run_the_stock_experts_compute_not_the_per_expert_loop(monkeypatch):
@@ -724,6 +768,48 @@ def _skip_unless_grouped_mm_runs():
     if not moe.grouped_mm_runs(probe, 128):
         pytest.skip(f"torch's grouped_mm has one kernel for bf16 on CUDA sm_90/sm_100 only, not on "
                     f"{torch.cuda.get_device_name()} (torch {torch.__version__}): the per-expert loop runs here")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["tilelang", "grouped_mm"])
+def test_a_recomputation_without_the_output_keeps_the_gradients_at_qwen3_30b_a3b_shape(monkeypatch, impl):
+    """Qwen3-30B-A3B's experts (2 layers, bf16, 2 x 512 tokens) on the GPU implementations: under re-entrant
+    checkpointing the recomputation skips the output (`output_read` False) and the loss and every trainable gradient
+    match the run without checkpointing (bf16 attention's backward is not bitwise deterministic: 2% of each
+    gradient's largest magnitude)."""
+    _skip_unless_grouped_mm_runs()
+    config = transformers.Qwen3MoeConfig(vocab_size=1024, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                         num_experts=128, num_experts_per_tok=8, num_hidden_layers=2, num_attention_heads=32,
+                                         num_key_value_heads=4, head_dim=128)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    for name, param in model.named_parameters():
+        param.requires_grad_("experts" not in name)
+    apply_kernels(model, {"moe_experts": impl, "strict": True})
+    reads, forward = [], moe._experts_forward
+    monkeypatch.setattr(moe, "_experts_forward", lambda *a, **k: reads.append(a[9] if len(a) > 9 else k.get("output_read", True))
+                        or forward(*a, **k))
+    ids = torch.randint(0, 1024, (2, 512), device="cuda")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    def step():
+        for param in trainable:
+            param.grad = None
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [param.grad.clone() for param in trainable]
+
+    model.train()
+    plain, plain_grads = step()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    reads.clear()
+    loss, grads = step()
+    assert reads == [True, True, False, False]  # the two forwards, then the two recomputations
+    assert torch.isfinite(loss) and float(loss) == pytest.approx(float(plain), rel=1e-3)
+    for mine, theirs in zip(grads, plain_grads, strict=True):
+        assert torch.isfinite(mine).all()
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0.02 * float(theirs.abs().max()) + 1e-6)
 
 
 @pytest.mark.gpu

@@ -123,7 +123,8 @@ def test_a_selective_moe_layer_keeps_the_experts_input_and_computes_their_rows_a
     apply_kernels(model, kernels)
     calls, backward_inputs = [], []
     op, backward = moe.moe_experts, moe._experts_backward
-    monkeypatch.setattr(moe, "moe_experts", lambda *args, keep_rows=True: calls.append(keep_rows) or op(*args, keep_rows=keep_rows))
+    monkeypatch.setattr(moe, "moe_experts", lambda *args, keep_rows=True, **kwargs: calls.append(keep_rows)
+                        or op(*args, keep_rows=keep_rows, **kwargs))
     monkeypatch.setattr(moe, "_experts_backward", lambda *args, **kwargs: backward_inputs.append(
         kwargs.get("hidden") is not None) or backward(*args, **kwargs))
     tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(2))

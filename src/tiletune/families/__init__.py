@@ -65,6 +65,9 @@ class Experts:
     # clamped_swiglu (GPT-OSS's: gate and up interleaved columns, clamped, (up + 1)·gate·sigmoid(alpha·gate))
     activation: str = "silu"
     bias: bool = False  # biases on the gate_up and down projections
+    # whether a later op of the layer keeps the experts' output for its backward (as Mlp.output_kept); where it only
+    # joins the residual sum, a checkpointed layer's recomputation skips computing it (`moe_experts`)
+    output_kept: bool = False
 
 
 @dataclass(frozen=True)

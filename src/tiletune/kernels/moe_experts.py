@@ -34,7 +34,11 @@ gate_up rows for the backward (Qwen3-30B-A3B at 8,192 tokens: 192 MiB per layer)
 outputs (256 MiB) the routing weights' gradient reads: that gradient is dy·(a·Dᵀ) = (dy·D)·a, the down projection's
 input gradient (which the backward computes anyway, before the routing weight enters) dotted with the activation a,
 summed in float32 by the activation's backward kernel in the same pass. A selective layer keeps the gate_up rows
-too, so its backward runs no grouped GEMM of the forward again.
+too, so its backward runs no grouped GEMM of the forward again. A checkpointed layer's recomputation (in the
+backward) needs of the op only what its backward reads, the routing and the gate_up rows: where the experts' output
+only joins the residual sum (`Experts.output_kept` False: every MoE family so far), the op then runs neither the
+activation, the down GEMM nor the merge, a third of the forward's GEMM work, and returns NaN (read by nothing; a read
+by mistake would show in the gradients). The LoRA form computes its output in full.
 
 The reference runs the same steps with one PyTorch GEMM per expert (the "eager" loop), in the input dtype
 with float32 accumulation; the TileLang version's GEMMs accumulate in float32 and round once.
@@ -184,16 +188,21 @@ def _routing_weights_grad(dots: Tensor, order: Tensor, top_k_weights: Tensor) ->
 
 def _experts_forward(gemm: Callable, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
                      down: Tensor, block_m: int = BLOCK_M, glue: Glue = REFERENCE_GLUE,
-                     keep_rows: bool = True, tiles: bool = True):  # fmt: skip
+                     keep_rows: bool = True, output_read: bool = True, tiles: bool = True):  # fmt: skip
     """(y, the gate_up rows, the routing's order, tiles and offsets): the experts' forward with
     `gemm(kind, rows, weights, routing)` on tiles of `block_m` rows (without `tiles`, a `gemm` that reads the offsets
     alone: the schedule is left unset); the backward reuses the routing. Without `keep_rows` the gate_up rows come
-    back empty (no rows): the backward computes them again from the hidden states."""
+    back empty (no rows): the backward computes them again from the hidden states. Without `output_read` (a
+    recomputation whose output nothing reads) y is NaN and neither the activation, the down GEMM nor the merge runs:
+    the backward needs only the rows and the routing."""
     routing = route(top_k_index, gate_up.shape[0], block_m, BLOCK_M, tiles)
     h = gemm("nt", hidden.index_select(0, routing.token), gate_up, routing)
-    o = gemm("nt", glue.activation(h), down, routing)
     kept = h if keep_rows else h.new_empty(0, h.shape[1])
-    return glue.merge(o, routing.order, hidden, top_k_weights), kept, routing.order, routing.tiles, routing.offsets
+    if output_read:
+        y = glue.merge(gemm("nt", glue.activation(h), down, routing), routing.order, hidden, top_k_weights)
+    else:  # NaN, so that a read by mistake shows in the gradients instead of passing on stale memory
+        y = torch.full_like(hidden, float("nan"))
+    return y, kept, routing.order, routing.tiles, routing.offsets
 
 
 def _experts_backward(gemm: Callable, dy: Tensor, h: Tensor, order: Tensor, tiles: Tensor, offsets: Tensor,
@@ -231,9 +240,10 @@ def _loop_gemm(kind: str, rows: Tensor, weights: Tensor, routing: Routing | None
     return out
 
 
-def reference_forward(hidden, top_k_index, top_k_weights, gate_up, down, keep_rows=True):
+def reference_forward(hidden, top_k_index, top_k_weights, gate_up, down, keep_rows=True, output_read=True):
     """(y, kept rows and routing) by the expert loop."""
-    return _experts_forward(_loop_gemm, hidden, top_k_index, top_k_weights, gate_up, down, keep_rows=keep_rows)
+    return _experts_forward(_loop_gemm, hidden, top_k_index, top_k_weights, gate_up, down, keep_rows=keep_rows,
+                            output_read=output_read)
 
 
 def reference_backward(dy, h, order, tiles, offsets, top_k_weights, gate_up, down, hidden=None):
@@ -782,11 +792,12 @@ def op_config(hidden: Tensor, gate_up: Tensor, variant: str | None = None) -> Gr
     return config_for(arch, experts, size, inter2 // 2, _tilelang.DTYPES.get(hidden.dtype, "bfloat16"), variant)
 
 
-def tilelang_forward(hidden, top_k_index, top_k_weights, gate_up, down, keep_rows=True, variant: str | None = None):
+def tilelang_forward(hidden, top_k_index, top_k_weights, gate_up, down, keep_rows=True, output_read=True,
+                     variant: str | None = None):  # fmt: skip
     """(y, kept rows and routing) with the grouped GEMMs in TileLang (config `variant`, else op_config's)."""
     config = op_config(hidden, gate_up, variant)
     return _experts_forward(grouped_gemm(config), hidden, top_k_index, top_k_weights, gate_up, down, config.block_m,
-                            TILELANG_GLUE, keep_rows)
+                            TILELANG_GLUE, keep_rows, output_read)
 
 
 def tilelang_backward(dy, h, order, tiles, offsets, top_k_weights, gate_up, down, hidden=None,
@@ -797,7 +808,7 @@ def tilelang_backward(dy, h, order, tiles, offsets, top_k_weights, gate_up, down
                              TILELANG_GLUE, hidden)
 
 
-def tilelang_unsupported(hidden, top_k_index, top_k_weights, gate_up, down, keep_rows=True) -> str | None:
+def tilelang_unsupported(hidden, top_k_index, top_k_weights, gate_up, down, keep_rows=True, output_read=True) -> str | None:
     """Why the grouped GEMMs cannot run these inputs, or None."""
     reason = _tilelang.unsupported_inputs(hidden, gate_up, down)
     config = op_config(hidden, gate_up)
@@ -859,10 +870,10 @@ def vendor_gemm(kind: str, rows: Tensor, weights: Tensor, routing: Routing) -> T
     return _grouped_mm(_rows(rows), _weights(mat_b), routing.offsets[1:])
 
 
-def grouped_mm_forward(hidden, top_k_index, top_k_weights, gate_up, down, keep_rows=True):
+def grouped_mm_forward(hidden, top_k_index, top_k_weights, gate_up, down, keep_rows=True, output_read=True):
     """(y, kept rows and routing) with torch's grouped GEMMs and the packed activation kernels."""
     return _experts_forward(vendor_gemm, hidden, top_k_index, top_k_weights, gate_up, down, BLOCK_M, TILELANG_GLUE,
-                            keep_rows, tiles=False)
+                            keep_rows, output_read, tiles=False)
 
 
 def grouped_mm_backward(dy, h, order, tiles, offsets, top_k_weights, gate_up, down, hidden=None):
@@ -871,7 +882,8 @@ def grouped_mm_backward(dy, h, order, tiles, offsets, top_k_weights, gate_up, do
                              hidden)
 
 
-def grouped_mm_unsupported(hidden, top_k_index, top_k_weights, gate_up, down, keep_rows=True) -> str | None:
+def grouped_mm_unsupported(hidden, top_k_index, top_k_weights, gate_up, down, keep_rows=True,
+                           output_read=True) -> str | None:  # fmt: skip
     """Why torch's grouped GEMM (one kernel) and the packed activation cannot run these inputs, or None."""
     if not grouped_mm_runs(hidden, gate_up.shape[0]):
         return "torch's grouped GEMM is one kernel only for bf16 on CUDA sm_90 / sm_100 (under 1024 experts)"
@@ -906,12 +918,13 @@ def grouped_mm_lora_unsupported(hidden, top_k_index, top_k_weights, gate_up, dow
 # ---- custom ops and binding ------------------------------------------------------------------------------
 
 moe_experts_op = make_custom_op(Signature(
-    "moe_experts", "Tensor hidden, Tensor top_k_index, Tensor top_k_weights, Tensor gate_up, Tensor down, bool keep_rows",
+    "moe_experts", "Tensor hidden, Tensor top_k_index, Tensor top_k_weights, Tensor gate_up, Tensor down, bool keep_rows, "
+                   "bool output_read",
     "(Tensor, Tensor, Tensor, Tensor, Tensor)",
     backward_inputs="Tensor h, Tensor order, Tensor tiles, Tensor offsets, Tensor top_k_weights, "
                     "Tensor gate_up, Tensor down, Tensor? hidden",
     backward_outputs="(Tensor, Tensor)",
-    fake=lambda hidden, top_k_index, top_k_weights, gate_up, down, keep_rows: (
+    fake=lambda hidden, top_k_index, top_k_weights, gate_up, down, keep_rows, output_read: (
         torch.empty_like(hidden), hidden.new_empty(top_k_index.numel() if keep_rows else 0, gate_up.shape[1]),
         top_k_index.new_empty(top_k_index.numel()),
         torch.empty(-(-top_k_index.numel() // BLOCK_M) + gate_up.shape[0], 3, dtype=torch.int32, device=hidden.device),
@@ -921,16 +934,21 @@ moe_experts_op = make_custom_op(Signature(
     # without keep_rows the hidden states wait for the backward instead of the gate_up rows (2·k·intermediate wide)
     save=lambda inputs, outputs, needs: (*outputs[1:], *inputs[2:5], None if inputs[5] else inputs[0]),
     judged_on=lambda grads, saved: (grads[0], saved[1], saved[4], saved[5], saved[6]),
-    grad_of=(0, None, 1, None, None, None),
+    grad_of=(0, None, 1, None, None, None, None),
 ))
 
 
 def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor, down: Tensor,
-                impl: str = "reference", strict: bool = False, keep_rows: bool = True) -> Tensor:  # fmt: skip
+                impl: str = "reference", strict: bool = False, keep_rows: bool = True,
+                output_read: bool = True) -> Tensor:  # fmt: skip
     """The routed experts' output for `hidden` [tokens, hidden] through the custom op; without `keep_rows` the
     backward keeps the hidden states instead of the [routes, 2·intermediate] gate_up rows and computes those again
-    (Qwen3-30B-A3B at 8,192 tokens: 32 MiB kept instead of 192 MiB, for one more grouped GEMM in the backward)."""
-    return torch.ops.tiletune.moe_experts(hidden, top_k_index, top_k_weights, gate_up, down, keep_rows, impl, strict)[0]
+    (Qwen3-30B-A3B at 8,192 tokens: 32 MiB kept instead of 192 MiB, for one more grouped GEMM in the backward).
+    Without `output_read` (a checkpointed layer's recomputation, where nothing reads the output's values) the output
+    is NaN and only what the backward needs is computed: the routing and the gate_up rows, not the activation, the
+    down GEMM or the merge."""
+    return torch.ops.tiletune.moe_experts(hidden, top_k_index, top_k_weights, gate_up, down, keep_rows, output_read,
+                                          impl, strict)[0]
 
 
 # The LoRA form: its own custom-op pair (A and B of both projections take gradients), selected per call like the
@@ -1089,8 +1107,12 @@ def _experts_forward_binding(site: Site, impl: str, strict: bool, current: Calla
             note_fallback("moe_experts", impl, f"{reason}: stock experts")
             return current(self, hidden_states, top_k_index, top_k_weights)
         if factors is None:  # no LoRA, or its adapters disabled (a preference stage's reference): the base experts
-            # in a selective layer the gate_up rows are computed again in the backward, from the kept input
-            return moe_experts(*inputs, impl, strict, keep_rows=not registry.in_selective_layer())
+            # in a selective layer the gate_up rows are computed again in the backward, from the kept input; in a
+            # checkpointed layer's recomputation the output's values are read by nothing unless a later op of the
+            # layer keeps them (a post-feedforward norm: the family's Mlp.output_kept)
+            output_read = site.part.output_kept or not (registry.in_backward() and torch.is_grad_enabled())
+            return moe_experts(*inputs, impl, strict, keep_rows=not registry.in_selective_layer(),
+                               output_read=output_read)
         return moe_experts_lora(*inputs, impl, strict)
 
     return forward

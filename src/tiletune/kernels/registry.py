@@ -48,6 +48,14 @@ def in_selective_layer() -> bool:
     return _SELECTIVE_LAYER.get()
 
 
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread: a checkpointed layer's recomputation runs
+    there, where the values of a layer's last output are read by nothing (only the tensors its ops save are)."""
+    import torch  # this module is read before torch is needed (the CLI's help)
+
+    return torch._C._current_graph_task_id() != -1
+
+
 class KernelUnavailable(RuntimeError):
     """Raised under ``strict`` when the requested implementation cannot run an input."""
 

@@ -29,6 +29,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from tiletune.kernels.registry import in_backward
+
 
 class _ChunkedMlp(torch.autograd.Function):
     @staticmethod
@@ -78,11 +80,6 @@ def mlp_chunks(config) -> int:
     return max(1, math.ceil(getattr(config, "intermediate_size", config.hidden_size) / config.hidden_size))
 
 
-def _in_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread (where a re-entrant checkpoint recomputes)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 def _draws_random(mlp: nn.Module) -> bool:
     return any(isinstance(m, nn.Dropout) and m.p > 0 and m.training for m in mlp.modules())
 
@@ -106,7 +103,7 @@ def tile_mlp(mlp: nn.Module, chunks: int, output_kept: bool = True) -> None:
             computed["output"] = (output.shape[-1], output.dtype)
             return output
         unread = None
-        if not output_kept and _in_backward() and not _draws_random(mlp):
+        if not output_kept and in_backward() and not _draws_random(mlp):
             unread = computed.get("output")
         return _ChunkedMlp.apply(current, chunk, unread, hidden, *trainable)
 
