@@ -255,6 +255,8 @@ CLASSES: dict[str, ChangeClass] = {
     # round 49's, defined by its labeller (before the round was scored)
     "device-function-pointer": ChangeClass((), False, "device function pointers fetched with `cudaMemcpyFromSymbol` replaced by a switch (HIP had no device function pointers in 2021)"),
     "device-noinline": ChangeClass((), False, "big device functions marked `__noinline__` because hipcc otherwise never finished compiling them"),
+    # round 53's, defined by its labeller (before the round was scored)
+    "hip-branch-fix": ChangeClass((), False, "an error fixed in the file's own HIP-only branch, code hipcc compiles and nvcc never sees (an undeclared name under `#else` of a CUDA test)"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).

@@ -326,6 +326,9 @@ def test_rule_variants_fire(code, rule):
     ("__device__ __nv_bfloat16 f(__nv_bfloat16 a, __nv_bfloat16 b) { return __hadd(a, b); }", "bf16-arithmetic"),
     ("return x[warpSize - 1];", "warpsize-constexpr"),  # run-time uses of warpSize
     ("if (lane < warpSize && ok) v = x[lane % warpSize];", "warpsize-constexpr"),
+    ("static constexpr int numWarps = TravConfig::numThreads / GpuConfig::warpSize;", "warpsize-constexpr"),  # a member
+    ("struct GpuConfig {\n  static constexpr int warpSize = 64;\n  static_assert(warpSize == 32 || warpSize == 64, \"\");\n"
+     "  static constexpr int log2 = (warpSize == 32) ? 5 : 6;\n};", "warpsize-constexpr"),  # the file's own constant
     ("int register_count = 4;", "register-storage"),
     ('asm volatile("" ::: "memory");', "inline-asm"),  # a compiler barrier, which clang takes
     # a logical warp: every shuffle keeps to 32-lane groups, which a 64-lane wavefront holds two of

@@ -2085,13 +2085,24 @@ _CONSTANT_CONTEXTS = (  # (where a constant expression is required, what it is)
 )
 
 
+# the built-in's name, not a member of the project's (`GpuConfig::warpSize`, `cfg.warpSize`)
+_BUILTIN_WARP_SIZE = re.compile(r"(?<!::)(?<!\.)(?<!->)\bwarpSize\b")
+# a file that declares its own `warpSize` (`static constexpr int warpSize = 64;`, `#define warpSize 32`) means it there
+_OWN_WARP_SIZE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+warpSize\b|\b(?:int|unsigned|size_t|auto|\w+_t)\s+warpSize\s*[={]",
+                            re.MULTILINE)
+
+
 def check_constexpr_warp_size(text: str) -> Iterable[Hit]:
     """Flag `warpSize` where C++ needs a constant: an array bound (`__shared__ float s[N / warpSize]`), a
     constexpr initialiser, a static_assert or a template argument. HIP declared it `static constexpr` up to
-    ROCm 6.x; ROCm 7.0 makes it a value read at run time, and CUDA's never was a constant."""
+    ROCm 6.x; ROCm 7.0 makes it a value read at run time, and CUDA's never was a constant. Not a project's own
+    constant of that name: a member (`GpuConfig::warpSize`), or `warpSize` where the file declares one."""
+    if _OWN_WARP_SIZE.search(text):
+        return
     for context, what in _CONSTANT_CONTEXTS:
         for match in context.finditer(text):
-            yield Hit(*_position(text, match.start() + match.group(0).find("warpSize")), f"`warpSize` in {what}")
+            if builtin := _BUILTIN_WARP_SIZE.search(match.group(0)):
+                yield Hit(*_position(text, match.start() + builtin.start()), f"`warpSize` in {what}")
 
 
 _WARP_SIZE_ASSERT = re.compile(
