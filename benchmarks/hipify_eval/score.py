@@ -28,14 +28,14 @@ import sys
 import urllib.request
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from tiletune.port.compile_check import line_map
 from tiletune.port.engines import select_engine
 from tiletune.port.hipify import cuda_names, defined_names
 from tiletune.port.lint import lint_text, strip_comments
 from tiletune.port.preprocessor import Build, cxx_standard, directives, on_amd
-from tiletune.port.twins import HEADER_SUFFIXES, SCANNED_SUFFIXES, ProjectTwins, cuda_spelled
+from tiletune.port.twins import SCANNED_SUFFIXES, ProjectTwins, cuda_spelled
 
 HERE = Path(__file__).resolve().parent
 PORTS = HERE / "ports"
@@ -318,8 +318,7 @@ def index_project(git_dir: str, port: dict, excluded: list[str]) -> None:
     spelled = [path for path in (line.split(":", 1)[1] for line in listed) if path not in excluded]
     batch = subprocess.run([*git, "cat-file", "--batch"], input="".join(f"{commit}:{p}\n" for p in spelled).encode(),
                            capture_output=True, check=True).stdout
-    twins = ProjectTwins.from_texts([batch.decode("utf-8", errors="replace")],
-                                    (p for p in paths if PurePosixPath(p).suffix in HEADER_SUFFIXES))
+    twins = ProjectTwins.from_texts([batch.decode("utf-8", errors="replace")], paths)
     target = twins_index(port)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps({"excluded": excluded, "names": sorted(twins.names), "paths": list(twins.paths)}))

@@ -71,18 +71,18 @@ def hip_words(text: str) -> set[str]:
 
 @dataclass(frozen=True)
 class ProjectTwins:
-    """What a project holds in HIP form: its HIP-spelled identifiers and its file paths (posix, relative)."""
+    """What a project holds in HIP form: its HIP-spelled identifiers and its header paths (posix, relative)."""
 
     names: frozenset[str] = frozenset()
     paths: tuple[str, ...] = ()
 
     @classmethod
     def from_texts(cls, texts: Iterable[str], paths: Iterable[str]) -> ProjectTwins:
-        """The twins in these source texts and file paths."""
+        """The twins in these source texts and file paths (the headers among them kept)."""
         names: set[str] = set()
         for text in texts:
             names |= hip_words(text)
-        return cls(frozenset(names), tuple(sorted(paths)))
+        return cls(frozenset(names), tuple(sorted(p for p in paths if PurePosixPath(p).suffix in HEADER_SUFFIXES)))
 
     @classmethod
     def scan(cls, root: Path, exclude: Iterable[Path] = ()) -> ProjectTwins:
