@@ -35,7 +35,7 @@ from tiletune.port.engines import select_engine
 from tiletune.port.hipify import cuda_names, defined_names
 from tiletune.port.lint import lint_text, strip_comments
 from tiletune.port.preprocessor import Build, cxx_standard, directives, on_amd
-from tiletune.port.twins import SCANNED_SUFFIXES, ProjectTwins, cuda_spelled
+from tiletune.port.twins import HIP_SPELLINGS, SCANNED_SUFFIXES, ProjectTwins, cuda_spelled
 
 HERE = Path(__file__).resolve().parent
 PORTS = HERE / "ports"
@@ -312,7 +312,7 @@ def index_project(git_dir: str, port: dict, excluded: list[str]) -> None:
     git = ["git", f"--git-dir={git_dir}"]
     paths = subprocess.run([*git, "ls-tree", "-r", "--name-only", commit], capture_output=True, text=True,
                            check=True).stdout.splitlines()
-    listed = subprocess.run([*git, "grep", "-l", "-I", "-E", "hip|Hip|HIP|rocm|Rocm|ROCm|ROCM|amdgpu|Amdgpu|AMDGPU",
+    listed = subprocess.run([*git, "grep", "-l", "-I", "-E", HIP_SPELLINGS,
                              commit, "--", *(f"*{suffix}" for suffix in SCANNED_SUFFIXES)],
                             capture_output=True, text=True).stdout.splitlines()
     spelled = [path for path in (line.split(":", 1)[1] for line in listed) if path not in excluded]

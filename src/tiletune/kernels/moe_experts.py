@@ -1109,7 +1109,7 @@ def _experts_forward_binding(site: Site, impl: str, strict: bool, current: Calla
         if factors is None:  # no LoRA, or its adapters disabled (a preference stage's reference): the base experts
             # in a selective layer the gate_up rows are computed again in the backward, from the kept input; in a
             # checkpointed layer's recomputation the output's values are read by nothing unless a later op of the
-            # layer keeps them (a post-feedforward norm: the family's Mlp.output_kept)
+            # layer keeps them (a post-feedforward norm: the family's Experts.output_kept)
             output_read = site.part.output_kept or not (registry.in_backward() and torch.is_grad_enabled())
             return moe_experts(*inputs, impl, strict, keep_rows=not registry.in_selective_layer(),
                                output_read=output_read)

@@ -35,7 +35,9 @@ TWIN_SPELLINGS = {
     "Nvgpu": ("Amdgpu",),
 }
 _CUDA_SPELLING = re.compile("|".join(TWIN_SPELLINGS))
-_HIP_WORD = re.compile(r"\b\w*(?:" + "|".join(sorted({s for spellings in TWIN_SPELLINGS.values() for s in spellings})) + r")\w*\b")
+# every HIP spelling as one alternation (`hip|Hip|HIP|...`): also what the eval's `git grep` looks for
+HIP_SPELLINGS = "|".join(sorted({s for spellings in TWIN_SPELLINGS.values() for s in spellings}))
+_HIP_WORD = re.compile(rf"\b\w*(?:{HIP_SPELLINGS})\w*\b")
 _IDENTIFIER = re.compile(r"\b[A-Za-z_]\w*\b")
 # what a rename never touches: comments, string and character literals, and conditional directives (whose macros
 # the lint's build decides: `#ifdef RAJA_ENABLE_CUDA` is the project's build flag, not an API)
