@@ -23,6 +23,7 @@ from tiletune.kernels import _tilelang
 from tiletune.kernels.binding import Binding, Site, warm_tensor
 from tiletune.kernels.customop import Signature, make_custom_op
 from tiletune.kernels.registry import Impl, Op, add, define, define_form
+from tiletune.kernels.unread_output import LastProjection
 
 
 @dataclass(frozen=True)
@@ -359,13 +360,14 @@ def define_gated(act: Activation, opt_in: bool = False) -> Callable:
     packed_op = getattr(torch.ops.tiletune, packed_name)
 
     def forward(site: Site, impl: str, strict: bool, current):
+        down = LastProjection(site.part.output_kept)  # spared in a re-entrant recomputation (unread_output)
         if site.part.fused_gate_up:
             def fused(self, x):
-                return self.down_proj(packed_op(self.gate_up_proj(x), impl, strict))
+                return down(self.down_proj, packed_op(self.gate_up_proj(x), impl, strict))
             return fused
 
         def separate(self, x):
-            return self.down_proj(gated(self.gate_proj(x), self.up_proj(x), impl, strict))
+            return down(self.down_proj, gated(self.gate_proj(x), self.up_proj(x), impl, strict))
         return separate
 
     def compile_key(site: Site) -> tuple:

@@ -1,0 +1,178 @@
+"""The last projection where nothing reads its output: the stand-in's gradients equal F.linear's (autocast
+included), and in a model the swiglu binding spares the down projection's GEMM in a re-entrant recomputation only,
+with the loss and every gradient of the run without checkpointing (LoRA on the projection, dropout included); a
+family whose post-feedforward norm reads the output computes it, and forcing the stand-in there shows in the
+gradients."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tiletune import families
+from tiletune.kernels.unread_output import _UnreadLinear, unread, unread_unfit
+from tiletune.patch import apply_kernels, layer_modules
+from tiletune.train.tiled_mlp import tile_mlp
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("trained", [(True, False, False), (True, True, True), (False, True, True)])
+def test_the_stand_in_has_f_linears_gradients_and_a_nan_output(autocast, trained):
+    """Gradients of x, W and b (each trained or not) as F.linear's, on 3-D input of awkward sizes; under bf16 autocast
+    with float32 tensors the products run in bf16 and x's gradient comes back in float32."""
+    gen = torch.Generator().manual_seed(0)
+    x, weight, bias = (torch.randn(*shape, generator=gen, dtype=torch.float64 if not autocast else torch.float32)
+                       for shape in ((3, 7, 13), (11, 13), (11,)))  # fmt: skip
+    for tensor, needs in zip((x, weight, bias), trained, strict=True):
+        tensor.requires_grad_(needs)
+    grad = torch.randn(3, 7, 11, generator=gen, dtype=x.dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        stock = F.linear(x, weight, bias)
+        mine = _UnreadLinear.apply(x, weight, bias)
+    assert mine.shape == stock.shape and mine.dtype == stock.dtype and mine.isnan().all()
+    inputs = [t for t in (x, weight, bias) if t.requires_grad]
+    for theirs, ours in zip(torch.autograd.grad(stock, inputs, grad), torch.autograd.grad(mine, inputs, grad), strict=True):
+        assert ours.dtype == theirs.dtype
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def _model(dropout: float = 0.0, lora_on=("q_proj", "down_proj")):
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    if lora_on:
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=list(lora_on)))
+        for name, param in model.named_parameters():  # LoRA B starts at zero: give the adapters something to say
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.1)
+    return model
+
+
+def _base_gemms(model) -> list:
+    """A list that grows by one per forward of a down projection's base Linear (its GEMM)."""
+    calls = []
+    for mlp in layer_modules(model, "mlp"):
+        base = getattr(mlp.down_proj, "base_layer", mlp.down_proj)
+        base.register_forward_hook(lambda module, args, output: calls.append(module))
+    return calls
+
+
+def _loss_and_grads(model, tokens, seed=3):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _checkpointing(model, use_reentrant):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    base.enable_input_require_grads()
+
+
+TOKENS = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+@pytest.mark.parametrize("lora_on", [("q_proj", "down_proj"), ("q_proj",), ()])
+def test_a_reentrant_recomputation_spares_the_down_gemm_with_the_same_gradients(dropout, lora_on):
+    """Re-entrant checkpointing: one down-projection GEMM per layer (the first forward's), not two; the loss and every
+    gradient those of the run without checkpointing (LoRA dropout's draws replayed: the adapters still run)."""
+    model = _model(dropout, lora_on)
+    model.train()
+    if not lora_on:
+        for name, param in model.named_parameters():
+            param.requires_grad_("q_proj" in name or "embed" in name)
+    apply_kernels(model, {"swiglu": "reference"})
+    gemms = _base_gemms(model)
+    plain_loss, plain_grads = _loss_and_grads(model, TOKENS)
+    assert len(gemms) == 2 and plain_grads
+    _checkpointing(model, use_reentrant=True)
+    gemms.clear()
+    loss, grads = _loss_and_grads(model, TOKENS)
+    assert len(gemms) == 2  # the first forward's, one per layer; the recomputations ran none
+    assert float(loss) == float(plain_loss)
+    assert grads.keys() == plain_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_non_reentrant_checkpointing_and_a_kept_output_compute_the_projection():
+    """A non-re-entrant checkpoint matches its saved tensors one for one: computed there. With the family's MLP output
+    marked kept (Gemma's post-feedforward norm reads it) computed too; and the stand-in forced on such a layer makes
+    the gradients NaN, which is how a wrong `output_kept` would show."""
+    model = _model()
+    model.train()
+    apply_kernels(model, {"swiglu": "reference"})
+    gemms = _base_gemms(model)
+    plain_loss, plain_grads = _loss_and_grads(model, TOKENS)
+    _checkpointing(model, use_reentrant=False)
+    gemms.clear()
+    loss, grads = _loss_and_grads(model, TOKENS)
+    assert len(gemms) == 4 and float(loss) == float(plain_loss)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+    model = _model()
+    model.train()
+    family = families.family_of(model.config)
+    kept = dataclasses.replace(family, mlp=dataclasses.replace(family.mlp, output_kept=True))
+    original = families._families
+    families._families = {**original, "llama": kept}
+    try:
+        apply_kernels(model, {"swiglu": "reference"})
+    finally:
+        families._families = original
+    _checkpointing(model, use_reentrant=True)
+    gemms = _base_gemms(model)
+    _loss_and_grads(model, TOKENS)
+    assert len(gemms) == 4
+
+    # the post-attention norm reads the residual sum the MLP output joins: unread there, it poisons the gradients
+    norms = [layer.post_attention_layernorm for layer in model.base_model.model.model.layers]
+    for norm in norms:
+        norm.forward = lambda x, norm=norm: unread(torch.nn.Linear(x.shape[-1], x.shape[-1], bias=False), x) + type(norm).forward(norm, x)
+    _, grads = _loss_and_grads(model, TOKENS)
+    assert any(grad.isnan().any() for grad in grads.values())
+
+
+def test_a_chunked_mlps_backward_spares_each_chunks_down_gemm():
+    """A chunked MLP in a kept layer runs each chunk forward again in its backward, whose output only meets its
+    gradient: its down projections there run no GEMM, and the gradients stay (no dropout: chunks draw otherwise)."""
+    model = _model()
+    model.train()
+    apply_kernels(model, {"swiglu": "reference"})
+    plain_loss, plain_grads = _loss_and_grads(model, TOKENS)
+    for mlp in layer_modules(model, "mlp"):
+        tile_mlp(mlp, 3)
+    gemms = _base_gemms(model)
+    loss, grads = _loss_and_grads(model, TOKENS)
+    assert len(gemms) == 2 * 3  # each chunk's first forward; the backward's replays ran none
+    assert float(loss) == pytest.approx(float(plain_loss), rel=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_projections_without_a_stand_in_say_why():
+    model = _model(lora_on=("down_proj",))
+    down = layer_modules(model, "mlp")[0].down_proj
+    assert unread_unfit(down) is None and unread_unfit(down.base_layer) is None
+    with model.disable_adapter():
+        assert "disabled" in unread_unfit(down)
+    down.merge()
+    assert "merged" in unread_unfit(down)
+    down.unmerge()
+    dora = get_peft_model(_model(lora_on=()), LoraConfig(r=4, target_modules=["down_proj"], use_dora=True))
+    assert "DoRA" in unread_unfit(layer_modules(dora, "mlp")[0].down_proj)
+
+    class Quantized(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x)
+
+    assert "not a plain Linear" in unread_unfit(Quantized(4, 4))
+    assert "not a plain Linear" in unread_unfit(torch.nn.Conv1d(4, 4, 1))
