@@ -55,6 +55,8 @@ def project(tmp_path):
     ("runCudaVariant", ["runHipVariant", "runRocmVariant", "runROCmVariant"]),
     ("Base_CUDA", ["Base_HIP", "Base_ROCM", "Base_ROCm"]),
     ("util_nvgpu", ["util_amdgpu"]),
+    ("ERRCUFFTDIM", ["ERRHIPFFTDIM", "ERRROCFFTDIM"]),  # a CUDA library's prefix: RELION's error codes
+    ("cublasWrapper", ["hipblasWrapper", "rocblasWrapper"]),
     ("blockDim", []),
 ])
 def test_twin_candidates_swap_each_cuda_spelling(name, twins):

@@ -40,13 +40,21 @@ _CUDA_NAME = re.compile(
 _MACRO_DEFINITION = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)", re.MULTILINE)
 # a function the source defines: a name, its parameters and a body (KataGo's own `cublasGetErrorString`)
 _FUNCTION_DEFINITION = re.compile(r"\b(\w+)\s*\([^;{}()]*(?:\([^;{}()]*\)[^;{}()]*)*\)\s*(?:const\s*)?\{")
+# a statement declaring variables or members of one type (RELION's `cufftHandle cufftPlanForward, cufftPlanBackward;`):
+# the names after the type are the source's own, however CUDA-like they look
+_VARIABLE_DECLARATION = re.compile(r"^[ \t]*(?:(?:const|static|extern|mutable|volatile)[ \t]+)*(\w+(?:::\w+)*)(?:<[^;<>\n]*>)?"
+                                   r"[ \t*&]+((?:\w+[ \t]*,[ \t*&]*)*\w+)[ \t]*;", re.MULTILINE)
+_NOT_A_TYPE = frozenset({"return", "delete", "throw", "goto", "else", "case", "using", "co_return", "co_yield",
+                         "typedef", "sizeof", "new", "namespace", "template", "typename"})
 
 
 def defined_names(text: str) -> set[str]:
-    """The macros and functions `text` defines: the project's own names, never CUDA's left behind, whatever they
-    look like (`cudaCheck`, `cublasGetErrorString`)."""
+    """The macros, functions and variables `text` defines: the project's own names, never CUDA's left behind,
+    whatever they look like (`cudaCheck`, `cublasGetErrorString`, a `cufftPlanForward` member)."""
     code = strip_comments(text)
-    return set(_MACRO_DEFINITION.findall(code)) | set(_FUNCTION_DEFINITION.findall(code))
+    variables = {name.strip(" \t*&") for kind, names in _VARIABLE_DECLARATION.findall(code) if kind not in _NOT_A_TYPE
+                 for name in names.split(",")}
+    return set(_MACRO_DEFINITION.findall(code)) | set(_FUNCTION_DEFINITION.findall(code)) | variables
 
 
 def display_path(path: Path) -> str:

@@ -11,8 +11,9 @@ the human ports the evaluation holds (benchmarks/hipify_eval) they were the larg
 (hip, Hip, HIP, rocm, ROCm, amdgpu...) in its sources, and every file path. `rename` then replaces, in a
 translation's code (not its comments, strings or conditional directives), each identifier spelled with a CUDA
 word whose twin (the same name with the CUDA word swapped for a HIP one: cuda -> hip or rocm, Cuda -> Hip,
-CUDA -> HIP, nvgpu -> amdgpu) the project holds, and each included header whose twin file it holds. A name
-without a twin in the project is left as it is: no guess is written.
+CUDA -> HIP, nvgpu -> amdgpu, a CUDA library's prefix -> its HIP library's: cufft -> hipfft) the project holds,
+and each included header whose twin file it holds. A name without a twin in the project is left as it is: no
+guess is written.
 """
 
 from __future__ import annotations
@@ -33,6 +34,20 @@ TWIN_SPELLINGS = {
     "nvgpu": ("amdgpu",),
     "NVGPU": ("AMDGPU",),
     "Nvgpu": ("Amdgpu",),
+    # the CUDA libraries' prefixes in a project's own names (RELION's `ERRCUFFTDIM` / `ERRHIPFFTDIM`)
+    "cufft": ("hipfft", "rocfft"),
+    "CUFFT": ("HIPFFT", "ROCFFT"),
+    "Cufft": ("Hipfft", "Rocfft"),
+    "cublas": ("hipblas", "rocblas"),
+    "CUBLAS": ("HIPBLAS", "ROCBLAS"),
+    "Cublas": ("Hipblas", "Rocblas"),
+    "curand": ("hiprand", "rocrand"),
+    "CURAND": ("HIPRAND", "ROCRAND"),
+    "Curand": ("Hiprand", "Rocrand"),
+    "cusparse": ("hipsparse", "rocsparse"),
+    "CUSPARSE": ("HIPSPARSE", "ROCSPARSE"),
+    "cusolver": ("hipsolver", "rocsolver"),
+    "CUSOLVER": ("HIPSOLVER", "ROCSOLVER"),
 }
 _CUDA_SPELLING = re.compile("|".join(TWIN_SPELLINGS))
 # every HIP spelling as one alternation (`hip|Hip|HIP|...`): also what the eval's `git grep` looks for
