@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from _grads import loss_and_grads
 from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
 
 from tiletune import families
 from tiletune.kernels.unread_output import _UnreadLinear, unread, unread_unfit
@@ -40,11 +40,18 @@ def test_the_stand_in_has_f_linears_gradients_and_a_nan_output(autocast, trained
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
-def _model(dropout: float = 0.0, lora_on=("q_proj", "down_proj")):
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+FAMILIES = {  # a gated MLP of separate gate and up projections, and Phi-3's fused gate_up_proj (the packed form)
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "phi3": (Phi3Config, Phi3ForCausalLM),
+}
+
+
+def _model(dropout: float = 0.0, lora_on=("q_proj", "down_proj"), family="llama"):
+    config_class, model_class = FAMILIES[family]
+    config = config_class(vocab_size=96, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)  # fmt: skip
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = model_class(config)
     if lora_on:
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=list(lora_on)))
         for name, param in model.named_parameters():  # LoRA B starts at zero: give the adapters something to say
@@ -76,16 +83,18 @@ def _checkpointing(model, use_reentrant):
 TOKENS = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.2])
-@pytest.mark.parametrize("lora_on", [("q_proj", "down_proj"), ("q_proj",), ()])
-def test_a_reentrant_recomputation_spares_the_down_gemm_with_the_same_gradients(dropout, lora_on):
+@pytest.mark.parametrize(("family", "dropout", "lora_on"), [
+    ("llama", 0.0, ("q_proj", "down_proj")), ("llama", 0.2, ("q_proj", "down_proj")), ("llama", 0.0, ("q_proj",)),
+    ("llama", 0.2, ("q_proj",)), ("llama", 0.0, ()), ("phi3", 0.2, ("qkv_proj", "down_proj")), ("phi3", 0.0, ()),
+])
+def test_a_reentrant_recomputation_spares_the_down_gemm_with_the_same_gradients(family, dropout, lora_on):
     """Re-entrant checkpointing: one down-projection GEMM per layer (the first forward's), not two; the loss and every
     gradient those of the run without checkpointing (LoRA dropout's draws replayed: the adapters still run)."""
-    model = _model(dropout, lora_on)
+    model = _model(dropout, lora_on, family)
     model.train()
     if not lora_on:
         for name, param in model.named_parameters():
-            param.requires_grad_("q_proj" in name or "embed" in name)
+            param.requires_grad_("_proj" in name and "mlp" not in name or "embed" in name)
     apply_kernels(model, {"swiglu": "reference"})
     gemms = _base_gemms(model)
     plain_loss, plain_grads = _loss_and_grads(model, TOKENS)
