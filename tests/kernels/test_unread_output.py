@@ -60,13 +60,22 @@ def _model(dropout: float = 0.0, lora_on=("q_proj", "down_proj"), family="llama"
     return model
 
 
-def _base_gemms(model) -> list:
-    """A list that grows by one per forward of a down projection's base Linear (its GEMM)."""
-    calls = []
-    for mlp in layer_modules(model, "mlp"):
-        base = getattr(mlp.down_proj, "base_layer", mlp.down_proj)
-        base.register_forward_hook(lambda module, args, output: calls.append(module))
-    return calls
+@pytest.fixture
+def base_gemms(monkeypatch):
+    """`count(model)`: a list that grows by one per GEMM of a down projection's base weight (F.linear calls; a hook on
+    the module would itself keep the projection computed, as DeepSpeed ZeRO-3's do)."""
+    weights, calls = set(), []
+    linear = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, weight, *rest: (calls.append(1) if id(weight) in weights else None,
+                                                               linear(x, weight, *rest))[1])
+
+    def count(model) -> list:
+        weights.clear()
+        calls.clear()
+        weights.update(id(getattr(mlp.down_proj, "base_layer", mlp.down_proj).weight) for mlp in layer_modules(model, "mlp"))
+        return calls
+
+    return count
 
 
 def _loss_and_grads(model, tokens):
@@ -87,7 +96,7 @@ TOKENS = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1
     ("llama", 0.0, ("q_proj", "down_proj")), ("llama", 0.2, ("q_proj", "down_proj")), ("llama", 0.0, ("q_proj",)),
     ("llama", 0.2, ("q_proj",)), ("llama", 0.0, ()), ("phi3", 0.2, ("qkv_proj", "down_proj")), ("phi3", 0.0, ()),
 ])
-def test_a_reentrant_recomputation_spares_the_down_gemm_with_the_same_gradients(family, dropout, lora_on):
+def test_a_reentrant_recomputation_spares_the_down_gemm_with_the_same_gradients(base_gemms, family, dropout, lora_on):
     """Re-entrant checkpointing: one down-projection GEMM per layer (the first forward's), not two; the loss and every
     gradient those of the run without checkpointing (LoRA dropout's draws replayed: the adapters still run)."""
     model = _model(dropout, lora_on, family)
@@ -96,7 +105,7 @@ def test_a_reentrant_recomputation_spares_the_down_gemm_with_the_same_gradients(
         for name, param in model.named_parameters():
             param.requires_grad_("_proj" in name and "mlp" not in name or "embed" in name)
     apply_kernels(model, {"swiglu": "reference"})
-    gemms = _base_gemms(model)
+    gemms = base_gemms(model)
     plain_loss, plain_grads = _loss_and_grads(model, TOKENS)
     assert len(gemms) == 2 and plain_grads
     _checkpointing(model, use_reentrant=True)
@@ -109,14 +118,14 @@ def test_a_reentrant_recomputation_spares_the_down_gemm_with_the_same_gradients(
         torch.testing.assert_close(grad, plain_grads[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_non_reentrant_checkpointing_and_a_kept_output_compute_the_projection():
+def test_non_reentrant_checkpointing_a_kept_output_and_hooks_compute_the_projection(base_gemms):
     """A non-re-entrant checkpoint matches its saved tensors one for one: computed there. With the family's MLP output
-    marked kept (Gemma's post-feedforward norm reads it) computed too; and the stand-in forced on such a layer makes
-    the gradients NaN, which is how a wrong `output_kept` would show."""
+    marked kept (Gemma's post-feedforward norm reads it) computed too, and the stand-in forced on such a layer makes
+    the gradients NaN, which is how a wrong `output_kept` would show; and where a hook runs with the projection."""
     model = _model()
     model.train()
     apply_kernels(model, {"swiglu": "reference"})
-    gemms = _base_gemms(model)
+    gemms = base_gemms(model)
     plain_loss, plain_grads = _loss_and_grads(model, TOKENS)
     _checkpointing(model, use_reentrant=False)
     gemms.clear()
@@ -136,7 +145,7 @@ def test_non_reentrant_checkpointing_and_a_kept_output_compute_the_projection():
     finally:
         families._families = original
     _checkpointing(model, use_reentrant=True)
-    gemms = _base_gemms(model)
+    gemms = base_gemms(model)
     _loss_and_grads(model, TOKENS)
     assert len(gemms) == 4
 
@@ -147,8 +156,20 @@ def test_non_reentrant_checkpointing_and_a_kept_output_compute_the_projection():
     _, grads = _loss_and_grads(model, TOKENS)
     assert any(grad.isnan().any() for grad in grads.values())
 
+    # a hook on the projection (DeepSpeed ZeRO-3 gathers a partitioned weight in one) runs with every forward: computed
+    model = _model()
+    model.train()
+    apply_kernels(model, {"swiglu": "reference"})
+    _checkpointing(model, use_reentrant=True)
+    hooked = []
+    for mlp in layer_modules(model, "mlp"):
+        mlp.down_proj.register_forward_pre_hook(lambda module, args: hooked.append(module))
+    gemms = base_gemms(model)
+    _loss_and_grads(model, TOKENS)
+    assert len(gemms) == 4 and len(hooked) == 4
 
-def test_a_chunked_mlps_backward_spares_each_chunks_down_gemm():
+
+def test_a_chunked_mlps_backward_spares_each_chunks_down_gemm(base_gemms):
     """A chunked MLP in a kept layer runs each chunk forward again in its backward, whose output only meets its
     gradient: its down projections there run no GEMM, and the gradients stay (no dropout: chunks draw otherwise)."""
     model = _model()
@@ -157,7 +178,7 @@ def test_a_chunked_mlps_backward_spares_each_chunks_down_gemm():
     plain_loss, plain_grads = _loss_and_grads(model, TOKENS)
     for mlp in layer_modules(model, "mlp"):
         tile_mlp(mlp, 3)
-    gemms = _base_gemms(model)
+    gemms = base_gemms(model)
     loss, grads = _loss_and_grads(model, TOKENS)
     assert len(gemms) == 2 * 3  # each chunk's first forward; the backward's replays ran none
     assert float(loss) == pytest.approx(float(plain_loss), rel=1e-6)
@@ -182,4 +203,10 @@ def test_projections_without_a_stand_in_say_why():
             return super().forward(x)
 
     assert "not a plain Linear" in unread_unfit(Quantized(4, 4))
+    linear = torch.nn.Linear(4, 4)
+    linear.weight.ds_id = 7  # DeepSpeed ZeRO-3's mark on a partitioned parameter
+    assert "not all here" in unread_unfit(linear)
+    linear = torch.nn.Linear(4, 4)
+    linear.register_forward_hook(lambda *args: None)
+    assert "hooks" in unread_unfit(linear)
     assert "not a plain Linear" in unread_unfit(torch.nn.Conv1d(4, 4, 1))

@@ -15,7 +15,8 @@ Only there: a non-re-entrant checkpoint matches its recomputation's saved tensor
 one, and its first forward runs with autograd on, which is how a `LastProjection` tells the two apart. A chunked MLP
 (`tiletune.train.tiled_mlp`) runs each chunk again in its own backward, whose output likewise only meets its
 gradient: the projection is spared there too. A projection of another kind (a quantized base, DoRA, adapters merged
-or disabled) computes as usual; `unread_unfit` says why.
+or disabled, hooks around it such as DeepSpeed ZeRO-3's, a weight not all on this device) computes as usual;
+`unread_unfit` says why.
 """
 
 from __future__ import annotations
@@ -64,12 +65,23 @@ def _lora_linear_class() -> type | None:
     return Linear
 
 
+def _hooked(module: nn.Module) -> str | None:
+    """Why calling around `module` would skip what runs with its forward: hooks (DeepSpeed ZeRO-3 gathers a partitioned
+    weight in one, and fetches it again for the backward), accelerate's device hook (an offloaded weight)."""
+    if module._forward_pre_hooks or module._forward_hooks or hasattr(module, "_hf_hook"):
+        return "hooks run with its forward (DeepSpeed ZeRO-3's weight gathering, accelerate's offload)"
+    return None
+
+
 def _plain_linear_unfit(module: nn.Module) -> str | None:
     if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
         return f"{type(module).__name__} is not a plain Linear"
-    if not module.weight.is_floating_point():
-        return f"its weight is {module.weight.dtype}"
-    return None
+    weight = module.weight
+    if not weight.is_floating_point():
+        return f"its weight is {weight.dtype}"
+    if weight.is_meta or hasattr(weight, "ds_id") or type(weight).__name__ == "DTensor":
+        return "its weight is not all here (meta, partitioned by DeepSpeed ZeRO-3, or a sharded DTensor)"
+    return _hooked(module)
 
 
 def unread_unfit(module: nn.Module) -> str | None:
@@ -77,6 +89,8 @@ def unread_unfit(module: nn.Module) -> str | None:
     lora = _lora_linear_class()
     if lora is None or not isinstance(module, lora):
         return _plain_linear_unfit(module)
+    if reason := _hooked(module):
+        return reason
     if module.disable_adapters or module.merged:
         return "its adapters are disabled or merged"
     if getattr(module, "lora_variant", None) or any(getattr(module, "use_dora", {}).values()):
