@@ -257,6 +257,8 @@ CLASSES: dict[str, ChangeClass] = {
     "device-noinline": ChangeClass((), False, "big device functions marked `__noinline__` because hipcc otherwise never finished compiling them"),
     # round 53's, defined by its labeller (before the round was scored)
     "hip-branch-fix": ChangeClass((), False, "an error fixed in the file's own HIP-only branch, code hipcc compiles and nvcc never sees (an undeclared name under `#else` of a CUDA test)"),
+    # round 55's classes, defined by its labellers (before the round was scored)
+    "clang-werror-pragma": ChangeClass((), False, "a warning hip-clang raises in host code of a .hip file under the project's -pedantic -Werror (GoogleTest's [[maybe_unused]] as a C++17 extension in a C++14 HIP target) silenced with `#pragma clang diagnostic ignored`; nvcc's host compiler gives none"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).

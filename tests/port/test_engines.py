@@ -226,15 +226,17 @@ def test_names_the_project_defines_are_its_own_not_cuda_names_left():
 
 
 def test_variables_and_members_the_source_declares_are_its_own():
-    """RELION's `cufftHandle cufftPlanForward, cufftPlanBackward;`: the members are the file's, not cuFFT's; a
-    statement that only uses a name (`return cudaErrorX;`, `delete cudaPtr;`) declares nothing."""
+    """RELION's `cufftHandle cufftPlanForward, cufftPlanBackward;`, vecmem's `cudaEvent_t cudaEvent = nullptr;`: the
+    members and locals are the file's, not CUDA's; a statement that only uses a name (`return cudaErrorX;`,
+    `delete cudaPtr;`) declares nothing."""
     text = ("class Plan {\n\tcufftHandle cufftPlanForward, cufftPlanBackward;\n\tstatic const cudaStream_t *cudaStreamMine;\n"
-            "\tstd::vector<int> cudaSizes;\n};\nint f() { return cudaErrorX; }\nvoid g() {\n  delete cudaPtr;\n  x = cudaFoo;\n}\n"
+            "\tstd::vector<int> cudaSizes;\n\tcudaEvent_t cudaEvent = nullptr, cudaDone = 0;\n\tint cudaCount = f(a, b);\n};\nint f() { return cudaErrorX; }\nvoid g() {\n  delete cudaPtr;\n  x = cudaFoo;\n}\n"
             "void h() {\n  hipfftExecR2C(cufftPlanForward, a, b);\n  return cudaErrorX;\n}\n")
     own = frozenset(defined_names(text))
-    assert {"cufftPlanForward", "cufftPlanBackward", "cudaStreamMine", "cudaSizes"} <= own
-    assert not {"cudaErrorX", "cudaPtr", "cudaFoo", "cufftHandle"} & own
-    assert set(cuda_names(text, own)) == {"cufftHandle", "cudaStream_t", "cudaErrorX", "cudaPtr", "cudaFoo"}
+    assert {"cufftPlanForward", "cufftPlanBackward", "cudaStreamMine", "cudaSizes", "cudaEvent", "cudaDone"} <= own
+    assert not {"cudaErrorX", "cudaPtr", "cudaFoo", "cufftHandle", "cudaCount"} & own  # an initializer with a call: left
+    assert set(cuda_names(text, own)) == {"cufftHandle", "cudaStream_t", "cudaEvent_t", "cudaErrorX", "cudaPtr", "cudaFoo",
+                                          "cudaCount"}
 
 
 def test_auto_uses_torch_without_hipify_tools(bare_path):

@@ -42,8 +42,10 @@ _MACRO_DEFINITION = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)", re.MULTILINE)
 _FUNCTION_DEFINITION = re.compile(r"\b(\w+)\s*\([^;{}()]*(?:\([^;{}()]*\)[^;{}()]*)*\)\s*(?:const\s*)?\{")
 # a statement declaring variables or members of one type (RELION's `cufftHandle cufftPlanForward, cufftPlanBackward;`):
 # the names after the type are the source's own, however CUDA-like they look
+# (vecmem's `cudaEvent_t cudaEvent = nullptr;`: an initializer without a call or a comma in it)
 _VARIABLE_DECLARATION = re.compile(r"^[ \t]*(?:(?:const|static|extern|mutable|volatile)[ \t]+)*(\w+(?:::\w+)*)(?:<[^;<>\n]*>)?"
-                                   r"[ \t*&]+((?:\w+[ \t]*,[ \t*&]*)*\w+)[ \t]*;", re.MULTILINE)
+                                   r"[ \t*&]+((?:\w+(?:[ \t]*=[^;,()\n]*)?[ \t]*,[ \t*&]*)*\w+(?:[ \t]*=[^;,()\n]*)?)[ \t]*;",
+                                   re.MULTILINE)
 _NOT_A_TYPE = frozenset({"return", "delete", "throw", "goto", "else", "case", "using", "co_return", "co_yield",
                          "typedef", "sizeof", "new", "namespace", "template", "typename"})
 
@@ -52,8 +54,8 @@ def defined_names(text: str) -> set[str]:
     """The macros, functions and variables `text` defines: the project's own names, never CUDA's left behind,
     whatever they look like (`cudaCheck`, `cublasGetErrorString`, a `cufftPlanForward` member)."""
     code = strip_comments(text)
-    variables = {name.strip(" \t*&") for kind, names in _VARIABLE_DECLARATION.findall(code) if kind not in _NOT_A_TYPE
-                 for name in names.split(",")}
+    variables = {name.split("=")[0].strip(" \t*&") for kind, names in _VARIABLE_DECLARATION.findall(code)
+                 if kind not in _NOT_A_TYPE for name in names.split(",")}
     return set(_MACRO_DEFINITION.findall(code)) | set(_FUNCTION_DEFINITION.findall(code)) | variables
 
 
