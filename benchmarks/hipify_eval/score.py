@@ -235,7 +235,7 @@ CLASSES: dict[str, ChangeClass] = {
                                         "fresh allocations happened to read as zero on NVIDIA"),
     "loop-carried-uninit": ChangeClass((), False, "a variable declared in a loop body but read as the previous iteration's value, hoisted and initialised: undefined behaviour hip-clang's optimiser breaks"),
     "device-assert": ChangeClass((), False, "a device-code `assert` routed through a project macro that is empty in the HIP build"),
-    "complex-scalar-brace-init": ChangeClass(("vector-partial-init",), False, "CUDA complex / vector values braced from scalars (`cuDoubleComplex r[4] = {0}`): HIP's double2 is no aggregate, its scalar constructor explicit"),
+    "complex-scalar-brace-init": ChangeClass(("vector-partial-init", "vector-designated-init"), False, "CUDA complex / vector values braced from scalars (`cuDoubleComplex r[4] = {0}`): HIP's double2 is no aggregate, its scalar constructor explicit"),
     "amd-compile-resource": ChangeClass((), False, "a kernel hip-clang cannot build for lack of registers restructured, or its compile-time array bounds lowered for HIP"),
     # round 22's classes, defined by its labellers (before the round was scored)
     "hipcub-sum-init": ChangeClass((), False, "a type summed by `cub::DeviceReduce::Sum` made constructible from the int 0: hipCUB's rocPRIM backend starts the sum at `T(0)`, CUB at a value-initialised `T()`"),
@@ -259,6 +259,8 @@ CLASSES: dict[str, ChangeClass] = {
     "hip-branch-fix": ChangeClass((), False, "an error fixed in the file's own HIP-only branch, code hipcc compiles and nvcc never sees (an undeclared name under `#else` of a CUDA test)"),
     # round 55's classes, defined by its labellers (before the round was scored)
     "clang-werror-pragma": ChangeClass((), False, "a warning hip-clang raises in host code of a .hip file under the project's -pedantic -Werror (GoogleTest's [[maybe_unused]] as a C++17 extension in a C++14 HIP target) silenced with `#pragma clang diagnostic ignored`; nvcc's host compiler gives none"),
+    # round 56's classes, defined by its labellers (before the round was scored)
+    "complex-alignment-pun": ChangeClass((), False, "host `std::complex` data (8-byte aligned, inside a struct or on the stack) reinterpreted as HIP's 16-byte-aligned `hipDoubleComplex` and read: hip-clang's aligned loads fault; the elements copied out one by one instead"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).

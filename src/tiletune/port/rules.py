@@ -3109,6 +3109,17 @@ RULES: list[Rule] = [
         check=check_vector_partial_init,
     ),
     Rule(
+        "vector-designated-init", "error", "a vector or complex value braced with designated members (`{.x = a, .y = b}`)",
+        "CUDA's `double2` (and `cuDoubleComplex`, a `double2`) is an aggregate, so C++20's designated initialisers "
+        "name its members. HIP's is `HIP_vector_type<double, 2>`, a class with constructors, not an aggregate: "
+        "hip-clang refuses `{.x = re, .y = im}` for it (QuEST's HIP port replaced each one).",
+        "Construct it: `make_double2(re, im)`, `make_hipDoubleComplex(re, im)` (`make_cuDoubleComplex` before the "
+        "translation), or `double2{re, im}` with every member.",
+        before="__host__ __device__ cuDoubleComplex pack(double re, double im) { return {.x = re, .y = im}; }",
+        after="__host__ __device__ cuDoubleComplex pack(double re, double im) { return make_cuDoubleComplex(re, im); }",
+        pattern=re.compile(r"\{\s*\.[xyzw]\s*="),
+    ),
+    Rule(
         "uninit-shuffle", "warning", "a lane-0 broadcast of a value the other lanes never set",
         "`T pos; if (lane == 0) pos = atomicAdd(...); pos = tile.shfl(pos, 0);` reads an uninitialised value in the "
         "other lanes; ROCm 6.2's compiler folded that undefined input and miscompiled the broadcast (its known issue "

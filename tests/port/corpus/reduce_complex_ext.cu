@@ -48,3 +48,7 @@ int reduce_max_index(int n, const float* x, int* index, void* handle) {
   return -1;
 #endif
 }
+
+__host__ __device__ cuDoubleComplex pack_amplitude(double re, double im) {
+  return {.x = re, .y = im};  // expect: vector-designated-init
+}
