@@ -243,6 +243,8 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
     ("typedef struct : grid_task {\n  double zetp;\n} smem_task;", "typedef-anonymous-struct"),
     ("struct Amp {\n  __device__ cu_qcomp operator()(qcomp a) const {\n    return {.x = a.real(), .y=a.imag()};\n  }\n};",
      "vector-designated-init"),  # a functor's complex amplitude, spaced as written
+    ("typedef cuDoubleComplex amp_t;\n__host__ __device__ inline void operator += (amp_t& a, const amp_t& b) {\n"
+     "  a = cuCadd(a, b);\n}", "hip-builtin-redefinition"),  # an alias of a cuComplex type: hip_complex.h has `+=`
 ])
 def test_rule_variants_fire(code, rule):
     assert rule in {f.rule for f in lint_text(code, "snippet.cu")}
@@ -535,6 +537,8 @@ def test_cutlass_is_named_at_its_include_or_else_on_each_line_that_uses_it():
     "__device__ float inv(float v) { return rsqrtf(v); }\nfloat host_inv(float v) { return 1.f / std::sqrt(v); }",
     "template <typename T> __device__ T first(const T* v) { return v[0]; }\n__global__ void k(float* x) { x[0] = 1; }",
     "Options opts{.block = 256, .stream = s};\ndouble2 v = make_double2(re, im);",  # other members; a constructor
+    "typedef cuDoubleComplex amp_t;\n__host__ __device__ amp_t operator*(const amp_t& a, double s) {\n"
+    "  return make_cuDoubleComplex(a.x * s, a.y * s);\n}",  # a complex times a scalar: hip_complex.h has none
 ])
 def test_portable_code_stays_quiet(code):
     rules = {f.rule for f in lint_text(code, "snippet.cu")}

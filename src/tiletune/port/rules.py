@@ -1923,6 +1923,20 @@ _BIT_CAST_REDEFINITION = re.compile(
     r"double2loint))\s*\([^;{}()]*\)\s*\{")
 _VECTOR_OPERATOR = re.compile(rf"\boperator\s*(\*|/|[-+*/]=)\s*\(\s*(?:const\s+)?({_VECTOR_TYPE})\s*&?\s*\w*\s*,"
                               rf"\s*(?:const\s+)?\2\s*&?\s*\w*\s*\)\s*\{{")
+# cuComplex.h's types, which the translation makes hipFloatComplex / hipDoubleComplex: hip_complex.h gives them
+# `__host__ __device__` arithmetic and compound operators of its own; and a file's alias of one (QuEST's `cu_qcomp`)
+_CUDA_COMPLEX = r"(?:cuFloatComplex|cuDoubleComplex|cuComplex)"
+_COMPLEX_ALIAS = re.compile(rf"\btypedef\s+{_CUDA_COMPLEX}\s+(\w+)\s*;|\busing\s+(\w+)\s*=\s*{_CUDA_COMPLEX}\s*;"
+                            rf"|^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+{_CUDA_COMPLEX}[ \t]*$", re.MULTILINE)
+
+
+def _complex_operator(text: str) -> re.Pattern:
+    """A definition of an arithmetic or compound operator between two values of a CUDA complex type or the file's
+    alias of one (each alias group of `_COMPLEX_ALIAS` one name)."""
+    aliases = {name for match in _COMPLEX_ALIAS.finditer(text) for name in match.groups() if name}
+    types = "|".join([_CUDA_COMPLEX, *sorted(aliases)])
+    return re.compile(rf"\boperator\s*([-+*/]=?)\s*\(\s*(?:const\s+)?({types})\s*&?\s*\w*\s*,"
+                      rf"\s*(?:const\s+)?\2\s*&?\s*\w*\s*\)\s*\{{")
 
 
 def _sides(qualifiers: str, macros: dict[str, str], depth: int = 0) -> tuple[set[str], list[str]]:
@@ -1945,7 +1959,8 @@ def check_builtin_redefinitions(text: str) -> Iterable[Hit]:
     """Flag a definition of what HIP's headers define themselves: `atomicMax` / `atomicMin` / `atomicAdd` on
     `float*` / `double*`, the atomics on `unsigned long*` and `atomicSub` on `unsigned long long*` (which CUDA does not
     declare), the bit casts (`__float_as_int`, `__int_as_float`, ...: HIP's are `static inline`);
-    and `*`, `/` or a compound assignment between two CUDA vector values (`float2`, ...)
+    and `*`, `/` or a compound assignment between two CUDA vector values (`float2`, ...), or any arithmetic or
+    compound operator between two cuComplex values (or the file's alias of the type: hip_complex.h has them all),
     declared `__host__ __device__` (as HIP_vector_type's hidden friends and members are): a `__device__`-only or
     host-only one wins clang's same-side preference, so only these make calls ambiguous. One whose qualifiers come
     from another header's macro is flagged as that macro's question. An atomic defined in a named namespace is an
@@ -1958,11 +1973,16 @@ def check_builtin_redefinitions(text: str) -> Iterable[Hit]:
     for match in _BIT_CAST_REDEFINITION.finditer(text):
         yield Hit(*_position(text, match.start()), f"HIP's headers define `{match.group(1)}`: a redefinition")
     macros = source_constants(text)
-    for match in _VECTOR_OPERATOR.finditer(text):
+    operators = [(match, f"HIP's `{match.group(2)}` (a HIP_vector_type)") for match in _VECTOR_OPERATOR.finditer(text)]
+    if "Complex" in text:
+        operators += [(match, f"`{match.group(2)}`, HIP's hip{'Float' if 'Float' in match.group(2) else 'Double'}Complex "
+                              "once translated (hip_complex.h),")
+                      for match in _complex_operator(text).finditer(text)]
+    for match, owner in operators:
         declaration = max(text.rfind(c, 0, match.start()) for c in ";{}") + 1
         qualifiers = re.sub(r"^\s*#.*$", "", text[declaration : match.start()], flags=re.MULTILINE)
         sides, unknown = _sides(qualifiers, macros)
-        ambiguous = f"HIP's `{match.group(2)}` (a HIP_vector_type) has `__host__ __device__` `{match.group(1)}` on two of them"
+        ambiguous = f"{owner} has `__host__ __device__` `{match.group(1)}` on two of them"
         if sides == {"__host__", "__device__"}:
             yield Hit(*_position(text, match.start()), f"{ambiguous}: every such call is ambiguous")
         elif not sides and unknown:
