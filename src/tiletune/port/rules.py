@@ -1975,8 +1975,7 @@ def check_builtin_redefinitions(text: str) -> Iterable[Hit]:
     macros = source_constants(text)
     operators = [(match, f"HIP's `{match.group(2)}` (a HIP_vector_type)") for match in _VECTOR_OPERATOR.finditer(text)]
     if "Complex" in text:
-        operators += [(match, f"`{match.group(2)}`, HIP's hip{'Float' if 'Float' in match.group(2) else 'Double'}Complex "
-                              "once translated (hip_complex.h),")
+        operators += [(match, f"`{match.group(2)}` (hipFloatComplex / hipDoubleComplex once translated: hip_complex.h)")
                       for match in _complex_operator(text).finditer(text)]
     for match, owner in operators:
         declaration = max(text.rfind(c, 0, match.start()) for c in ";{}") + 1
