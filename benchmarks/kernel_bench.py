@@ -279,24 +279,27 @@ def moe_cases():
 
     grouped_mm = moe_experts.vendor_gemm  # the op's grouped_mm implementation's GEMMs
 
-    # (case, kind, weights, reduction, output columns)
-    gemms = [("gate_up fwd", "nt", gate_up, hidden, 2 * inter), ("down fwd", "nt", down, inter, hidden),
-             ("down dgrad", "nn", down, hidden, inter), ("gate_up dgrad", "nn", gate_up, 2 * inter, hidden)]
+    # (case, kind, weights, reduction, output columns, gathered): the two GEMMs whose rows the op gathers from the
+    # tokens also as it runs them (grouped_mm: gathered into a copy first, in the time; TileLang: in its tile loads)
+    gemms = [("gate_up fwd", "nt", gate_up, hidden, 2 * inter, False), ("gate_up fwd gathered", "nt", gate_up, hidden, 2 * inter, True),
+             ("down fwd", "nt", down, inter, hidden, False), ("down dgrad", "nn", down, hidden, inter, False),
+             ("down dgrad gathered", "nn", down, hidden, inter, True), ("gate_up dgrad", "nn", gate_up, 2 * inter, hidden, False)]
     fits = {name: c for name, c in configs.items()
             if all(d % c.block_n == 0 and d % c.block_k == 0 for d in (hidden, inter, 2 * inter))}
     for name in sorted(set(configs) - set(fits)):
         print(f"moe: {name} left out: its tile does not divide the expert shapes", flush=True)
     for key in moe_experts.compile_all(fits.values(), experts, hidden, inter, "bfloat16", x.device):
         print(f"moe: {key} did not compile", flush=True)
-    for case, kind, w, reduction, cols in gemms:
+    for case, kind, w, reduction, cols, gathered in gemms:
         rows = torch.randn(TOKENS * k, reduction, device="cuda", dtype=torch.bfloat16)
+        source = torch.randn(TOKENS, reduction, device="cuda", dtype=torch.bfloat16) if gathered else rows
         dense = torch.randn(reduction, cols, device="cuda", dtype=torch.bfloat16)
         variants = {"cublas": forward_only(lambda rows=rows, dense=dense: rows @ dense),
-                    "grouped_mm": forward_only(lambda rows=rows, w=w, kind=kind: grouped_mm(kind, rows, w, base))}
+                    "grouped_mm": forward_only(lambda x=source, w=w, kind=kind, g=gathered: grouped_mm(kind, x, w, base, g))}
         for name, config in fits.items():
             gemm = moe_experts.grouped_gemm(config)
-            variants[f"tl:{name}"] = forward_only(lambda gemm=gemm, rows=rows, w=w, kind=kind, r=routings[config.block_m]:
-                                                  gemm(kind, rows, w, r))
+            variants[f"tl:{name}"] = forward_only(lambda gemm=gemm, x=source, w=w, kind=kind, r=routings[config.block_m],
+                                                  g=gathered: gemm(kind, x, w, r, g))
         yield f"moe {case} grouped", variants
     dy = torch.randn(TOKENS, hidden, device="cuda", dtype=torch.bfloat16)
 
@@ -315,13 +318,17 @@ def moe_cases():
              "grouped_mm+tl_glue": whole(grouped_mm, glue=moe_experts.TILELANG_GLUE)}
     impls.update({f"tl:{name}": whole(moe_experts.grouped_gemm(c), c.block_m, glue=moe_experts.TILELANG_GLUE)
                   for name, c in fits.items()})
+    # the gather_fused implementation (grouped_mm's GEMMs, TileLang's where the rows are gathered) per config
+    impls.update({f"gather_fused:{name}": whole(moe_experts.gather_fused_gemm(c), c.block_m, glue=moe_experts.TILELANG_GLUE)
+                  for name, c in fits.items()})
     yield "moe experts fwd+bwd", impls
 
 
 def moe_summary(rows: list[dict]) -> dict:
     """Print each TileLang config's % of the dense TFLOP/s per grouped GEMM and its speed against grouped_mm,
-    rank the configs by the four GEMMs' summed device time and by the whole experts forward + backward, and
-    print the moe_experts.TUNED entry of the fastest. Returns the ranking for the JSON."""
+    rank the configs by the summed device time of the four GEMMs as the op runs them (the gathered cases where they
+    are timed) and by the whole experts forward + backward, print the gather_fused implementation's forward +
+    backward per config, and the moe_experts.TUNED entry of the fastest. Returns the ranking for the JSON."""
     from tiletune.kernels import _tilelang, moe_experts
 
     gemm_cases = [r for r in rows if r["case"].startswith("moe ") and r["case"].endswith(" grouped")]
@@ -336,16 +343,21 @@ def moe_summary(rows: list[dict]) -> dict:
     print(f"{'config':20s} " + " ".join(f"{c.removeprefix('moe ').removesuffix(' grouped'):>24s}" for c in cases)
           + f" {'sum ms':>8s} {'fwd+bwd ms':>10s}")
     ranking = {}
+    as_run = [c for c in cases if c.replace(" grouped", " gathered grouped") not in cases]
     for name in ["grouped_mm", *names]:
         cells, total = [], 0.0
         for c in cases:
             ms = time[(c, name)]
-            total += ms
+            total += ms if c in as_run else 0.0
             cells.append(f"{ms:6.3f} {100 * time[(c, 'cublas')] / ms:5.1f}% x{time[(c, 'grouped_mm')] / ms:4.2f}")
         whole = time.get(("moe experts fwd+bwd", name), float("nan"))
         print(f"{name:20s} " + " ".join(f"{cell:>24s}" for cell in cells) + f" {total:8.3f} {whole:10.3f}")
         ranking[name] = {"gemm_sum_ms": total, "fwd_bwd_ms": whole,
                          "pct_of_dense": {c: 100 * time[(c, "cublas")] / time[(c, name)] for c in cases}}
+    for name in names:
+        fused = time.get(("moe experts fwd+bwd", name.replace("tl:", "gather_fused:")), float("nan"))
+        print(f"gather_fused with {name.removeprefix('tl:')}: experts fwd+bwd {fused:.3f} ms")
+        ranking[name]["gather_fused_fwd_bwd_ms"] = fused
     if not names:
         return ranking
     key = (lambda n: ranking[n]["fwd_bwd_ms"]) if all(ranking[n]["fwd_bwd_ms"] == ranking[n]["fwd_bwd_ms"] for n in names) \

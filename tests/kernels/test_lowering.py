@@ -1,5 +1,7 @@
 """`tiletune kernels lower` for every target without a GPU: sm_90 GEMMs use wgmma, gfx942 MFMA."""
 
+import re
+
 import pytest
 from click.testing import CliRunner
 
@@ -13,21 +15,23 @@ KERNELS = ["rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope_fwd
            "attention_fwd", "attention_bwd_preprocess", "attention_bwd", "attention_fwd_varlen", "attention_bwd_varlen",
            "dequantize_nf4", "geglu_fwd", "geglu_bwd", "swiglu_fwd_packed", "swiglu_bwd_packed", "geglu_fwd_packed",
            "geglu_bwd_packed", "swiglu_bwd_packed_dots", "geglu_bwd_packed_dots",
-           "grouped_gemm_nt", "grouped_gemm_nn", "merge_routes_weighted", "merge_routes", "linear_logprobs_fwd", "linear_logprobs_bwd", "cross_entropy_grad"]
+           "grouped_gemm_nt", "grouped_gemm_nn", "grouped_gemm_nt_gathered", "grouped_gemm_nn_gathered",
+           "merge_routes_weighted", "merge_routes", "linear_logprobs_fwd", "linear_logprobs_bwd", "cross_entropy_grad"]
 
 
 # The packed (varlen) attention kernels are the plain kernels' source with segment bounds (the same per-arch configs
-# and matrix-unit code): lowered on one CUDA and one HIP target, the plain ones on sm_80 and gfx1100 too. gfx90a
-# (MI200) shares gfx942's wave64 and MFMA paths: a wave reduction, a GEMM and attention stand for them there.
+# and matrix-unit code), the gathered grouped GEMMs the plain ones with an indexed tile load: lowered on one CUDA and
+# one HIP target, the plain ones on sm_80 and gfx1100 too. gfx90a (MI200) shares gfx942's wave64 and MFMA paths: a
+# wave reduction, a GEMM and attention stand for them there.
 PRIMARY_TARGETS = ("cuda:sm_90", "hip:gfx942")
-VARLEN = ("attention_fwd_varlen", "attention_bwd_varlen")
+PRIMARY_ONLY = ("attention_fwd_varlen", "attention_bwd_varlen", "grouped_gemm_nt_gathered", "grouped_gemm_nn_gathered")
 SAMPLED = {"hip:gfx90a": ("rms_norm_fwd", "linear_fwd", "attention_fwd", "attention_bwd")}
 
 
 def kernels_for(target: str) -> list[str]:
     if target in SAMPLED:
         return list(SAMPLED[target])
-    return KERNELS if target in PRIMARY_TARGETS else [k for k in KERNELS if k not in VARLEN]
+    return KERNELS if target in PRIMARY_TARGETS else [k for k in KERNELS if k not in PRIMARY_ONLY]
 
 
 @pytest.fixture(scope="module")  # lowered once: the README's `--dist loadfile` keeps this module on one worker
@@ -82,7 +86,8 @@ def test_an_unknown_kernel_name_is_a_user_error(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["linear_fwd", "linear_dgrad", "linear_wgrad", "lora_linear_fwd", "lora_linear_dgrad",
-                                  "grouped_gemm_nt", "grouped_gemm_nn", "linear_logprobs_fwd", "linear_logprobs_bwd"])
+                                  "grouped_gemm_nt", "grouped_gemm_nn", "grouped_gemm_nt_gathered",
+                                  "grouped_gemm_nn_gathered", "linear_logprobs_fwd", "linear_logprobs_bwd"])
 def test_sm90_gemms_use_wgmma_and_gfx942_mfma(lowered, name):
     assert "wgmma" in (lowered / "cuda-sm_90" / f"{name}.cu").read_text()
     assert "mfma" in (lowered / "hip-gfx942" / f"{name}.hip").read_text().lower()
@@ -143,3 +148,15 @@ def test_grouped_gemm_reads_its_tile_schedule_and_stores_only_its_experts_rows(l
             source = (lowered / target / f"grouped_gemm_{kind}{suffix}").read_text()
             assert "tiles[" in source and "int rows" in source
             assert "(int64_t)2)]" in source  # the tile's end row bounds the store
+
+
+def test_the_gathered_grouped_gemm_loads_its_rows_through_the_token_index(lowered):
+    """The gathered kernels take the token of each row and read the input through it, asynchronously on sm_90 (cp.async
+    beside the weights' TMA loads); the plain kernels take no index."""
+    for target, suffix in (("cuda-sm_90", ".cu"), ("hip-gfx942", ".hip")):
+        for kind in ("nt", "nn"):
+            gathered = (lowered / target / f"grouped_gemm_{kind}_gathered{suffix}").read_text()
+            assert "token[min(" in gathered and "int tokens" in gathered  # each row's token, the tile's rows clamped
+            assert "token" not in (lowered / target / f"grouped_gemm_{kind}{suffix}").read_text()
+    sm90 = (lowered / "cuda-sm_90" / "grouped_gemm_nt_gathered.cu").read_text()
+    assert re.search(r"cp_async\w*<16>\(.*X\[\(*token\[", sm90) and "tma_load(W_desc" in sm90

@@ -84,17 +84,23 @@ def test_larger_tiles_keep_the_smallest_tiles_bound_with_the_active_tiles_first(
 
 def _emulated_grouped_gemm(config):
     """grouped_gemm(config)'s arithmetic in PyTorch, tile by tile as the kernel runs it: the routing's tiles cut
-    to the config's bound, each tile's block_m rows from its first (zero past the last row, as TMA fills them)
-    times its expert's weights, stored below the expert's end."""
-    def gemm(kind, rows, weights, routing):
+    to the config's bound, each tile's block_m rows from its first (zero past the last row, as TMA fills them;
+    gathered: the token of each row, the expert's last row past its end) times its expert's weights, stored below
+    the expert's end."""
+    def gemm(kind, x, weights, routing, gathered=False):
         experts, n, k = weights.shape
-        tiles = routing.tiles[: -(-rows.shape[0] // config.block_m) + experts]
-        padded = torch.cat([rows, rows.new_zeros(config.block_m, rows.shape[1])])
-        out = torch.full((rows.shape[0], n if kind == "nt" else k), float("nan"), dtype=rows.dtype)
+        count = routing.token.shape[0] if gathered else x.shape[0]
+        tiles = routing.tiles[: -(-count // config.block_m) + experts]
+        padded = torch.cat([x, x.new_zeros(config.block_m, x.shape[1])])
+        out = torch.full((count, n if kind == "nt" else k), float("nan"), dtype=x.dtype)
         for expert, first, end in tiles.tolist():
             if expert >= 0:
                 w = weights[expert]
-                block = padded[first:first + config.block_m] @ (w.t() if kind == "nt" else w)
+                if gathered:
+                    rows = x[routing.token[torch.arange(first, first + config.block_m).clamp(max=end - 1)]]
+                else:
+                    rows = padded[first:first + config.block_m]
+                block = rows @ (w.t() if kind == "nt" else w)
                 stop = min(first + config.block_m, end)
                 out[first:stop] = block[: stop - first]
         return out
@@ -864,18 +870,43 @@ def test_tilelang_matches_float64(dtype, name, tokens, experts, k, hidden, inter
     ("qwen3-30b-a3b", 8192, 128, 8, 2048, 768), ("qwen3-30b-a3b", 77, 128, 8, 2048, 768),
     ("mixtral-8x7b", 1024, 8, 2, 4096, 14336), ("mixtral-8x7b", 3, 8, 2, 4096, 14336),
 ])
-def test_grouped_mm_implementation_matches_float64(name, tokens, experts, k, hidden, inter):
-    """The grouped_mm implementation (torch's grouped GEMM, the packed activation kernels) against float64, bf16."""
+@pytest.mark.parametrize("impl", ["grouped_mm", "gather_fused"])
+def test_grouped_mm_implementations_match_float64(impl, name, tokens, experts, k, hidden, inter):
+    """The grouped_mm implementation (torch's grouped GEMM, the packed activation kernels) and gather_fused (TileLang's
+    gathering grouped GEMM for two of the four) against float64, bf16."""
     _skip_unless_grouped_mm_runs()
-    check_against_float64(f"{name} tokens={tokens}", torch.bfloat16, tokens, experts, k, hidden, inter, "grouped_mm")
+    check_against_float64(f"{name} tokens={tokens} {impl}", torch.bfloat16, tokens, experts, k, hidden, inter, impl)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["tilelang", "grouped_mm"])
+@pytest.mark.parametrize("kind", ["nt", "nn"])
+@pytest.mark.parametrize("tokens", [8192, 77, 1])
+def test_the_gathered_grouped_gemm_reads_each_rows_token(kind, tokens):
+    """The gathered grouped GEMM on Qwen3-30B-A3B's shapes (the gate_up forward, the down input gradient) against
+    float64 of the gathered rows times their experts' weights, torch's grouped GEMM over the gathered copy as the
+    bar; the kernel fed each row's neighbour's token (a wrong gather) fails the gate."""
+    experts, k, hidden, inter = 128, 8, 2048, 768
+    index, _ = routes(tokens, experts, k, device="cuda")
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    shape = (experts, 2 * inter, hidden) if kind == "nt" else (experts, hidden, inter)
+    weights = (torch.randn(shape, device="cuda") / hidden**0.5).to(torch.bfloat16)
+    config = moe.op_config(x, torch.empty(experts, 2 * inter, hidden, device="meta"))
+    routing = moe.route(index, experts, config.block_m)
+    exact = moe._loop_gemm(kind, x.double(), weights.double(), routing, gathered=True)
+    bar = moe._loop_gemm(kind, x, weights, routing, gathered=True)
+    got = moe.grouped_gemm(config)(kind, x, weights, routing, gathered=True)
+    assert gate(got, bar, exact).passed
+    if tokens > 1:
+        shifted = dataclasses.replace(routing, token=routing.token.roll(1))
+        assert not gate(moe.grouped_gemm(config)(kind, x, weights, shifted, gathered=True), bar, exact).passed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["tilelang", "grouped_mm", "gather_fused"])
 def test_the_rows_computed_again_in_the_backward_match_float64(impl):
     """Without keep_rows (a selective layer's), Qwen3-30B-A3B's shape at 8,192 tokens: the backward's second gate_up
     GEMM feeds the same gradients, against float64, bf16."""
-    if impl == "grouped_mm":
+    if impl != "tilelang":
         _skip_unless_grouped_mm_runs()
     check_against_float64("qwen3-30b-a3b rows computed again", torch.bfloat16, 8192, 128, 8, 2048, 768, impl, False)
 
