@@ -688,6 +688,14 @@ def lowering_kernels(arch: str) -> dict[str, Callable]:
     return gemms | merges
 
 
+def compile_options(gathered: bool) -> dict:
+    """TileLang compile options of a grouped GEMM. Gathered rows come by cp.async, not TMA, so sm_90's
+    warp-specialized pipeline would give them a producer warpgroup as large as the consumers: 512 threads, 128
+    registers each, too few for a 128 x 256 float32 accumulator (ptxas refuses it, H100): the gathered kernels run
+    TileLang's plain software pipeline instead."""
+    return {"pass_configs": {"tl.disable_warp_specialized": True}} if gathered else {}
+
+
 def kernel_build(kind: str, experts: int, n: int, k: int, dtype: str, config: GroupedConfig,
                  device: torch.device, gathered: bool = False) -> tuple[tuple, Callable]:  # fmt: skip
     """(the compile cache key, the PrimFunc builder) of one grouped GEMM on `device` (benchmarks compile many
@@ -702,18 +710,20 @@ def compile_all(configs, experts: int, hidden: int, inter: int, dtype: str, devi
     for a sweep or a test of many configs: the four as the op runs them (the gate_up forward and the down input
     gradient over gathered rows) and those two over sorted rows (the LoRA form's); returns the keys that failed."""
     gemms = [("nt", 2 * inter, hidden), ("nt", hidden, inter), ("nn", hidden, inter), ("nn", 2 * inter, hidden)]
-    builds = {}
+    builds = {False: {}, True: {}}
     for config, (kind, n, k), gathered in itertools.product(configs, gemms, (False, True)):
         if not gathered or (kind, n) in (("nt", 2 * inter), ("nn", hidden)):
             key, build = kernel_build(kind, experts, n, k, dtype, config, device, gathered)
             if key not in _tilelang._compiled:
-                builds[key] = build
+                builds[gathered][key] = build
     failed = []
-    if builds:
-        kernels = _tilelang.tilelang().par_compile([build() for build in builds.values()],
+    for gathered, group in builds.items():
+        if not group:
+            continue
+        kernels = _tilelang.tilelang().par_compile([build() for build in group.values()],
                                                    target=_tilelang.parse_target(_tilelang.device_target(device)),
-                                                   ignore_error=True)
-        for key, kernel in zip(builds, kernels):
+                                                   ignore_error=True, **compile_options(gathered))
+        for key, kernel in zip(group, kernels):
             if kernel is None:
                 failed.append(key)
             else:
@@ -728,7 +738,7 @@ def grouped_gemm(config: GroupedConfig) -> Callable:
     def gemm(kind: str, x: Tensor, weights: Tensor, routing: Routing, gathered: bool = False) -> Tensor:
         experts, n, k = weights.shape
         key, build = kernel_build(kind, experts, n, k, _tilelang.DTYPES[x.dtype], config, x.device, gathered)
-        kernel = _tilelang.compiled(key, build)
+        kernel = _tilelang.compiled(key, build, **compile_options(gathered))
         rows = routing.token.shape[0] if gathered else x.shape[0]
         out = x.new_empty(rows, n if kind == "nt" else k)
         if rows:
