@@ -81,6 +81,11 @@ def test_each_rule_fires_on_its_sample_and_is_silent_on_the_clean_one(rule):
      "warp-size-literal"),
     (("__global__ void k(float* x) { x[0] = __shfl_xor_sync(m, x[0], 16); }\n"
       "void f(float* x) { k<<<4, 32>>>(x); }"), "block-32-threads"),
+    (("__global__ void fill(float* x) { x[threadIdx.x] = 0; }\n"  # the named block also feeds a warp-level kernel
+      "__global__ void k(float* x) { x[0] = __shfl_xor_sync(m, x[0], 16); }\n"
+      "void f(float* x) {\n  dim3 threads(32);\n  fill<<<4, threads>>>(x);\n  k<<<4, threads>>>(x);\n}"),
+     "block-32-threads"),
+    ("void f(float* x) {\n  dim3 threads(32);\n  other_file_kernel<<<4, threads>>>(x);\n}", "block-32-threads"),
     (("template <int B, int WARP_SIZE = 32> __global__ void k(float* x);\n"
       "void f(float* x) { k<2, 32><<<1, 64>>>(x); k<4><<<1, 64>>>(x); }"), "warp-size-define"),
     ("#include \"cuda_fp8.h\"", "fp8-type"),
@@ -285,6 +290,9 @@ def test_rule_variants_fire(code, rule):
      "launch-bounds"),
     ("__global__ void fill(float* x) { x[threadIdx.x] = 0; }\nvoid f(float* x) { fill<<<4, 32>>>(x); }", "block-32-threads"),
     ("__global__ void fill(float* x) { x[threadIdx.x] = 0; }\nvoid f(float* x) { fill<<<4, dim3(32, 4)>>>(x); }",
+     "block-32-threads"),
+    (("__global__ void fill(float* x) { x[blockIdx.x * blockDim.x + threadIdx.x] = 0; }\n"  # a named block of one
+      "void f(float* x, int n) {\n  dim3 grid_t(32);\n  dim3 grid_b(n / 32);\n  fill<<<grid_b, grid_t, 0, s>>>(x);\n}"),
      "block-32-threads"),
     (("template <int B, int WARP_SIZE = 32> __global__ void k(float* x);\n"  # a default every use overrides
       "void f(float* x) { k<2, 32><<<1, 64>>>(x); k<4, 16><<<1, 64>>>(x); }"), "warp-size-define"),

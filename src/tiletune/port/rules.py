@@ -483,7 +483,7 @@ _LANE_STRIDE_LOOP = re.compile(r"\bfor\s*\([^;]*=\s*([^;]*);[^;]*;\s*\w+\s*\+=\s
 
 _BLOCK_OF_32 = re.compile(
     r"(?:(\w+)\s*(?:<(?:[^<>]|<[^<>]*>)*>)?\s*)?<<<[^,;>]+,\s*(?:32[uU]?\s*[,>]|dim3\s*\(\s*32[uU]?\s*(?:,\s*1\s*)*\))"
-    r"|\bdim3\s+\w+\s*[({]\s*32[uU]?\s*(?:,\s*1\s*)*[)}]"
+    r"|\bdim3\s+(?P<block>\w+)\s*[({]\s*32[uU]?\s*(?:,\s*1\s*)*[)}]"
     r"|\b\w*(?i:launch)\w*\s*<\s*32[uU]?\s*,"  # launch tables: f_launch<32, kNItems>
     r"|\b\w*(?i:launch_?config)\w*\s*\(\s*[^,()]+,\s*32[uU]?\s*[,)]"  # SETUP_LAUNCH_CONFIG(grid, 32, stream)
     r"|\b(?i:\w*block_?size)\s*=\s*32[uU]?\s*;"  # const int blocksize = 32;
@@ -498,15 +498,29 @@ _KERNEL_LAUNCH = re.compile(r"\b(\w+)\s*(?:<(?:[^<>;{}]|<[^<>;{}]*>)*>)?\s*<<<(.
 
 def check_32_thread_blocks(text: str) -> Iterable[Hit]:
     """Flag a block of 32 threads (a launch, a `dim3`, a launch table's first argument, `max(n, 32)`), except
-    the launch of a kernel this file defines that does nothing warp-wide (`lane_blind_functions`): its 32
-    threads work alike in half a wavefront; and blocks of rows of 32 threads for a kernel that works across a
-    warp (`_rows_of_32`)."""
+    the launch of a kernel this file defines that does nothing warp-wide (`lane_blind_functions`), or a named
+    `dim3` block that only such launches of its function take: their 32 threads work alike in half a wavefront;
+    and blocks of rows of 32 threads for a kernel that works across a warp (`_rows_of_32`)."""
     lane_blind = {function.name for function in lane_blind_functions(text)}
-    for number, line in enumerate(text.splitlines(), start=1):
+    offset = 0
+    for number, line in enumerate(text.splitlines(keepends=True), start=1):
         match = _BLOCK_OF_32.search(line)
-        if match is not None and match.group(1) not in lane_blind:
+        if match is not None and match.group(1) not in lane_blind and not (
+                match.group("block") and _launches_lane_blind_only(text, offset + match.start(), match.group("block"),
+                                                                   lane_blind)):
             yield Hit(number, match.start() + 1)
+        offset += len(line)
     yield from _rows_of_32(text, lane_blind)
+
+
+def _launches_lane_blind_only(text: str, start: int, block: str, lane_blind: set[str]) -> bool:
+    """Whether the `dim3` named `block` declared at `start` is the block of at least one launch in its function and
+    of none but launches of the file's lane-blind kernels."""
+    function = enclosing_function(text, start)
+    end = function.body_end if function else len(text)
+    launched = [launch.group(1) for launch in _KERNEL_LAUNCH.finditer(text, start, end)
+                if len(arguments := split_arguments(launch.group(2))) > 1 and arguments[1].strip() == block]
+    return bool(launched) and all(kernel in lane_blind for kernel in launched)
 
 
 def _rows_of_32(text: str, lane_blind: set[str]) -> Iterable[Hit]:
