@@ -297,7 +297,7 @@ def moe_cases():
         variants = {"cublas": forward_only(lambda rows=rows, dense=dense: rows @ dense),
                     "grouped_mm": forward_only(lambda x=source, w=w, kind=kind, g=gathered: grouped_mm(kind, x, w, base, g))}
         for name, config in fits.items():
-            gemm = moe_experts.grouped_gemm(config)
+            gemm = moe_experts.grouped_gemm(config, fuse_gather=True)
             variants[f"tl:{name}"] = forward_only(lambda gemm=gemm, x=source, w=w, kind=kind, r=routings[config.block_m],
                                                   g=gathered: gemm(kind, x, w, r, g))
         yield f"moe {case} grouped", variants

@@ -17,8 +17,8 @@ GEMM per expert; beyond the plain op it keeps only the [rows, r] products x路A岬
 
 How it runs: the k路tokens routes are sorted by expert (`Routing`: one sort, no host sync), and each expert's
 block of rows meets its weights in a grouped GEMM, which reads the rows of the gate_up forward (the hidden states)
-and of the down projection's input gradient (dy) through the routing's token index: the TileLang grouped GEMM in
-its tile loads, torch's grouped GEMM from a copy gathered first (`index_select`). One kernel launch
+and of the down projection's input gradient (dy) through the routing's token index: from a copy gathered first
+(`index_select`), or, in the `gather_fused` impl, by TileLang's grouped GEMM in its tile loads. One kernel launch
 for all experts, each thread block owning a tile of one expert's rows (the tile schedule, an upper bound of
 ceil(rows / block_m) + experts tiles, is built on the device; surplus tiles exit at once). The grouped GEMM's tile
 shape and scheduling (rows per tile, warp split, rasterised or persistent grid, staged store) is a `GroupedConfig`
@@ -731,11 +731,13 @@ def compile_all(configs, experts: int, hidden: int, inter: int, dtype: str, devi
     return failed
 
 
-def grouped_gemm(config: GroupedConfig) -> Callable:
+def grouped_gemm(config: GroupedConfig, fuse_gather: bool = False) -> Callable:
     """`gemm(kind, x, weights, routing, gathered=False)` running `config`'s TileLang grouped GEMM (the routing's tiles
-    must be of config.block_m rows); `gathered`: x [tokens, 路] read through the routing's token of each row, in the
-    GEMM's tile loads (no gathered copy)."""
+    must be of config.block_m rows); `gathered`: x [tokens, 路] read through the routing's token of each row, with
+    `fuse_gather` in the GEMM's tile loads (no gathered copy), else from a copy gathered first."""
     def gemm(kind: str, x: Tensor, weights: Tensor, routing: Routing, gathered: bool = False) -> Tensor:
+        if gathered and not fuse_gather:
+            x, gathered = _sorted_rows(x, routing, True), False
         experts, n, k = weights.shape
         key, build = kernel_build(kind, experts, n, k, _tilelang.DTYPES[x.dtype], config, x.device, gathered)
         kernel = _tilelang.compiled(key, build, **compile_options(gathered))
@@ -944,7 +946,7 @@ def grouped_mm_unsupported(hidden, top_k_index, top_k_weights, gate_up, down, ke
 
 def gather_fused_gemm(config: GroupedConfig) -> Callable:
     """`gemm`: `config`'s TileLang grouped GEMM for gathered rows, torch's grouped GEMM for rows that lie sorted."""
-    gathering = grouped_gemm(config)
+    gathering = grouped_gemm(config, fuse_gather=True)
 
     def gemm(kind: str, x: Tensor, weights: Tensor, routing: Routing, gathered: bool = False) -> Tensor:
         return gathering(kind, x, weights, routing, True) if gathered else vendor_gemm(kind, x, weights, routing)
