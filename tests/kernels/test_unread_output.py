@@ -1,5 +1,5 @@
 """The last projection where nothing reads its output: the stand-in's gradients equal F.linear's (autocast
-included), and in a model the swiglu binding spares the down projection's GEMM in a re-entrant recomputation only,
+included; a quantized base's, quant_linear's), and in a model the swiglu binding spares the down projection's GEMM in a re-entrant recomputation only,
 with the loss and every gradient of the run without checkpointing (LoRA on the projection, dropout included); a
 family whose post-feedforward norm reads the output computes it, and forcing the stand-in there shows in the
 gradients."""
@@ -14,8 +14,12 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
 
 from tiletune import families
-from tiletune.kernels.unread_output import _UnreadLinear, unread, unread_unfit
+from tiletune.kernels import quant_linear
+from tiletune.kernels.quant_linear import QuantLinear
+from tiletune.kernels.unread_output import _UnreadLinear, _UnreadQuantLinear, unread, unread_unfit
 from tiletune.patch import apply_kernels, layer_modules
+from tiletune.quant import quantize
+from tiletune.train.quantized import random_quantized
 from tiletune.train.tiled_mlp import tile_mlp
 
 
@@ -198,15 +202,66 @@ def test_projections_without_a_stand_in_say_why():
     dora = get_peft_model(_model(lora_on=()), LoraConfig(r=4, target_modules=["down_proj"], use_dora=True))
     assert "DoRA" in unread_unfit(layer_modules(dora, "mlp")[0].down_proj)
 
-    class Quantized(torch.nn.Linear):
+    class Linear4bit(torch.nn.Linear):  # bitsandbytes' kind: a forward of its own
         def forward(self, x):
             return super().forward(x)
 
-    assert "not a plain Linear" in unread_unfit(Quantized(4, 4))
+    assert "neither a plain Linear nor tiletune's QuantLinear" in unread_unfit(Linear4bit(4, 4))
+    assert unread_unfit(QuantLinear(quantize(torch.randn(8, 64)))) is None
     linear = torch.nn.Linear(4, 4)
     linear.weight.ds_id = 7  # DeepSpeed ZeRO-3's mark on a partitioned parameter
     assert "not all here" in unread_unfit(linear)
     linear = torch.nn.Linear(4, 4)
     linear.register_forward_hook(lambda *args: None)
     assert "hooks" in unread_unfit(linear)
-    assert "not a plain Linear" in unread_unfit(torch.nn.Conv1d(4, 4, 1))
+    assert "neither a plain Linear" in unread_unfit(torch.nn.Conv1d(4, 4, 1))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_the_quantized_stand_in_has_quant_linears_input_gradient_and_a_nan_output(autocast, kind):
+    """A QuantLinear's stand-in (QLoRA's base layer): x's gradient that of quant_linear's op bit for bit, on 3-D
+    input of awkward sizes, under bf16 autocast too (the products in bf16, x's gradient back in float32)."""
+    gen = torch.Generator().manual_seed(0)
+    module = QuantLinear(quantize(torch.randn(24, 64, generator=gen) / 8, kind, double=kind == "nf4"),
+                         torch.randn(24, generator=gen))
+    x = torch.randn(3, 7, 64, generator=gen, requires_grad=True)
+    grad = torch.randn(3, 7, 24, generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        stock = module(x)
+        mine = _UnreadQuantLinear.apply(x, module, "reference", False)
+    assert mine.shape == stock.shape and mine.dtype == stock.dtype and mine.isnan().all()
+    (theirs,), (ours,) = torch.autograd.grad(stock, [x], grad), torch.autograd.grad(mine, [x], grad)
+    assert ours.dtype == theirs.dtype == torch.float32
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("lora_on", [("q_proj", "down_proj"), ("q_proj",)])
+def test_a_qlora_recomputation_spares_the_down_dequantization_and_gemm(monkeypatch, lora_on):
+    """A 4-bit base (QLoRA) under re-entrant checkpointing: the down projections dequantize twice per layer (the first
+    forward, the backward), not three times, with the loss and every gradient of the run without checkpointing; the
+    stand-in's backward runs the implementation the binding chose (tagged on its forward)."""
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)  # fmt: skip
+    model = get_peft_model(random_quantized(config, torch.float32, "nf4", True, torch.device("cpu")),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=list(lora_on)))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    model.train()
+    report = apply_kernels(model, {"swiglu": "reference", "quant_linear": "reference", "quant_lora_linear": "reference"})
+    down = layer_modules(model, "mlp")[0].down_proj
+    assert unread_unfit(down) is None
+    assert getattr(down.forward, "quantized_impl", None) == ("reference", False), report
+    dequantized = []
+    dequantize = quant_linear.dequantize
+    monkeypatch.setattr(quant_linear, "dequantize", lambda q: (dequantized.append(q.shape == (32, 72)), dequantize(q))[1])
+    plain_loss, plain_grads = _loss_and_grads(model, TOKENS)
+    assert sum(dequantized) == 4 and plain_grads  # forward and backward of each layer's down projection
+    _checkpointing(model, use_reentrant=True)
+    dequantized.clear()
+    loss, grads = _loss_and_grads(model, TOKENS)
+    assert sum(dequantized) == 4  # the recomputations ran none
+    assert float(loss) == float(plain_loss) and grads.keys() == plain_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=1e-5, atol=1e-7, msg=name)

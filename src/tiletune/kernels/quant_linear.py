@@ -241,10 +241,17 @@ class QuantLinear(nn.Linear):
 # ---- binding -------------------------------------------------------------------------------------
 
 
+def tag_impl(forward: Callable, impl: str, strict: bool) -> Callable:
+    """`forward` (a binding's) tagged with the implementation it runs its quantized base with: a recomputed layer's
+    last projection, whose output nothing reads, runs only that base's backward with it (`unread_output`)."""
+    forward.quantized_impl = (impl, strict)
+    return forward
+
+
 def _forward(site: Site, impl: str, strict: bool, current):
     def forward(self, x):
         return QuantLinear.forward(self, x, impl, strict)
-    return forward
+    return tag_impl(forward, impl, strict)
 
 
 def weight_key(module: QuantLinear) -> tuple:

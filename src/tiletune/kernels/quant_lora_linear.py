@@ -107,7 +107,11 @@ def _warm(key: tuple, impl: str, dtype: torch.dtype) -> Tensor:
                              2.0, impl, True)
 
 
-define(Op("quant_lora_linear", (Binding("quant_lora_linear", "quantized_lora_linear", lora_linear.lora_forward(_run),
+def _forward(site: Site, impl: str, strict: bool, current: Callable) -> Callable:
+    return quant_linear.tag_impl(lora_linear.lora_forward(_run)(site, impl, strict, current), impl, strict)
+
+
+define(Op("quant_lora_linear", (Binding("quant_lora_linear", "quantized_lora_linear", _forward,
                                         unfit_now=lora_linear.unfit_now, compile_key=_compile_key, warm=_warm,
                                         supersedes=("quant_linear",)),),
           keeps_output=True, profile_pattern=r"dequantize_|lora_linear_(fwd|dgrad)"))

@@ -6,17 +6,18 @@ walks. Of a dense MLP's down projection, the layer's last op where the MLP's out
 (`Mlp.output_kept` False: every family but Gemma's, whose post-feedforward norm keeps it), that graph reads the input
 (for the adapters' and a trained weight's gradients) and the weight (for the input's gradient), never the output.
 The gated MLP bindings (swiglu, geglu) call the projection through a `LastProjection`: in that recomputation a
-Linear, or a peft LoRA Linear over one, returns NaN of its output's shape (read by nothing; a read by mistake would
-show in the gradients) and records the backward of its base GEMM without running the GEMM. That spares a third of
-the MLP's forward GEMM work in each recomputed layer; the adapters' rank-r products still run, and their dropout
-draws the numbers the first forward drew.
+Linear or a QuantLinear (QLoRA's 4-bit / int8 base), or a peft LoRA Linear over one, returns NaN of its output's
+shape (read by nothing; a read by mistake would show in the gradients) and records the backward of its base GEMM
+without running the GEMM (nor, for a quantized base, its dequantization: the backward dequantizes again anyway).
+That spares a third of the MLP's forward GEMM work in each recomputed layer; the adapters' rank-r products still
+run, and their dropout draws the numbers the first forward drew.
 
 Only there: a non-re-entrant checkpoint matches its recomputation's saved tensors with its first forward's one for
 one, and its first forward runs with autograd on, which is how a `LastProjection` tells the two apart. A chunked MLP
 (`tiletune.train.tiled_mlp`) runs each chunk again in its own backward, whose output likewise only meets its
-gradient: the projection is spared there too. A projection of another kind (a quantized base, DoRA, adapters merged
-or disabled, hooks around it such as DeepSpeed ZeRO-3's, a weight not all on this device) computes as usual;
-`unread_unfit` says why.
+gradient: the projection is spared there too. A projection of another kind (bitsandbytes' 4-bit layers, DoRA,
+adapters merged or disabled, hooks around it such as DeepSpeed ZeRO-3's, a weight not all on this device) computes
+as usual; `unread_unfit` says why.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import functools
 import torch
 from torch import Tensor, nn
 
+from tiletune.kernels.quant_linear import QuantLinear, weight_args
 from tiletune.kernels.registry import in_backward
 
 
@@ -56,6 +58,38 @@ class _UnreadLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
+class _UnreadQuantLinear(torch.autograd.Function):
+    """A QuantLinear's ``x·dequant(Wq)ᵀ + b`` as autograd sees it, not computed: the output is NaN (the compute dtype:
+    autocast's, else x's), the input's gradient quant_linear's backward op with implementation `impl` (the weight and
+    its bias are frozen)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, module: QuantLinear, impl: str, strict: bool) -> Tensor:
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        ctx.weight, ctx.impl, ctx.strict, ctx.x_dtype = weight_args(module.quantized), impl, strict, x.dtype
+        return x.new_full((*x.shape[:-1], module.out_features), float("nan"), dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad_x = torch.ops.tiletune.quant_linear_backward(grad, *ctx.weight, ctx.impl, ctx.strict).to(ctx.x_dtype)
+        return grad_x, None, None, None
+
+
+def _quantized_impl_of(module: nn.Module) -> tuple[str, bool]:
+    """The (impl, strict) the module's bound forward runs its quantized base with (`quant_linear.tag_impl`); the
+    reference, QuantLinear's own default, where no binding set one."""
+    bound = module.__dict__.get("forward")
+    return getattr(getattr(bound, "__func__", None), "quantized_impl", ("reference", False))
+
+
+def _unread_base(base: nn.Module, x: Tensor, bound: nn.Module) -> Tensor:
+    """The stand-in of a base layer (`_base_unfit(base)` None); `bound`: the module whose forward a binding replaced."""
+    if isinstance(base, QuantLinear):
+        return _UnreadQuantLinear.apply(x, base, *_quantized_impl_of(bound))
+    return _UnreadLinear.apply(x, base.weight, base.bias)
+
+
 @functools.cache
 def _lora_linear_class() -> type | None:
     try:
@@ -73,11 +107,13 @@ def _hooked(module: nn.Module) -> str | None:
     return None
 
 
-def _plain_linear_unfit(module: nn.Module) -> str | None:
-    if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
-        return f"{type(module).__name__} is not a plain Linear"
+def _base_unfit(module: nn.Module) -> str | None:
+    """Why a base layer has no stand-in: not a plain Linear or tiletune's QuantLinear, a weight not all here, hooks."""
+    quantized = type(module) is QuantLinear
+    if not quantized and (not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward):
+        return f"{type(module).__name__} is neither a plain Linear nor tiletune's QuantLinear"
     weight = module.weight
-    if not weight.is_floating_point():
+    if not quantized and not weight.is_floating_point():
         return f"its weight is {weight.dtype}"
     if weight.is_meta or hasattr(weight, "ds_id") or type(weight).__name__ == "DTensor":
         return "its weight is not all here (meta, partitioned by DeepSpeed ZeRO-3, or a sharded DTensor)"
@@ -88,14 +124,14 @@ def unread_unfit(module: nn.Module) -> str | None:
     """Why `module` computes its output even where nothing reads it (no stand-in for its kind or state), or None."""
     lora = _lora_linear_class()
     if lora is None or not isinstance(module, lora):
-        return _plain_linear_unfit(module)
+        return _base_unfit(module)
     if reason := _hooked(module):
         return reason
     if module.disable_adapters or module.merged:
         return "its adapters are disabled or merged"
     if getattr(module, "lora_variant", None) or any(getattr(module, "use_dora", {}).values()):
         return "a LoRA variant (DoRA) computes from the base output"
-    reason = _plain_linear_unfit(module.base_layer)
+    reason = _base_unfit(module.base_layer)
     return f"its base layer: {reason}" if reason else None
 
 
@@ -104,9 +140,8 @@ def unread(module: nn.Module, x: Tensor) -> Tensor:
     the base GEMM's backward recorded without the GEMM; a LoRA Linear's adapters computed as peft computes them."""
     lora = _lora_linear_class()
     if lora is None or not isinstance(module, lora):
-        return _UnreadLinear.apply(x, module.weight, module.bias)
-    base = module.base_layer
-    result = _UnreadLinear.apply(x, base.weight, base.bias)
+        return _unread_base(module, x, module)
+    result = _unread_base(module.base_layer, x, module)
     dtype = result.dtype
     cast = getattr(module, "_cast_input_dtype", lambda t, to: t.to(to))  # peft's since 0.14
     for name in module.active_adapters:
