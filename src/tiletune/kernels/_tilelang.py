@@ -155,7 +155,9 @@ def compiled(key: tuple, build: Callable[[], Any], **compile_kwargs) -> Any:
                     recording.setdefault(key, build)
                 kernel = library.lookup(key)
                 if kernel is None:
-                    kernel = tilelang().compile(build(), target=parse_target(device_target()), **compile_kwargs)
+                    func = build()
+                    kernel = tilelang().compile(func, target=parse_target(device_target()), **compile_kwargs,
+                                                **({"pass_configs": configs} if (configs := pass_configs(func)) else {}))
                 _compiled[key] = kernel
     return kernel
 
@@ -163,11 +165,22 @@ def compiled(key: tuple, build: Callable[[], Any], **compile_kwargs) -> Any:
 recording: dict[tuple, Callable[[], Any]] | None = None  # set by `tiletune kernels build`: key -> PrimFunc builder
 
 
+PASS_CONFIGS_ATTR = "tiletune.pass_configs"  # a PrimFunc's own TileLang pass configs, set where it is built
+
+
+def pass_configs(func) -> dict:
+    """The TileLang pass configs a PrimFunc asks to be compiled with (its PASS_CONFIGS_ATTR), {} if none."""
+    attrs = getattr(func, "attrs", None)
+    configs = attrs.get(PASS_CONFIGS_ATTR) if attrs is not None else None
+    return {str(name): value for name, value in dict(configs).items()} if configs is not None else {}
+
+
 def lower_source(func, target: str) -> str:
-    """Lower a PrimFunc for `target` ('cuda:sm_90', 'hip:gfx942') without a GPU; return device source."""
+    """Lower a PrimFunc for `target` ('cuda:sm_90', 'hip:gfx942') without a GPU, with its own pass configs; return
+    device source."""
     tl = tilelang()
     tgt = parse_target(target)
-    with tl.tvm.target.Target(tgt), tl.tvm.transform.PassContext(opt_level=3):
+    with tl.tvm.target.Target(tgt), tl.tvm.transform.PassContext(opt_level=3, config=pass_configs(func)):
         return tl.lower(func, target=tgt).kernel_source
 
 

@@ -138,11 +138,12 @@ def _launcher_source(key: tuple, func, target: str) -> tuple[str, Kernel]:
     name = kernel_name(key)
     func = func.with_attr("global_symbol", name)
     parsed = _tilelang.parse_target(target)
-    with tvm.target.Target(parsed), tvm.transform.PassContext(opt_level=3):
+    configs = _tilelang.pass_configs(func)
+    with tvm.target.Target(parsed), tvm.transform.PassContext(opt_level=3, config=configs):
         artifact = tl.lower(func, target=parsed)
     wrapper = TLWrapper(tvm.target.Target(parsed))
     wrapper.assign_optimized_module(tvm.IRModule({name: func}))
-    wrapper.assign_pass_configs({})
+    wrapper.assign_pass_configs(configs)
     wrapper.assign_host_module(artifact.host_mod)
     wrapper.assign_device_module(artifact.device_mod)
     source = prefix_launcher_symbols(wrapper.wrap(artifact.kernel_source), name)

@@ -644,7 +644,12 @@ def grouped_gemm_kernel(kind: str, experts: int, n: int, k: int, dtype: str, con
                          tiles: T.Tensor((num_tiles, 3), "int32"), Y: T.Tensor((rows, cols), dtype)):  # fmt: skip
             grid(X, None, W, tiles, Y)
 
-    return grouped_gemm.with_attr("global_symbol", f"grouped_gemm_{kind}{'_gathered' if gathered else ''}")
+    grouped_gemm = grouped_gemm.with_attr("global_symbol", f"grouped_gemm_{kind}{'_gathered' if gathered else ''}")
+    # Gathered rows come by cp.async, not TMA, for which sm_90's warp-specialized pipeline makes the producer warpgroup
+    # as large as the consumers: 512 threads, 128 registers each, too few for a 128 x 256 float32 accumulator (ptxas
+    # refused it, H100): the gathered kernels run TileLang's plain software pipeline.
+    return grouped_gemm.with_attr(_tilelang.PASS_CONFIGS_ATTR, {"tl.disable_warp_specialized": True}) if gathered \
+        else grouped_gemm
 
 
 def arch_family(arch: str) -> str:
@@ -688,14 +693,6 @@ def lowering_kernels(arch: str) -> dict[str, Callable]:
     return gemms | merges
 
 
-def compile_options(gathered: bool) -> dict:
-    """TileLang compile options of a grouped GEMM. Gathered rows come by cp.async, not TMA, so sm_90's
-    warp-specialized pipeline would give them a producer warpgroup as large as the consumers: 512 threads, 128
-    registers each, too few for a 128 x 256 float32 accumulator (ptxas refuses it, H100): the gathered kernels run
-    TileLang's plain software pipeline instead."""
-    return {"pass_configs": {"tl.disable_warp_specialized": True}} if gathered else {}
-
-
 def kernel_build(kind: str, experts: int, n: int, k: int, dtype: str, config: GroupedConfig,
                  device: torch.device, gathered: bool = False) -> tuple[tuple, Callable]:  # fmt: skip
     """(the compile cache key, the PrimFunc builder) of one grouped GEMM on `device` (benchmarks compile many
@@ -706,23 +703,22 @@ def kernel_build(kind: str, experts: int, n: int, k: int, dtype: str, config: Gr
 
 
 def compile_all(configs, experts: int, hidden: int, inter: int, dtype: str, device: torch.device) -> list[tuple]:
-    """Compile the op shape's grouped GEMMs for every config at once (TileLang's par_compile) into the kernel cache,
-    for a sweep or a test of many configs: the four as the op runs them (the gate_up forward and the down input
-    gradient over gathered rows) and those two over sorted rows (the LoRA form's); returns the keys that failed."""
+    """Compile the op shape's grouped GEMMs for every config at once (TileLang's par_compile, one call per set of pass
+    configs) into the kernel cache, for a sweep or a test of many configs: the four over sorted rows, and the gate_up
+    forward and the down input gradient over gathered rows (gather_fused's); returns the keys that failed."""
     gemms = [("nt", 2 * inter, hidden), ("nt", hidden, inter), ("nn", hidden, inter), ("nn", 2 * inter, hidden)]
-    builds = {False: {}, True: {}}
+    groups: dict[tuple, dict] = {}  # pass configs -> compile key -> PrimFunc
     for config, (kind, n, k), gathered in itertools.product(configs, gemms, (False, True)):
         if not gathered or (kind, n) in (("nt", 2 * inter), ("nn", hidden)):
             key, build = kernel_build(kind, experts, n, k, dtype, config, device, gathered)
             if key not in _tilelang._compiled:
-                builds[gathered][key] = build
+                func = build()
+                groups.setdefault(tuple(sorted(_tilelang.pass_configs(func).items())), {})[key] = func
     failed = []
-    for gathered, group in builds.items():
-        if not group:
-            continue
-        kernels = _tilelang.tilelang().par_compile([build() for build in group.values()],
+    for settings, group in groups.items():
+        kernels = _tilelang.tilelang().par_compile(list(group.values()),
                                                    target=_tilelang.parse_target(_tilelang.device_target(device)),
-                                                   ignore_error=True, **compile_options(gathered))
+                                                   ignore_error=True, pass_configs=dict(settings) or None)
         for key, kernel in zip(group, kernels):
             if kernel is None:
                 failed.append(key)
@@ -740,7 +736,7 @@ def grouped_gemm(config: GroupedConfig, fuse_gather: bool = False) -> Callable:
             x, gathered = _sorted_rows(x, routing, True), False
         experts, n, k = weights.shape
         key, build = kernel_build(kind, experts, n, k, _tilelang.DTYPES[x.dtype], config, x.device, gathered)
-        kernel = _tilelang.compiled(key, build, **compile_options(gathered))
+        kernel = _tilelang.compiled(key, build)
         rows = routing.token.shape[0] if gathered else x.shape[0]
         out = x.new_empty(rows, n if kind == "nt" else k)
         if rows:
