@@ -261,6 +261,10 @@ CLASSES: dict[str, ChangeClass] = {
     "clang-werror-pragma": ChangeClass((), False, "a warning hip-clang raises in host code of a .hip file under the project's -pedantic -Werror (GoogleTest's [[maybe_unused]] as a C++17 extension in a C++14 HIP target) silenced with `#pragma clang diagnostic ignored`; nvcc's host compiler gives none"),
     # round 56's classes, defined by its labellers (before the round was scored)
     "complex-alignment-pun": ChangeClass((), False, "host `std::complex` data (8-byte aligned, inside a struct or on the stack) reinterpreted as HIP's 16-byte-aligned `hipDoubleComplex` and read: hip-clang's aligned loads fault; the elements copied out one by one instead"),
+    # round 59's classes, defined by its labeller (before the round was scored)
+    "builtin-index-struct": ChangeClass((), False, "`blockIdx` / `threadIdx` passed whole where a `uint3` is expected: HIP's are builtin proxy structs that convert to dim3 only, so rebuilt into a `uint3` by hand"),
+    "host-device-call": ChangeClass((), False, "a `__device__` function that `__host__ __device__` code calls made `__host__ __device__`: hip-clang rejects the call where the caller is emitted for the host (nvcc lets it pass in templates)"),
+    "fp16-dropped": ChangeClass((), False, "half-precision (`__half` / `__half2`) specialisations and code paths compiled out of the HIP build, the project's mixed precision left CUDA-only"),
 }
 # Kept in the files, left out of the score: edits with no AMD reason, and the plumbing of a fix that is
 # counted where it matters (a warp-size parameter threaded through callers, a helper's definition).
