@@ -936,8 +936,8 @@ def grouped_mm_unsupported(hidden, top_k_index, top_k_weights, gate_up, down, ke
 # Two of the four GEMMs read rows gathered from the tokens (the gate_up forward from the hidden states, the down
 # projection's input gradient from dy): with torch's grouped GEMM those rows are first copied out, [routes, hidden]
 # each time (Qwen3-30B-A3B at 8,192 tokens: 256 MiB, 0.16 ms on an H100, three times per layer in a recomputed step).
-# TileLang's grouped GEMM reads them through the routing's token index in its tile loads (cp.async beside the
-# weights' TMA loads on sm_90) instead; the other two GEMMs stay torch's.
+# TileLang's grouped GEMM reads them through the routing's token index in its tile loads (cp.async, in a software
+# pipeline: the gathered kernels compile without sm_90's warp specialization) instead; the other two GEMMs stay torch's.
 
 
 def gather_fused_gemm(config: GroupedConfig) -> Callable:
